@@ -1,0 +1,29 @@
+# The README's commands. Each sets the environment up first, so each works on a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.shardlm-installed
+SOURCES := pyproject.toml setup.py clients/python/pyproject.toml scripts/install.sh \
+	$(wildcard csrc/*.h csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
+
+.PHONY: install test check proto bench
+
+$(STAMP): $(SOURCES)
+	bash scripts/install.sh
+	touch $@
+
+install: $(STAMP)
+
+test: install
+	bash scripts/test.sh
+
+# Lint, contracts and generated-code freshness (CI runs this after the tests).
+check: install
+	$(PY) -m ruff check .
+	bash scripts/buf_lint.sh
+	$(PY) scripts/gen_proto.py --check
+
+proto: install
+	$(PY) scripts/gen_proto.py
+
+bench: install
+	$(PY) -m bench.engine_bench

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the development environment in .venv: torch, the SDK with the generated
+# stubs, and ShardLM itself in editable mode with its compiled ops. Idempotent; safe to re-run.
+#   SHARDLM_NO_CUDA=1        build the C++ (CPU) ops only, even when nvcc is present
+#   TORCH_CUDA_ARCH_LIST=... the GPU architectures to build for (default without a GPU: 8.0;9.0)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if ! command -v "$PYTHON" >/dev/null; then
+  echo "error: $PYTHON not found; install Python 3.10+ first" >&2
+  exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+# Build requirements first: the extension is built against the torch of this environment.
+$PIP install -q --upgrade pip setuptools wheel ninja
+$PIP install -q torch
+$PIP install -q -e ./clients/python
+$PIP install -q --no-build-isolation -e '.[test]'
+"$VENV/bin/python" -c "import worker.ops as o; print('shardlm ops:', o.BUILD_INFO)"

@@ -1,0 +1,117 @@
+"""Tiny random Hugging Face checkpoints for tests, built with transformers in a temp folder.
+
+Two families with the shapes that break naive code: a Llama with grouped-query attention, a
+vocabulary that is no multiple of 64 and llama3 rope scaling, stored as a sharded checkpoint; and a
+Qwen2 with q/k/v biases and tied embeddings. Each folder also gets a small byte-level BPE
+tokenizer.json trained here, so the gateway can be tested on the same folders.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TOKENIZER_TEXT = [
+    "To be, or not to be, that is the question:",
+    "Whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune,",
+    "Or to take arms against a sea of troubles",
+    "ShardLM serves language models over gRPC.",
+    "你好，世界。天气很好。🙂🚀 café naïve",
+]
+
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=172,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+)
+
+QWEN2 = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=998,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+    use_sliding_window=False,
+)
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}),
+        encoding="utf-8",
+    )
+
+
+def build_checkpoint(folder: Path, spec: dict, *, shard: bool = False, seed: int = 0) -> Path:
+    """Create a random model of `spec` in `folder` (HF format) and return the folder."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cls_name = spec["architectures"][0]
+    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
+                  "Qwen2ForCausalLM": transformers.Qwen2Config}[cls_name]
+    config = config_cls(**{k: v for k, v in spec.items() if k != "architectures"})
+    model = getattr(transformers, cls_name)(config).eval()
+    with torch.no_grad():  # norms start at 1; perturb them so a wrong norm weight shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.2)
+    kwargs = {"max_shard_size": "200KB"} if shard else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    write_tokenizer(folder, spec["vocab_size"])
+    return folder
+
+
+def load_reference(folder: Path):
+    """The transformers model for `folder`, float32, eager attention: the correctness oracle."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()

@@ -1,0 +1,165 @@
+"""Tensor-parallel building blocks. Each layer owns its shard: it knows which slice of the
+checkpoint tensor belongs to this rank and which collective restores the full result.
+
+Column-parallel layers split output features (no communication: the next row-parallel layer
+consumes the shard). Row-parallel layers split input features and all-reduce the partial sums.
+The vocabulary is split by rows for both the embedding and the lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.comm import Communicator
+from worker.errors import TensorParallelError
+from worker.loader import CheckpointReader
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Where this rank sits in the tensor-parallel group."""
+
+    comm: Communicator
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def split(self, size: int, what: str) -> int:
+        """This rank's share of `size`; a clear error if it does not divide."""
+        if size % self.world_size:
+            raise TensorParallelError(
+                f"{what} ({size}) is not divisible by the tensor-parallel size ({self.world_size})",
+                what=what,
+                size=size,
+                world_size=self.world_size,
+            )
+        return size // self.world_size
+
+
+class ColumnParallelLinear:
+    """y = x W^T + b with W's rows (output features) split over ranks.
+
+    Several checkpoint tensors may be fused into one GEMM (q/k/v, gate/up): each source is sliced
+    by rank and the slices are concatenated, so one matmul per layer replaces two or three.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    @classmethod
+    def load(
+        cls,
+        reader: CheckpointReader,
+        parallel: Parallel,
+        names: list[str],
+        out_features: list[int],
+        in_features: int,
+        bias: bool,
+    ) -> ColumnParallelLinear:
+        read = dict(shard_dim=0, rank=parallel.rank, world_size=parallel.world_size)
+        weights = [
+            reader.read(f"{n}.weight", (o, in_features), **read)
+            for n, o in zip(names, out_features, strict=True)
+        ]
+        biases = (
+            [reader.read(f"{n}.bias", (o,), **read) for n, o in zip(names, out_features, strict=True)]
+            if bias
+            else None
+        )
+        return cls(
+            torch.cat(weights).contiguous(), torch.cat(biases).contiguous() if biases else None
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear:
+    """y = sum_over_ranks(x_r W_r^T) + b with W's columns (input features) split over ranks."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parallel: Parallel) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.parallel = parallel
+
+    @classmethod
+    def load(
+        cls,
+        reader: CheckpointReader,
+        parallel: Parallel,
+        name: str,
+        out_features: int,
+        in_features: int,
+        bias: bool,
+    ) -> RowParallelLinear:
+        weight = reader.read(
+            f"{name}.weight",
+            (out_features, in_features),
+            shard_dim=1,
+            rank=parallel.rank,
+            world_size=parallel.world_size,
+        )
+        b = reader.read(f"{name}.bias", (out_features,)) if bias else None
+        return cls(weight, b, parallel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self.parallel.comm.all_reduce(y)
+        if self.bias is not None:  # added once, after the sum, not once per rank
+            y += self.bias
+        return y
+
+
+class VocabParallelEmbedding:
+    """Embedding whose vocabulary rows are split over ranks; ids outside a rank's range give zero
+    rows there, so the all-reduce yields each id's row exactly once."""
+
+    def __init__(self, weight: torch.Tensor, parallel: Parallel, vocab_size: int) -> None:
+        self.weight = weight
+        self.parallel = parallel
+        self.start = parallel.rank * weight.shape[0]
+        self.end = self.start + weight.shape[0]
+
+    @classmethod
+    def load(
+        cls, reader: CheckpointReader, parallel: Parallel, name: str, vocab_size: int, hidden: int
+    ) -> VocabParallelEmbedding:
+        parallel.split(vocab_size, "vocab_size")
+        weight = reader.read(
+            name, (vocab_size, hidden), shard_dim=0, rank=parallel.rank,
+            world_size=parallel.world_size,
+        )
+        return cls(weight, parallel, vocab_size)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.start) & (ids < self.end)
+        local = torch.where(inside, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight)
+        out.mul_(inside.unsqueeze(-1).to(out.dtype))
+        self.parallel.comm.all_reduce(out)
+        return out
+
+
+class ParallelLMHead:
+    """Logits over the vocabulary: each rank computes its rows' logits, all-gather restores all."""
+
+    def __init__(self, weight: torch.Tensor, parallel: Parallel) -> None:
+        self.weight = weight
+        self.parallel = parallel
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.parallel.world_size > 1:
+            logits = self.parallel.comm.all_gather(logits)
+        return logits

@@ -1,0 +1,186 @@
+"""The decoder-only transformer shared by the Llama and Qwen2 families.
+
+Weights are loaded shard by shard through `layers`; the forward pass runs on a packed batch of
+tokens (no padding) and writes into / reads from the paged KV cache through `attention`.
+Intermediate tensors can be captured by name ("debug taps") for checking a checkpoint against a
+reference; when no taps are requested the capture costs one `is None` test per site.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from worker import ops
+from worker.attention import AttentionMetadata, PagedAttention
+from worker.config import ModelConfig
+from worker.layers import (
+    ColumnParallelLinear,
+    Parallel,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from worker.loader import CheckpointReader
+
+Taps = dict[str, torch.Tensor]
+
+TAP_KINDS = ("input_norm", "q", "k", "v", "attn_output", "mlp_output")
+
+
+def tap_names(num_layers: int) -> list[str]:
+    """Every tap a request may ask for: per layer `layers.{i}.{kind}`, and `logits`."""
+    return [f"layers.{i}.{kind}" for i in range(num_layers) for kind in TAP_KINDS] + ["logits"]
+
+
+class DecoderLayer:
+    def __init__(
+        self, cfg: ModelConfig, parallel: Parallel, reader: CheckpointReader, index: int
+    ) -> None:
+        prefix = f"model.layers.{index}"
+        self.index = index
+        self.eps = cfg.rms_norm_eps
+        self.parallel = parallel
+        self.num_heads = parallel.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = parallel.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        inter = parallel.split(cfg.intermediate_size, "intermediate_size")
+        self.inter = inter
+        hidden = cfg.hidden_size
+        self.input_norm = reader.read(f"{prefix}.input_layernorm.weight", (hidden,))
+        self.post_norm = reader.read(f"{prefix}.post_attention_layernorm.weight", (hidden,))
+        self.qkv = ColumnParallelLinear.load(
+            reader,
+            parallel,
+            [f"{prefix}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            hidden,
+            cfg.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear.load(
+            reader, parallel, f"{prefix}.self_attn.o_proj", hidden, cfg.q_size, cfg.o_bias
+        )
+        self.gate_up = ColumnParallelLinear.load(
+            reader,
+            parallel,
+            [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"],
+            [cfg.intermediate_size, cfg.intermediate_size],
+            hidden,
+            cfg.mlp_bias,
+        )
+        self.down = RowParallelLinear.load(
+            reader, parallel, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size, cfg.mlp_bias
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        taps: Taps | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            ops.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        if taps is not None:
+            self._tap(taps, "input_norm", hidden)
+        qkv = self.qkv(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        ops.rotary_embedding(meta.positions, q, k, self.head_dim, cos_sin)
+        if taps is not None:
+            self._tap(taps, "q", q, gather=True)
+            self._tap(taps, "k", k, gather=True)
+            self._tap(taps, "v", v, gather=True)
+        attn = self.attn(q, k, v, kv[0], kv[1], meta)
+        hidden = self.o_proj(attn)
+        if taps is not None:
+            self._tap(taps, "attn_output", hidden)
+        ops.fused_add_rms_norm(hidden, residual, self.post_norm, self.eps)
+        hidden = self.down(ops.silu_and_mul(self.gate_up(hidden)))
+        if taps is not None:
+            self._tap(taps, "mlp_output", hidden)
+        return hidden, residual
+
+    def _tap(self, taps: Taps, kind: str, value: torch.Tensor, gather: bool = False) -> None:
+        name = f"layers.{self.index}.{kind}"
+        if name not in taps:
+            return
+        value = value.contiguous()
+        if gather and self.parallel.world_size > 1:
+            value = self.parallel.comm.all_gather(value)  # heads are split over ranks
+        taps[name] = value.float().cpu()
+
+
+class TransformerModel:
+    """Llama / Qwen2 decoder for one tensor-parallel rank."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: Parallel,
+        reader: CheckpointReader,
+        device: torch.device,
+        progress: Callable[[float, str], None] = lambda _f, _m: None,
+    ) -> None:
+        self.cfg = cfg
+        self.parallel = parallel
+        self.device = device
+        self.embed = VocabParallelEmbedding.load(
+            reader, parallel, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size
+        )
+        self.layers: list[DecoderLayer] = []
+        for i in range(cfg.num_layers):
+            self.layers.append(DecoderLayer(cfg, parallel, reader, i))
+            progress((i + 1) / (cfg.num_layers + 1), f"loaded layer {i + 1}/{cfg.num_layers}")
+        self.norm = reader.read("model.norm.weight", (cfg.hidden_size,))
+        tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
+        if tied:
+            head = self.embed.weight
+        else:
+            head = reader.read(
+                "lm_head.weight",
+                (cfg.vocab_size, cfg.hidden_size),
+                shard_dim=0,
+                rank=parallel.rank,
+                world_size=parallel.world_size,
+            )
+        self.lm_head = ParallelLMHead(head, parallel)
+        # A tied checkpoint may still carry a copy of lm_head; it is the same tensor, not unknown.
+        reader.check_all_consumed(optional=lambda n: tied and n == "lm_head.weight")
+        self.cos_sin = ops.compute_cos_sin_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        ).to(device)
+        progress(1.0, "weights loaded")
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.cfg.num_kv_heads // self.parallel.world_size
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        taps: Taps | None = None,
+    ) -> torch.Tensor:
+        """Logits (float32) for each sequence's last token: [B, vocab]."""
+        hidden = self.embed(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer.forward(hidden, residual, self.cos_sin, kv, meta, taps)
+        assert residual is not None
+        ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        last = hidden.index_select(0, meta.logits_indices)
+        logits = self.lm_head(last).float()
+        if taps is not None and "logits" in taps:
+            taps["logits"] = logits.cpu()
+        return logits

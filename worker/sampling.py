@@ -1,0 +1,174 @@
+"""Token sampling for a batch whose rows each carry their own parameters.
+
+Everything is vectorised over the batch: penalties, temperature, top-k / top-p / min-p truncation
+and the draw itself. The draw uses the exponential race (argmax of p / E with E ~ Exp(1)), which
+samples the categorical distribution exactly and lets a seeded row take its noise from its own
+generator while unseeded rows share one call, so there is no host synchronisation per row; the
+only device-to-host copy is the final one of the chosen ids (and logprobs when asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # Hugging Face semantics, over prompt and generated tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class TokenHistory:
+    """Per-sequence state the penalties need, kept on the device and updated without syncs."""
+
+    seen: torch.Tensor  # bool [V]: token appeared in the prompt or the output
+    output_counts: torch.Tensor  # int32 [V]: times the token was generated
+
+    @classmethod
+    def from_prompt(cls, prompt: list[int], vocab_size: int, device: torch.device) -> TokenHistory:
+        """A fresh history: `prompt` counts for the repetition penalty, nothing is output yet."""
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if prompt:
+            seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        return cls(seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
+
+    def add_output(self, token_id: torch.Tensor) -> None:
+        self.seen[token_id] = True
+        self.output_counts.index_add_(0, token_id.view(1), torch.ones(1, dtype=torch.int32,
+                                                                     device=token_id.device))
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    history: TokenHistory | None = None
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device = logits.device
+    if any(r.params.uses_repetition_penalty and r.history for r in rows):
+        seen = torch.stack([
+            r.history.seen if r.history is not None and r.params.uses_repetition_penalty
+            else torch.zeros(logits.shape[1], dtype=torch.bool, device=device)
+            for r in rows
+        ])
+        penalty = _column([r.params.repetition_penalty for r in rows], device)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if any(r.params.uses_output_penalties and r.history for r in rows):
+        counts = torch.stack([
+            r.history.output_counts if r.history is not None
+            else torch.zeros(logits.shape[1], dtype=torch.int32, device=device)
+            for r in rows
+        ]).float()
+        frequency = _column([r.params.frequency_penalty for r in rows], device)
+        presence = _column([r.params.presence_penalty for r in rows], device)
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+    return logits
+
+
+def truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, then min-p exclude. The top token always survives."""
+    params = [r.params for r in rows]
+    if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        return logits
+    device = logits.device
+    vocab = logits.shape[1]
+    ordered, order = logits.sort(dim=1, descending=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    ordered = ordered.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = ordered.softmax(dim=1)
+    top_p = _column([p.top_p for p in params], device)
+    excluded = (probs.cumsum(dim=1) - probs) > top_p
+    min_p = _column([p.min_p for p in params], device)
+    excluded |= probs < min_p * probs[:, :1]
+    excluded[:, 0] = False
+    ordered = ordered.masked_fill(excluded, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """Choose one token per row of `logits` ([B, V] float32) and update each row's history."""
+    device = logits.device
+    raw = logits
+    logits = apply_penalties(logits, rows)
+    chosen = logits.argmax(dim=1)
+    if not all(r.params.greedy for r in rows):
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        temperature = _column([r.params.temperature or 1.0 for r in rows], device)
+        probs = truncate(logits / temperature, rows).softmax(dim=1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.greedy:
+                noise[i].exponential_(generator=row.generator)
+        drawn = (probs / noise).argmax(dim=1)
+        chosen = torch.where(greedy, chosen, drawn)
+    for i, row in enumerate(rows):
+        if row.history is not None:
+            row.history.add_output(chosen[i])
+    return _with_logprobs(raw, chosen, rows)
+
+
+def _with_logprobs(
+    raw: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]
+) -> list[SampledToken]:
+    """Log-probabilities under the model's own distribution (before penalties and temperature),
+    so they do not depend on how a client chose to sample."""
+    want = max((r.params.top_logprobs for r in rows if r.params.logprobs), default=-1)
+    if want < 0:
+        return [SampledToken(int(t)) for t in chosen.tolist()]
+    logprobs = raw.log_softmax(dim=1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    top_lp, top_ids = logprobs.topk(min(want, MAX_TOP_LOGPROBS), dim=1) if want else (None, None)
+    ids, lps = chosen.tolist(), chosen_lp.tolist()
+    top_pairs = (
+        [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_lp.tolist(),
+                                                       strict=True)]
+        if top_ids is not None
+        else [[] for _ in rows]
+    )
+    out = []
+    for row, tok, lp, pairs in zip(rows, ids, lps, top_pairs, strict=True):
+        if not row.params.logprobs:
+            out.append(SampledToken(tok))
+        else:
+            out.append(SampledToken(tok, lp, pairs[: row.params.top_logprobs]))
+    return out
