@@ -116,6 +116,19 @@ class Engine:
         self._tap_names = frozenset(tap_names(self.cfg.num_layers))
 
     # ----------------------------------------------------------------- loading and the cache
+    @staticmethod
+    def check_parallel(model_dir: str | Path, world_size: int) -> ModelConfig:
+        """Fail fast, before any rendezvous, if the model cannot be split `world_size` ways."""
+        cfg = load_config(model_dir)
+        if world_size > 1:
+            check = Parallel(_SizeOnly(world_size))
+            for size, what in ((cfg.num_heads, "num_attention_heads"),
+                               (cfg.num_kv_heads, "num_key_value_heads"),
+                               (cfg.intermediate_size, "intermediate_size"),
+                               (cfg.vocab_size, "vocab_size")):
+                check.split(size, what)
+        return cfg
+
     @classmethod
     def load(
         cls,
@@ -171,7 +184,8 @@ class Engine:
         return self.cache.capacity
 
     def used_blocks(self) -> int:
-        return len({b for s in self.sequences.values() for b in s.block_table})
+        sequences = list(self.sequences.values())  # GetInfo reads this without the step lock
+        return len({b for s in sequences for b in s.block_table})
 
     # ----------------------------------------------------------------- steps
     def prefill(self, items: list[PrefillItem], taps: list[str] | tuple[str, ...] = ()) -> StepOutput:
@@ -337,6 +351,7 @@ class Engine:
             if self.comm.rank == 0:
                 ids.copy_(torch.tensor([t.token_id for t in tokens]))
             self.comm.broadcast(ids, src=0)
+            self.comm.synchronize()  # bounded wait: a dead peer raises instead of hanging here
             if self.comm.rank != 0:
                 tokens = [SampledToken(t) for t in ids.tolist()]
         outputs = []
@@ -357,6 +372,14 @@ class Engine:
         if seq.num_cached >= self.cfg.max_position_embeddings:
             return FinishReason.CONTEXT_LENGTH  # no position left to feed the new token
         return None
+
+
+class _SizeOnly(SingleRankCommunicator):
+    """Stands in for a group of `world_size` ranks where only the size matters."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.world_size = world_size
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device):

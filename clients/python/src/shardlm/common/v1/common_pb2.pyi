@@ -231,8 +231,9 @@ class _ErrorReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._En
     """
     ERROR_REASON_TENSOR_PARALLEL_MISMATCH: _ErrorReason.ValueType  # 11
     """The tensor-parallel size does not divide the model's heads or does not
-    match the available workers or the world size. FAILED_PRECONDITION.
-    Metadata: "tensor_parallel_size", and "num_kv_heads" or "workers".
+    match the available workers or the world size. INVALID_ARGUMENT (the
+    requested size cannot work for this model).
+    Metadata: "tensor_parallel_size", and "what" / "size" or "workers".
     """
     ERROR_REASON_QUEUE_FULL: _ErrorReason.ValueType  # 12
     """The scheduler queue is full. RESOURCE_EXHAUSTED, with RetryInfo."""
@@ -327,8 +328,9 @@ not exist. Metadata: "model_path", "detail".
 """
 ERROR_REASON_TENSOR_PARALLEL_MISMATCH: ErrorReason.ValueType  # 11
 """The tensor-parallel size does not divide the model's heads or does not
-match the available workers or the world size. FAILED_PRECONDITION.
-Metadata: "tensor_parallel_size", and "num_kv_heads" or "workers".
+match the available workers or the world size. INVALID_ARGUMENT (the
+requested size cannot work for this model).
+Metadata: "tensor_parallel_size", and "what" / "size" or "workers".
 """
 ERROR_REASON_QUEUE_FULL: ErrorReason.ValueType  # 12
 """The scheduler queue is full. RESOURCE_EXHAUSTED, with RetryInfo."""

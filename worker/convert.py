@@ -1,0 +1,143 @@
+"""Conversions between the worker protobuf messages and the engine's plain types.
+
+Kept apart so the engine stays free of gRPC and the servicer stays thin.
+"""
+
+from __future__ import annotations
+
+import torch
+from shardlm.common.v1 import common_pb2
+from shardlm.worker.v1 import worker_pb2
+
+from worker.engine import (
+    DecodeItem,
+    Engine,
+    FinishReason,
+    PrefillItem,
+    StepOutput,
+    StopParams,
+)
+from worker.kv_cache import CacheCapacity, CacheConfig, CacheMode
+from worker.sampling import SamplingParams
+
+DTYPE_NAMES = {
+    common_pb2.DTYPE_FLOAT32: "float32",
+    common_pb2.DTYPE_BFLOAT16: "bfloat16",
+    common_pb2.DTYPE_FLOAT16: "float16",
+}
+DTYPE_ENUMS = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+               torch.float16: common_pb2.DTYPE_FLOAT16}
+FINISH_ENUMS = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
+    FinishReason.CONTEXT_LENGTH: common_pb2.FINISH_REASON_CONTEXT_LENGTH,
+}
+MODE_ENUMS = {CacheMode.PAGED: common_pb2.KV_CACHE_MODE_PAGED,
+              CacheMode.STATIC: common_pb2.KV_CACHE_MODE_STATIC}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=p.seed if p.HasField("seed") else None,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+    )
+
+
+def stop_from_proto(p: common_pb2.StopConditions) -> StopParams:
+    return StopParams(max_new_tokens=p.max_new_tokens, stop_token_ids=tuple(p.stop_token_ids),
+                      ignore_eos=p.ignore_eos)
+
+
+def cache_config_from_proto(p: common_pb2.KvCacheConfig) -> CacheConfig:
+    return CacheConfig(
+        mode=CacheMode.STATIC if p.mode == common_pb2.KV_CACHE_MODE_STATIC else CacheMode.PAGED,
+        block_size=p.block_size or 16,
+        memory_bytes=p.memory_bytes,
+        gpu_memory_fraction=p.gpu_memory_fraction,
+        num_blocks=p.num_blocks,
+        static_max_sequences=p.static_max_sequences,
+        static_max_sequence_length=p.static_max_sequence_length,
+    )
+
+
+def capacity_to_proto(c: CacheCapacity) -> common_pb2.KvCacheCapacity:
+    return common_pb2.KvCacheCapacity(
+        num_blocks=c.num_blocks, block_size=c.block_size, mode=MODE_ENUMS[c.mode],
+        bytes_per_block=c.bytes_per_block, max_sequences=c.max_sequences,
+        max_sequence_length=c.max_sequence_length,
+    )
+
+
+def model_info_to_proto(engine: Engine) -> common_pb2.ModelInfo:
+    cfg = engine.cfg
+    info = common_pb2.ModelInfo(
+        architecture=cfg.architecture, model_path=str(engine.model_dir),
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings, dtype=DTYPE_ENUMS[engine.dtype],
+        eos_token_ids=list(engine.eos_token_ids), tensor_parallel_size=engine.comm.world_size,
+    )
+    if cfg.bos_token_id is not None:
+        info.bos_token_id = cfg.bos_token_id
+    return info
+
+
+def prefill_items(request: worker_pb2.PrefillRequest) -> list[PrefillItem]:
+    return [
+        PrefillItem(
+            sequence_id=s.sequence_id,
+            token_ids=list(s.token_ids),
+            start_position=s.start_position,
+            block_table=list(s.block_table),
+            sampling=sampling_from_proto(s.sampling),
+            stop=stop_from_proto(s.stop),
+            sample=s.sample,
+        )
+        for s in request.sequences
+    ]
+
+
+def decode_items(request: worker_pb2.DecodeRequest) -> list[DecodeItem]:
+    return [
+        DecodeItem(
+            sequence_id=s.sequence_id,
+            block_table=list(s.block_table),
+            max_steps=s.max_steps or request.num_steps,
+            sampling=sampling_from_proto(s.sampling) if s.HasField("sampling") else None,
+            stop=stop_from_proto(s.stop) if s.HasField("stop") else None,
+        )
+        for s in request.sequences
+    ]
+
+
+def tokens_to_proto(output: StepOutput) -> list[worker_pb2.SequenceToken]:
+    out = []
+    for t in output.tokens:
+        msg = worker_pb2.SequenceToken(sequence_id=t.sequence_id, token_id=t.token.token_id)
+        if t.finish_reason is not None:
+            msg.finish_reason = FINISH_ENUMS[t.finish_reason]
+        if t.token.logprob is not None:
+            msg.logprobs.chosen.token_id = t.token.token_id
+            msg.logprobs.chosen.logprob = t.token.logprob
+            for token_id, logprob in t.token.top_logprobs:
+                msg.logprobs.top.add(token_id=token_id, logprob=logprob)
+        out.append(msg)
+    return out
+
+
+def taps_to_proto(taps: dict[str, torch.Tensor]) -> list[common_pb2.DebugTensor]:
+    return [
+        common_pb2.DebugTensor(name=name, shape=list(value.shape),
+                               data=value.float().contiguous().numpy().astype("<f4").tobytes())
+        for name, value in taps.items()
+    ]

@@ -1,0 +1,68 @@
+"""`shardlm worker` / `python -m worker`: serve the worker API on a TCP port or a unix socket.
+
+Prints one line `READY <address>` on stdout once it accepts calls, so a launcher can wait for it.
+SIGTERM / SIGINT stop it gracefully (in-flight calls get a short grace period).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from shardlm.worker.v1 import worker_pb2_grpc
+
+from worker.rpc_errors import ErrorMappingInterceptor
+from worker.service import WorkerServicer
+
+MAX_MESSAGE_BYTES = 256 << 20  # debug taps of large models are big
+
+
+def build_server(address: str) -> tuple[grpc.Server, int]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardlm-worker"),
+        interceptors=[ErrorMappingInterceptor()],
+        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(), server)
+    port = server.add_insecure_port(address)
+    if port == 0 and not address.startswith("unix:"):
+        raise OSError(f"cannot listen on {address}")
+    return server, port
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (0 picks a free one)")
+    parser.add_argument("--unix", default="", help="listen on this unix socket path instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    address = f"unix:{args.unix}" if args.unix else f"{args.host}:{args.port}"
+    try:
+        server, port = build_server(address)
+    except (OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    server.start()
+    shown = address if args.unix else f"{args.host}:{port}"
+    print(f"READY {shown}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=5).wait()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardlm worker", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

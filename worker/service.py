@@ -1,0 +1,192 @@
+"""The worker's gRPC servicer: a thin layer over the engine.
+
+Every rank of a group gets the same requests in the same order (the gateway sends one step at a
+time), so each call runs under one lock and to completion: a Decode whose client went away still
+runs its remaining steps, because the other ranks are running them too and the collectives must
+pair up. Rank 0 returns tokens; the other ranks return empty acknowledgements.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+import torch
+from shardlm.errors import FieldViolation, InvalidArgumentError, ShardLMError
+from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from worker import convert
+from worker.comm import Communicator, create_communicator, new_nccl_unique_id
+from worker.engine import Engine
+
+log = logging.getLogger("shardlm.worker")
+
+BACKENDS = {worker_pb2.COMM_BACKEND_GLOO: "gloo", worker_pb2.COMM_BACKEND_NCCL: "nccl"}
+DEFAULT_COMM_TIMEOUT_S = 60.0
+
+
+def _not_loaded() -> ShardLMError:
+    return ShardLMError("no model is loaded on this worker; call Load first",
+                        reason="MODEL_NOT_LOADED", code=grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _validate_load(request: worker_pb2.LoadRequest) -> torch.device:
+    violations = []
+    if not request.model_path:
+        violations.append(FieldViolation("model_path", "must name a checkpoint folder"))
+    if request.world_size < 1:
+        violations.append(FieldViolation("world_size", "must be at least 1"))
+    elif request.rank >= request.world_size:
+        violations.append(FieldViolation("rank", f"must be below world_size ({request.world_size})"))
+    device = None
+    try:
+        device = torch.device(request.device or "cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError
+        if device.type == "cuda" and not torch.cuda.is_available():
+            violations.append(FieldViolation("device", "CUDA is not available on this worker"))
+    except (RuntimeError, ValueError):
+        violations.append(FieldViolation("device", "must be 'cpu', 'cuda' or 'cuda:N'"))
+    if request.world_size > 1 and request.comm.backend == worker_pb2.COMM_BACKEND_GLOO and not request.comm.init_address:
+        violations.append(FieldViolation("comm.init_address", "gloo needs rank 0's host:port"))
+    if violations:
+        raise InvalidArgumentError(violations[0].description, reason="INVALID_FIELD",
+                                   field_violations=violations,
+                                   metadata={"field": violations[0].field})
+    assert device is not None
+    return device
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._comm: Communicator | None = None
+        self._device = torch.device("cpu")
+
+    def _loaded(self) -> Engine:
+        if self._engine is None:
+            raise _not_loaded()
+        return self._engine
+
+    def _unload(self) -> None:
+        self._engine = None
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+
+    # ----------------------------------------------------------------- Load
+    def Load(self, request, context) -> Iterator[worker_pb2.LoadResponse]:
+        device = _validate_load(request)
+        Engine.check_parallel(request.model_path, request.world_size)
+        with self._lock:
+            self._unload()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            self._device = device
+            backend = BACKENDS.get(request.comm.backend, "nccl" if device.type == "cuda" else "gloo")
+            unique_id = request.comm.nccl_unique_id
+            if request.world_size > 1 and backend == "nccl" and request.rank == 0 and not unique_id:
+                unique_id = new_nccl_unique_id()
+                yield worker_pb2.LoadResponse(nccl_unique_id=unique_id)
+            yield from self._load_with_progress(request, device, backend, unique_id)
+
+    def _load_with_progress(self, request, device, backend, unique_id):
+        events: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            try:
+                comm = create_communicator(
+                    backend, request.rank, request.world_size, device=device,
+                    init_address=request.comm.init_address, nccl_unique_id=unique_id,
+                    timeout_s=request.comm.timeout_seconds or DEFAULT_COMM_TIMEOUT_S,
+                )
+                self._comm = comm
+                engine = Engine.load(
+                    request.model_path,
+                    dtype=convert.DTYPE_NAMES.get(request.dtype),
+                    device=device,
+                    comm=comm,
+                    cache_config=convert.cache_config_from_proto(request.kv_cache),
+                    progress=lambda f, m: events.put(("progress", f, m)),
+                )
+                events.put(("done", engine, None))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the serving thread
+                events.put(("error", exc, None))
+
+        thread = threading.Thread(target=work, name="shardlm-load", daemon=True)
+        thread.start()
+        while True:
+            kind, a, b = events.get()
+            if kind == "progress":
+                yield worker_pb2.LoadResponse(
+                    progress={"stage": "weights", "fraction": a, "message": b})
+            elif kind == "error":
+                self._unload()
+                raise a
+            else:
+                self._engine = a
+                log.info("rank %d/%d loaded %s", request.rank, request.world_size,
+                         request.model_path)
+                yield worker_pb2.LoadResponse(complete=worker_pb2.LoadComplete(
+                    model=convert.model_info_to_proto(a),
+                    capacity=convert.capacity_to_proto(a.capacity)))
+                return
+
+    # ----------------------------------------------------------------- steps
+    def Prefill(self, request, context) -> worker_pb2.PrefillResponse:
+        with self._lock:
+            engine = self._loaded()
+            output = engine.prefill(convert.prefill_items(request), tuple(request.debug_taps))
+            if engine.comm.rank != 0:
+                return worker_pb2.PrefillResponse()
+            return worker_pb2.PrefillResponse(tokens=convert.tokens_to_proto(output),
+                                              taps=convert.taps_to_proto(output.taps))
+
+    def Decode(self, request, context) -> Iterator[worker_pb2.DecodeResponse]:
+        with self._lock:
+            engine = self._loaded()
+            items = convert.decode_items(request)
+            steps = engine.decode(items, request.num_steps, tuple(request.debug_taps))
+            try:
+                for step, output in enumerate(steps):
+                    if engine.comm.rank != 0:
+                        yield worker_pb2.DecodeResponse(step=step)
+                    else:
+                        yield worker_pb2.DecodeResponse(
+                            step=step, tokens=convert.tokens_to_proto(output),
+                            taps=convert.taps_to_proto(output.taps))
+            finally:
+                # The caller may be gone; the other ranks still run these steps, so must we.
+                for _ in steps:
+                    pass
+
+    def ResetCache(self, request, context) -> worker_pb2.ResetCacheResponse:
+        with self._lock:
+            engine = self._loaded()
+            if request.HasField("kv_cache"):
+                capacity = engine.reconfigure(convert.cache_config_from_proto(request.kv_cache))
+            else:
+                engine.reset(None if request.all else list(request.sequence_ids))
+                capacity = engine.capacity
+            return worker_pb2.ResetCacheResponse(capacity=convert.capacity_to_proto(capacity))
+
+    def GetInfo(self, request, context) -> worker_pb2.GetInfoResponse:
+        # No lock: a health probe must answer while a long Decode runs.
+        engine = self._engine
+        reply = worker_pb2.GetInfoResponse(loaded=engine is not None, device=str(self._device))
+        if self._device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self._device)
+            reply.memory_allocated_bytes = total - free
+            reply.memory_total_bytes = total
+        if engine is not None:
+            reply.model.CopyFrom(convert.model_info_to_proto(engine))
+            reply.capacity.CopyFrom(convert.capacity_to_proto(engine.capacity))
+            reply.used_blocks = engine.used_blocks()
+            reply.live_sequences = len(engine.sequences)
+            reply.rank = engine.comm.rank
+            reply.world_size = engine.comm.world_size
+        return reply
