@@ -1,0 +1,255 @@
+"""CPU tensor parallelism over torch.distributed's gloo backend.
+
+Each communicator owns a private ``ProcessGroupGloo`` built on a private
+``TCPStore`` (rank 0 serves it at ``init_address``; the other ranks connect), so
+it never touches torch.distributed's global default group: several
+communicators can live in one process, across hosts, and a closed one can be
+replaced by a new one in the same process.
+
+Timeouts: ``timeout_s`` bounds the store connection, the process-group
+rendezvous and every collective.  A peer that died closes its sockets, so the
+survivor's collective fails at once; a peer that hangs makes it fail after
+``timeout_s``.  Either way the caller gets :class:`CommunicatorError`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import (
+    Communicator,
+    CommunicatorError,
+    check_gather_input,
+    check_rank,
+)
+
+# Dtypes that gloo reduces natively on every torch version we support.  bf16 is
+# missing on older torch (pytorch#111131: "Invalid scalar type"), so all_reduce
+# upcasts bf16 to float32, sums, and copies the result back (which is also the
+# more accurate sum).  all_gather/broadcast only move bytes, so bf16 travels
+# bit-for-bit viewed as float16 there.
+_REDUCE_NATIVE = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8}
+)
+_MOVE_AS = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6addr]:port"``) -> (host, port)."""
+    host, sep, port_s = address.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ValueError(f"gloo init_address must be 'host:port', got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = int(port_s)
+    if not 0 < port < 65536:
+        raise ValueError(f"gloo init_address port out of range: {address!r}")
+    return host, port
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """The local IP address this host uses to reach ``host`` ('' if unknown).
+
+    Gloo's default device resolves this machine's hostname, which inside
+    containers often maps to nothing routable; binding to the address on the
+    route to the store host works on one machine and across machines alike.
+    A UDP connect sends no packet, it only picks the route.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return ""
+    for family, type_, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, type_, proto) as s:
+                s.connect(sockaddr)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return ""
+
+
+class GlooCommunicator(Communicator):
+    """Collectives over gloo for CPU tensors (other devices are staged via CPU)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        init_address: str,
+        timeout_s: float = 30.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        check_rank(rank, world_size)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self._timeout = timedelta(seconds=self.timeout_s)
+        self._address = init_address
+        self._failure: str | None = None
+        self._closed = False
+        self._store: dist.Store | None = None
+        self._pg: dist.ProcessGroupGloo | None = None
+
+        host, port = parse_address(init_address)
+        who = f"gloo init (rank {rank}/{world_size}, store {init_address}, timeout {self.timeout_s:g}s)"
+        err = ""
+        try:
+            self._store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=(rank == 0),
+                timeout=self._timeout,
+                wait_for_workers=False,
+            )
+        except Exception as e:  # RuntimeError / DistStoreError / DistNetworkError
+            action = "could not serve the store" if rank == 0 else "could not reach the store"
+            err = f"{who}: {action}: {type(e).__name__}: {e}"
+        if err:
+            raise CommunicatorError(err)
+        try:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout
+            opts._devices = [self._make_device(host, port)]
+            # Prefixed keys never collide with anything else put into the store.
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("shardlm/tp/", self._store), rank, world_size, opts
+            )
+        except Exception as e:
+            err = (
+                f"{who}: process-group rendezvous failed (a peer did not join in time?): "
+                f"{type(e).__name__}: {e}"
+            )
+        if err:
+            self._store = None  # releases the port on rank 0
+            raise CommunicatorError(err)
+
+    @staticmethod
+    def _make_device(host: str, port: int) -> object:
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        if ifname:
+            return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+        local = _local_address_towards(host, port)
+        if local:
+            return dist.ProcessGroupGloo.create_device(hostname=local)
+        return dist.ProcessGroupGloo.create_default_device()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _pg_or_raise(self, op: str) -> dist.ProcessGroupGloo:
+        if self._closed or self._pg is None:
+            raise CommunicatorError(f"gloo {op} on rank {self.rank}: communicator is closed")
+        if self._failure is not None:
+            raise CommunicatorError(
+                f"gloo {op} on rank {self.rank}: communicator is broken by an earlier "
+                f"failure ({self._failure}); close it and create a new one"
+            )
+        return self._pg
+
+    def _wait(self, op: str, start: Callable[[dist.ProcessGroupGloo], dist.Work]) -> None:
+        pg: dist.ProcessGroupGloo | None = self._pg_or_raise(op)
+        work = None
+        err = ""
+        try:
+            work = start(pg)
+            if work.wait(self._timeout) is False:
+                err = "wait() reported a timeout"
+        except Exception as e:  # gloo raises RuntimeError / DistBackendError
+            err = f"{type(e).__name__}: {e}"
+        finally:
+            # Drop Work and group references before raising: a traceback that
+            # keeps them alive would pin the group's sockets (and the store's
+            # port) for as long as the caller holds on to the exception.
+            work = pg = None
+        if err:
+            self._failure = f"{op}: {err}"
+            raise CommunicatorError(
+                f"gloo {op} failed on rank {self.rank}/{self.world_size} "
+                f"(timeout {self.timeout_s:g}s; peer dead or hung?): {err}"
+            )
+
+    def _stage(self, tensor: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous CPU tensor of ``wire_dtype`` holding ``tensor``'s data.
+
+        Returns ``tensor`` itself when it already qualifies (the common case).
+        """
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            if tensor.dtype == wire_dtype:
+                return tensor
+            if _MOVE_AS.get(tensor.dtype) == wire_dtype:
+                return tensor.view(wire_dtype)
+        if _MOVE_AS.get(tensor.dtype) == wire_dtype:
+            return tensor.to("cpu").contiguous().view(wire_dtype)
+        return tensor.to(device="cpu", dtype=wire_dtype).contiguous()
+
+    @staticmethod
+    def _unstage(buf: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Copy ``buf`` back into ``tensor`` unless they share storage already."""
+        if buf.data_ptr() == tensor.data_ptr() and buf.device == tensor.device:
+            return
+        if buf.dtype != tensor.dtype and _MOVE_AS.get(tensor.dtype) == buf.dtype:
+            buf = buf.view(tensor.dtype)
+        tensor.copy_(buf)
+
+    # -- collectives --------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        wire = tensor.dtype if tensor.dtype in _REDUCE_NATIVE else torch.float32
+        buf = self._stage(tensor, wire)
+        self._wait("all_reduce", lambda pg: pg.allreduce([buf]))
+        self._unstage(buf, tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        check_gather_input(tensor)
+        wire = _MOVE_AS.get(tensor.dtype, tensor.dtype)
+        buf = self._stage(tensor, wire)
+        outs = [torch.empty_like(buf) for _ in range(self.world_size)]
+        self._wait("all_gather", lambda pg: pg.allgather([outs], [buf]))
+        out = torch.cat(outs, dim=-1)
+        if out.dtype != tensor.dtype:
+            out = out.view(tensor.dtype)
+        return out if out.device == tensor.device else out.to(tensor.device)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self._check_src(src)
+        wire = _MOVE_AS.get(tensor.dtype, tensor.dtype)
+        buf = self._stage(tensor, wire)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self._wait("broadcast", lambda pg: pg.broadcast([buf], opts))
+        if self.rank != src:
+            self._unstage(buf, tensor)
+
+    def barrier(self) -> None:
+        self._wait("barrier", lambda pg: pg.barrier())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pg, self._pg = self._pg, None
+        self._store = None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # older torch without shutdown(), or already broken
+                pass
+            del pg  # last reference: closes the gloo sockets and the store's port
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
