@@ -1,0 +1,1 @@
+"""ShardLM gateway: tokenization, streaming detokenization, stop sequences and the public API."""
