@@ -318,11 +318,11 @@ class Engine:
         steps = min(num_steps, item.max_steps)
         self._check_block_table(item.block_table, seq.num_cached + steps, item.sequence_id)
         seq.block_table = list(item.block_table)
-        if item.sampling is not None or item.stop is not None:
-            seq.sampling = item.sampling or seq.sampling
-            if item.stop is not None:  # a new call with its own limits: count from here
-                seq.stop, seq.generated, seq.finished = item.stop, 0, None
-            self._attach_sampler_state(seq)
+        if item.sampling is not None and item.sampling != seq.sampling:
+            seq.sampling = item.sampling
+            self._attach_sampler_state(seq)  # new parameters: new generator and penalty state
+        if item.stop is not None:  # a new call with its own limits: count from here
+            seq.stop, seq.generated, seq.finished = item.stop, 0, None
         return seq
 
     def _attach_sampler_state(self, seq: Sequence) -> None:

@@ -16,10 +16,9 @@ from concurrent import futures
 import grpc
 from shardlm.worker.v1 import worker_pb2_grpc
 
+from worker.launcher import MAX_MESSAGE_BYTES
 from worker.rpc_errors import ErrorMappingInterceptor
 from worker.service import WorkerServicer
-
-MAX_MESSAGE_BYTES = 256 << 20  # debug taps of large models are big
 
 
 def build_server(address: str) -> tuple[grpc.Server, int]:

@@ -220,8 +220,10 @@ class PrefillRequest(google.protobuf.message.Message):
     text: builtins.str
     """Raw text, tokenized by the gateway."""
     add_special_tokens: builtins.bool
-    """For `text`: add the tokenizer's special tokens (such as BOS). Ignored for
-    `messages` (the chat template decides) and `token_ids`.
+    """For `text`: add the tokenizer's special tokens (such as BOS). Unset means
+    true for a session's first turn and false for later turns (a BOS in the
+    middle of a conversation is wrong). Ignored for `messages` (the chat
+    template decides) and `token_ids`.
     """
     @property
     def messages(self) -> global___ChatMessages:
@@ -249,10 +251,13 @@ class PrefillRequest(google.protobuf.message.Message):
         messages: global___ChatMessages | None = ...,
         token_ids: global___TokenIds | None = ...,
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
-        add_special_tokens: builtins.bool = ...,
+        add_special_tokens: builtins.bool | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
+    @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["prompt", b"prompt"]) -> typing.Literal["text", "messages", "token_ids"] | None: ...
 
 global___PrefillRequest = PrefillRequest
@@ -468,8 +473,8 @@ class GenerateRequest(google.protobuf.message.Message):
     text: builtins.str
     """Raw text, tokenized by the gateway."""
     add_special_tokens: builtins.bool
-    """For `text`: add the tokenizer's special tokens (such as BOS). Ignored for
-    `messages` and `token_ids`.
+    """For `text`: add the tokenizer's special tokens (such as BOS). Unset means
+    true. Ignored for `messages` and `token_ids`.
     """
     @property
     def messages(self) -> global___ChatMessages:
@@ -495,10 +500,13 @@ class GenerateRequest(google.protobuf.message.Message):
         token_ids: global___TokenIds | None = ...,
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
-        add_special_tokens: builtins.bool = ...,
+        add_special_tokens: builtins.bool | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
+    @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["prompt", b"prompt"]) -> typing.Literal["text", "messages", "token_ids"] | None: ...
 
 global___GenerateRequest = GenerateRequest
@@ -569,8 +577,8 @@ class TokenizeRequest(google.protobuf.message.Message):
     text: builtins.str
     """Raw text."""
     add_special_tokens: builtins.bool
-    """For `text`: add the tokenizer's special tokens (such as BOS). Ignored for
-    `messages`.
+    """For `text`: add the tokenizer's special tokens (such as BOS). Unset means
+    true. Ignored for `messages`.
     """
     @property
     def messages(self) -> global___ChatMessages:
@@ -583,10 +591,13 @@ class TokenizeRequest(google.protobuf.message.Message):
         *,
         text: builtins.str = ...,
         messages: global___ChatMessages | None = ...,
-        add_special_tokens: builtins.bool = ...,
+        add_special_tokens: builtins.bool | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["input", b"input", "messages", b"messages", "text", b"text"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["add_special_tokens", b"add_special_tokens", "input", b"input", "messages", b"messages", "text", b"text"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "input", b"input", "messages", b"messages", "text", b"text"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "input", b"input", "messages", b"messages", "text", b"text"]) -> None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
+    @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["input", b"input"]) -> typing.Literal["text", "messages"] | None: ...
 
 global___TokenizeRequest = TokenizeRequest

@@ -1,0 +1,58 @@
+"""Prometheus metrics of the gateway, on a registry of its own (several gateways may share a
+process in tests). Names carry the `shardlm_` prefix and their unit; no colons."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "shardlm_time_to_first_token_seconds", "From request arrival to its first token.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram(
+            "shardlm_inter_token_latency_seconds", "Between consecutive streamed tokens.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "shardlm_request_duration_seconds", "Whole calls, arrival to last message.",
+            ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram(
+            "shardlm_queue_time_seconds", "From submission to the first prefill step.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_length = Gauge("shardlm_queue_length_requests",
+                                  "Sequences waiting for prefill.", registry=r)
+        self.running_sequences = Gauge("shardlm_running_sequences",
+                                       "Sequences in the decode batch.", registry=r)
+        self.kv_blocks_used = Gauge("shardlm_kv_blocks_used", "KV cache blocks held.", registry=r)
+        self.kv_blocks_total = Gauge("shardlm_kv_blocks_total", "KV cache blocks in the pool.",
+                                     registry=r)
+        self.prompt_tokens = Counter("shardlm_prompt_tokens_total",
+                                     "Prompt tokens received.", registry=r)
+        self.cached_prompt_tokens = Counter("shardlm_cached_prompt_tokens_total",
+                                            "Prompt tokens served from the KV cache.", registry=r)
+        self.generated_tokens = Counter("shardlm_generated_tokens_total",
+                                        "Tokens generated and streamed.", registry=r)
+        self.requests = Counter("shardlm_requests_total", "Finished calls by final status.",
+                                ["method", "code"], registry=r)
+        self.decode_batch_size = Histogram(
+            "shardlm_decode_batch_size_sequences", "Sequences per worker decode call.",
+            buckets=BATCH_BUCKETS, registry=r)
+        self.prefill_batch_tokens = Histogram(
+            "shardlm_prefill_batch_tokens", "Tokens per worker prefill call.",
+            buckets=(16, 64, 256, 1024, 2048, 4096, 8192), registry=r)
+        self.preemptions = Counter("shardlm_preemptions_total",
+                                   "Running sequences preempted for KV blocks.", registry=r)
+        self.worker_restarts = Counter("shardlm_worker_restarts_total",
+                                       "Worker group restarts by the supervisor.", registry=r)
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value (tests and the CLI read metrics without scraping)."""
+        return self.registry.get_sample_value(name, labels or {}) or 0.0

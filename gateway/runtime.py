@@ -1,0 +1,182 @@
+"""The gateway's model-dependent state: the worker group, tokenizer, allocator, scheduler and
+sessions of the loaded model, created by Load and replaced as a whole by the next Load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+from shardlm.common.v1 import common_pb2
+from shardlm.errors import (
+    FailedPreconditionError,
+    FieldViolation,
+    InvalidArgumentError,
+    ShardLMError,
+    UnavailableError,
+)
+from shardlm.worker.v1 import worker_pb2
+
+from gateway.allocator import BlockAllocator
+from gateway.metrics import Metrics
+from gateway.scheduler import Scheduler
+from gateway.sessions import SessionStore
+from gateway.tokenizer import Tokenizer, TokenizerError
+from gateway.workers import WorkerPool
+from worker.launcher import WorkerGroup
+
+log = logging.getLogger("shardlm.gateway")
+SERVICE_NAME = "shardlm.gateway.v1.GatewayService"
+
+
+@dataclass
+class Limits:
+    max_new_tokens: int = 4096
+    default_max_new_tokens: int = 256
+    session_idle_timeout_s: float = 600.0
+    max_waiting: int = 1024
+    max_running: int = 256
+    prefill_token_budget: int = 2048
+    max_decode_steps: int = 8
+
+
+@dataclass
+class Model:
+    info: common_pb2.ModelInfo
+    capacity: common_pb2.KvCacheCapacity
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    sessions: SessionStore
+    allocator: BlockAllocator
+
+    @property
+    def max_context(self) -> int:
+        static = self.capacity.max_sequence_length
+        return min(self.info.max_position_embeddings, static or self.info.max_position_embeddings)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.info.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+
+
+def not_loaded() -> FailedPreconditionError:
+    return FailedPreconditionError("no model is loaded; call Load first",
+                                   reason="MODEL_NOT_LOADED")
+
+
+class Runtime:
+    def __init__(self, group: WorkerGroup, metrics: Metrics, limits: Limits,
+                 health: health_aio.HealthServicer) -> None:
+        self.group = group
+        self.metrics = metrics
+        self.limits = limits
+        self.health = health
+        self.model: Model | None = None
+        self.pool = WorkerPool([h.address for h in group.handles])
+        self.draining = False
+        self._load_lock = asyncio.Lock()
+        self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
+
+    def require(self) -> Model:
+        if self.draining:
+            raise UnavailableError("the server is shutting down", reason="DRAINING",
+                                   retry_after_s=1.0)
+        if self.model is None:
+            raise not_loaded()
+        return self.model
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving and not self.draining
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def load(self, model_path: str, dtype: int, tp_size: int,
+                   kv_cache: common_pb2.KvCacheConfig | None,
+                   progress: Callable[[common_pb2.LoadProgress], None]) -> Model:
+        if not model_path:
+            raise InvalidArgumentError("model_path must name a checkpoint folder",
+                                       reason="INVALID_FIELD",
+                                       field_violations=[FieldViolation("model_path", "empty")])
+        world = self.group.world_size
+        if tp_size not in (0, world):
+            raise InvalidArgumentError(
+                f"tensor_parallel_size {tp_size} does not match the {world} running workers",
+                reason="TENSOR_PARALLEL_MISMATCH",
+                field_violations=[FieldViolation("tensor_parallel_size", f"must be 0 or {world}")],
+                metadata={"tensor_parallel_size": tp_size, "workers": world})
+        if self._load_lock.locked():
+            raise FailedPreconditionError("another Load is in progress", reason="MODEL_NOT_LOADED")
+        async with self._load_lock:
+            await self.unload(UnavailableError("the model is being replaced",
+                                               reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
+            loop = asyncio.get_running_loop()
+
+            def report(p: common_pb2.LoadProgress) -> None:
+                loop.call_soon_threadsafe(progress, p)
+
+            complete = await asyncio.to_thread(
+                self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
+            try:
+                tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
+            except TokenizerError as exc:
+                raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
+                                              metadata={"model_path": model_path}) from None
+            self.model = self._build(complete, tokenizer)
+            await self.set_serving(True)
+            log.info("loaded %s (%s, tp=%d, %d KV blocks)", model_path,
+                     complete.model.architecture, world, complete.capacity.num_blocks)
+            return self.model
+
+    def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer) -> Model:
+        capacity = complete.capacity
+        static = capacity.mode == common_pb2.KV_CACHE_MODE_STATIC
+        slot_blocks = capacity.num_blocks // max(capacity.max_sequences, 1) if static else 0
+        allocator = BlockAllocator(capacity.num_blocks, capacity.block_size,
+                                   static_slot_blocks=slot_blocks)
+        sessions = SessionStore(self.limits.session_idle_timeout_s)
+        max_running = self.limits.max_running
+        if static:
+            max_running = min(max_running, capacity.max_sequences)
+        scheduler = Scheduler(
+            self.pool, allocator, sessions, self.metrics,
+            prefill_token_budget=self.limits.prefill_token_budget,
+            max_decode_steps=self.limits.max_decode_steps, max_waiting=self.limits.max_waiting,
+            max_running=max_running, on_worker_failure=self._worker_failed)
+        scheduler.start()
+        return Model(complete.model, capacity, tokenizer, scheduler, sessions, allocator)
+
+    def _worker_failed(self, error: ShardLMError) -> None:
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            return  # e.g. out of memory: only that step's requests failed
+        model = self.model
+        if model is not None:
+            model.scheduler.fail_all(error)
+        self.on_failure(error)
+
+    async def unload(self, error: ShardLMError) -> None:
+        model, self.model = self.model, None
+        await self.set_serving(False)
+        if model is not None:
+            await model.scheduler.stop()
+            model.scheduler.fail_all(error)
+
+    async def reset_cache(self, config: common_pb2.KvCacheConfig) -> common_pb2.KvCacheCapacity:
+        """Reallocate the workers' caches with a new configuration; every session is released."""
+        model = self.require()
+        await model.scheduler.stop()
+        model.scheduler.fail_all(UnavailableError("the KV cache was reconfigured",
+                                                  reason="WORKER_UNAVAILABLE", retry_after_s=1.0))
+        reply = await self.pool.reset(worker_pb2.ResetCacheRequest(all=True, kv_cache=config))
+        complete = worker_pb2.LoadComplete(model=model.info, capacity=reply.capacity)
+        self.model = self._build(complete, model.tokenizer)
+        return reply.capacity
+
+    async def close(self) -> None:
+        await self.unload(UnavailableError("the server stopped", reason="DRAINING"))
+        await self.pool.close()

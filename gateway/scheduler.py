@@ -1,0 +1,384 @@
+"""Continuous batching: one loop decides, step by step, what the workers run.
+
+Each iteration: drop what was cancelled or stopped and free its blocks; admit waiting sequences
+into one packed prefill within a token budget (long prompts are chunked); then run the running
+batch for k decode steps (k small while others wait, larger when none do), streaming every
+step's tokens to their requests as they arrive. New requests join between iterations, never
+waiting for the batch to finish. When blocks run out, idle sessions give up their caches first
+(least recently used), then the newest running sequence is preempted and later recomputed.
+
+Only this loop talks to the workers' Prefill/Decode, so all ranks see one ordered stream of steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from shardlm.common.v1 import common_pb2
+from shardlm.errors import ResourceExhaustedError, ShardLMError
+from shardlm.worker.v1 import worker_pb2
+
+from gateway.allocator import BlockAllocator
+from gateway.metrics import Metrics
+from gateway.sequence import ErrorEvent, Limits, Phase, Sequence, TokenEvent
+from gateway.sessions import SessionStore
+from gateway.workers import WorkerPool
+
+log = logging.getLogger("shardlm.gateway")
+FINISHED_BY_WORKER = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        allocator: BlockAllocator,
+        sessions: SessionStore,
+        metrics: Metrics,
+        *,
+        prefill_token_budget: int = 2048,
+        max_decode_steps: int = 8,
+        busy_decode_steps: int = 2,
+        max_waiting: int = 1024,
+        max_running: int = 256,
+        on_worker_failure: Callable[[ShardLMError], None] = lambda _e: None,
+    ) -> None:
+        self.pool = pool
+        self.allocator = allocator
+        self.sessions = sessions
+        self.metrics = metrics
+        self.prefill_token_budget = prefill_token_budget
+        self.max_decode_steps = max_decode_steps
+        self.busy_decode_steps = busy_decode_steps
+        self.max_waiting = max_waiting
+        self.max_running = max_running
+        self.on_worker_failure = on_worker_failure
+        self._ids = itertools.count(1)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._to_free: list[Sequence] = []
+        self._resets: list[int] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # ----------------------------------------------------------------- API for the service
+    def new_sequence(self, tokens: list[int], sampling: common_pb2.SamplingParams) -> Sequence:
+        return Sequence(next(self._ids), list(tokens), sampling)
+
+    def submit(self, seq: Sequence, limits: Limits, *, prefill_only: bool) -> None:
+        """Start a call on `seq`: prefill what is not cached (or all, for prefill_only) and then
+        decode until `limits`; events arrive on `seq.events`."""
+        if len(self._waiting) >= self.max_waiting:
+            raise ResourceExhaustedError(
+                f"the request queue is full ({self.max_waiting} waiting)", reason="QUEUE_FULL",
+                retry_after_s=1.0, metadata={"waiting": len(self._waiting)})
+        seq.start_call(limits, prefill_only)
+        if seq.needs_prefill:
+            seq.phase = Phase.WAITING
+            self._waiting.append(seq)
+        else:
+            seq.phase = Phase.RUNNING
+            seq.admitted_at = time.monotonic()
+            self._running.append(seq)
+        self._wake.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        self._wake.set()
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence is gone for good (Generate ended, session reset): free its cache."""
+        seq.cancelled = True
+        self._to_free.append(seq)
+        self._wake.set()
+
+    def evict(self, seq: Sequence) -> None:
+        """Drop an idle sequence's cache; it is rebuilt from its history when next used."""
+        self.allocator.free(seq.seq_id)
+        self._resets.append(seq.seq_id)
+        seq.cached, seq.in_sync = 0, False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def fail_all(self, error: ShardLMError) -> None:
+        """Workers are gone: every in-flight call ends with `error`; caches are lost."""
+        for seq in list(self._waiting) + self._running:
+            seq.events.put_nowait(ErrorEvent(error))
+            self._park_or_free(seq)
+        self._waiting.clear()
+        self._running.clear()
+        for session in self.sessions.all():
+            self.allocator.free(session.seq.seq_id)
+            session.seq.cached, session.seq.in_sync = 0, False
+        self._resets.clear()
+
+    # ----------------------------------------------------------------- the loop
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._iteration()
+            except ShardLMError as exc:
+                log.error("worker step failed: %s", exc)
+                self.on_worker_failure(exc)
+            except Exception:  # noqa: BLE001 - the loop must survive a bug in one iteration
+                log.exception("scheduler iteration failed")
+            self._update_gauges()
+            if self._waiting or self._running:
+                self._wake.set()
+
+    async def _iteration(self) -> None:
+        self._reap()
+        if self._resets:
+            ids, self._resets = self._resets, []
+            await self.pool.reset(worker_pb2.ResetCacheRequest(sequence_ids=ids))
+        batch = self._admit()
+        if batch:
+            await self._prefill(batch)
+        self._reap()
+        if self._running:
+            await self._decode()
+
+    def _reap(self) -> None:
+        for seq in self._to_free:
+            self.allocator.free(seq.seq_id)
+            self._resets.append(seq.seq_id)
+            seq.phase = Phase.DONE
+        freed = {id(s) for s in self._to_free}
+        self._to_free.clear()
+        for session in self.sessions.expired():
+            self.sessions.remove(session.session_id)
+            self.allocator.free(session.seq.seq_id)
+            self._resets.append(session.seq.seq_id)
+        keep = deque()
+        for seq in self._waiting:
+            if id(seq) in freed or seq.phase is Phase.DONE:
+                continue
+            if seq.cancelled:
+                self._park_or_free(seq)
+            else:
+                keep.append(seq)
+        self._waiting = keep
+        running = []
+        for seq in self._running:
+            if id(seq) in freed or seq.phase is Phase.DONE:
+                continue
+            if seq.cancelled or seq.finish_after is not None:
+                self._park_or_free(seq)
+            elif seq.phase is Phase.RUNNING:
+                running.append(seq)
+        self._running = running
+
+    def _truncate_after_stop(self, seq: Sequence) -> None:
+        """A stop sequence matched: forget tokens generated after it (text never sent)."""
+        if seq.finish_after is None:
+            return
+        extra = seq.generated - seq.finish_after
+        if extra > 0:
+            del seq.tokens[-extra:]
+            seq.cached = min(seq.cached, len(seq.tokens) - 1)
+            seq.in_sync = False  # the workers hold the longer history: rebuild from `cached`
+            seq.generated = seq.finish_after
+
+    def _park_or_free(self, seq: Sequence) -> None:
+        self._truncate_after_stop(seq)
+        if seq.ephemeral:
+            self.allocator.free(seq.seq_id)
+            self._resets.append(seq.seq_id)
+            seq.phase = Phase.DONE
+        else:
+            self.allocator.shrink(seq.seq_id, seq.cached + 1)
+            seq.phase = Phase.IDLE
+
+    # ----------------------------------------------------------------- prefill
+    def _make_room(self, blocks: int, protect: Sequence | None = None) -> bool:
+        """Free blocks by evicting idle sessions' caches (least recently used first)."""
+        for session in self.sessions.eviction_candidates():
+            if self.allocator.free_blocks >= blocks:
+                break
+            if session.seq is not protect:
+                log.info("evicting idle session %s to free KV blocks", session.session_id)
+                self.evict(session.seq)
+        return self.allocator.free_blocks >= blocks
+
+    def _admit(self) -> list[tuple[Sequence, int, list[int], bool]]:
+        budget = self.prefill_token_budget
+        batch: list[tuple[Sequence, int, list[int], bool]] = []
+        while self._waiting and budget > 0 and len(self._running) + len(batch) < self.max_running:
+            seq = self._waiting[0]
+            if seq.cached >= len(seq.tokens):
+                seq.cached = len(seq.tokens) - 1  # re-run the last token so one is sampled
+            seq.in_sync = False
+            chunk = seq.uncached[:budget]
+            need = self.allocator.extra_blocks_needed(seq.seq_id, seq.cached + len(chunk))
+            if need > self.allocator.free_blocks and not self._make_room(need, seq):
+                if not self._running and not batch:  # nothing will ever free enough blocks
+                    self._waiting.popleft()
+                    seq.events.put_nowait(ErrorEvent(ResourceExhaustedError(
+                        "the KV cache is too small for this request", reason="KV_CACHE_FULL",
+                        retry_after_s=5.0, metadata={"required_blocks": need,
+                                                     "free_blocks": self.allocator.free_blocks})))
+                    self._park_or_free(seq)
+                    continue
+                break  # wait for running sequences to free blocks
+            self._waiting.popleft()
+            self.allocator.grow(seq.seq_id, seq.cached + len(chunk))
+            final = len(chunk) == len(seq.uncached)
+            batch.append((seq, seq.cached, chunk, final))
+            budget -= len(chunk)
+            if not final:
+                self._waiting.appendleft(seq)  # its next chunk goes first next iteration
+                break
+        return batch
+
+    async def _prefill(self, batch: list[tuple[Sequence, int, list[int], bool]]) -> None:
+        request = worker_pb2.PrefillRequest(sequences=[
+            worker_pb2.PrefillSequence(
+                sequence_id=seq.seq_id, token_ids=chunk, start_position=start,
+                block_table=self.allocator.table(seq.seq_id), sampling=seq.sampling,
+                stop=seq.worker_stop(), sample=final)
+            for seq, start, chunk, final in batch])
+        self.metrics.prefill_batch_tokens.observe(sum(len(c) for _s, _st, c, _f in batch))
+        try:
+            reply = await self.pool.prefill(request)
+        except ShardLMError as exc:
+            self._fail_step([seq for seq, *_ in batch], exc)
+            raise
+        tokens = {t.sequence_id: t for t in reply.tokens}
+        now = time.monotonic()
+        for seq, start, chunk, final in batch:
+            seq.cached = start + len(chunk)
+            if seq.admitted_at is None:
+                seq.admitted_at = now
+                self.metrics.queue_seconds.observe(now - seq.enqueued_at)
+            if not final:
+                continue
+            self._accept_token(seq, tokens[seq.seq_id], counts=not seq.prefill_only)
+            seq.in_sync = True
+            if seq.prefill_only:
+                seq.events.put_nowait(TokenEvent(seq.tokens[-1], _logprobs(tokens[seq.seq_id])))
+                self._park_or_free(seq)
+            elif seq.phase is not Phase.DONE and seq.phase is not Phase.IDLE:
+                seq.phase = Phase.RUNNING
+                self._running.append(seq)
+
+    # ----------------------------------------------------------------- decode
+    def _plan_steps(self) -> dict[int, int]:
+        k = self.busy_decode_steps if self._waiting else self.max_decode_steps
+        plan: dict[int, int] = {}
+        for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
+            steps = max(1, min(k, seq.limits.max_new_tokens - seq.generated))
+            need = self.allocator.extra_blocks_needed(seq.seq_id, seq.cached + steps)
+            if need > self.allocator.free_blocks:
+                self._make_room(need, seq)
+            while steps > 1 and not self.allocator.can_grow(seq.seq_id, seq.cached + steps):
+                steps -= 1
+            if not self.allocator.can_grow(seq.seq_id, seq.cached + steps):
+                continue
+            self.allocator.grow(seq.seq_id, seq.cached + steps)
+            plan[seq.seq_id] = steps
+        for seq in list(self._running):
+            if seq.seq_id not in plan:
+                self._preempt(seq)
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("preempting sequence %d (recompute later): KV cache full", seq.seq_id)
+        self.metrics.preemptions.inc()
+        self.allocator.free(seq.seq_id)
+        seq.cached, seq.in_sync, seq.phase = 0, False, Phase.WAITING
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+
+    async def _decode(self) -> None:
+        plan = self._plan_steps()
+        if not plan:
+            return
+        by_id = {s.seq_id: s for s in self._running if s.seq_id in plan}
+        request = worker_pb2.DecodeRequest(num_steps=max(plan.values()), sequences=[
+            worker_pb2.DecodeSequence(
+                sequence_id=sid, block_table=self.allocator.table(sid), max_steps=steps,
+                stop=by_id[sid].worker_stop(),
+                **({"sampling": by_id[sid].sampling} if by_id[sid].sampling_changed else {}))
+            for sid, steps in plan.items()])
+        for seq in by_id.values():
+            seq.sampling_changed = False
+        self.metrics.decode_batch_size.observe(len(plan))
+        try:
+            async for step in self.pool.decode(request):
+                for token in step.tokens:
+                    seq = by_id[token.sequence_id]
+                    seq.cached += 1  # the fed token's K/V is cached now
+                    if seq.phase is Phase.RUNNING:
+                        self._accept_token(seq, token, counts=True)
+                    else:  # finished (stop sequence) while the call ran on: keep history exact
+                        seq.tokens.append(token.token_id)
+                        seq.generated += 1
+        except ShardLMError as exc:
+            self._fail_step(list(by_id.values()), exc)
+            raise
+        for seq in by_id.values():
+            if seq.phase is not Phase.DONE:
+                self.allocator.shrink(seq.seq_id, seq.cached + 1)
+
+    def _accept_token(self, seq: Sequence, token: worker_pb2.SequenceToken, counts: bool) -> None:
+        seq.tokens.append(token.token_id)
+        if not counts:
+            return
+        seq.generated += 1
+        reason = token.finish_reason
+        if reason == FINISHED_BY_WORKER and seq.generated >= seq.limits.max_new_tokens:
+            reason = common_pb2.FINISH_REASON_LENGTH
+        seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token), reason))
+        if reason != FINISHED_BY_WORKER:
+            seq.finish_reason = reason
+            self._park_or_free(seq)
+            if seq in self._running:
+                self._running.remove(seq)
+
+    def _fail_step(self, seqs: list[Sequence], error: ShardLMError) -> None:
+        for seq in seqs:
+            seq.events.put_nowait(ErrorEvent(error))
+            self.allocator.free(seq.seq_id)
+            seq.cached, seq.in_sync = 0, False
+            seq.phase = Phase.DONE if seq.ephemeral else Phase.IDLE
+            if seq in self._running:
+                self._running.remove(seq)
+        self._resets.extend(s.seq_id for s in seqs)
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_length.set(len(self._waiting))
+        self.metrics.running_sequences.set(len(self._running))
+        self.metrics.kv_blocks_used.set(self.allocator.used_blocks)
+        self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
+
+
+def _logprobs(token: worker_pb2.SequenceToken) -> common_pb2.Logprobs | None:
+    return token.logprobs if token.HasField("logprobs") else None

@@ -1,0 +1,77 @@
+"""Assemble and run the gateway: the API, health, reflection and metrics, and a graceful drain.
+
+Health is NOT_SERVING until a model is loaded and again while draining. Draining refuses new
+calls (UNAVAILABLE, reason DRAINING), lets in-flight streams finish within a grace period, then
+stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+from gateway.interceptors import ErrorInterceptor
+from gateway.metrics import Metrics
+from gateway.runtime import SERVICE_NAME, Limits, Runtime
+from gateway.service import GatewayServicer
+from worker.launcher import WorkerGroup
+
+log = logging.getLogger("shardlm.gateway")
+MAX_REQUEST_BYTES = 8 << 20
+
+
+@dataclass
+class GatewayServer:
+    server: grpc.aio.Server
+    runtime: Runtime
+    metrics: Metrics
+    port: int
+
+    async def drain(self, grace_s: float = 30.0) -> None:
+        """Stop taking calls, let the running ones finish (up to grace_s), then stop."""
+        rt = self.runtime
+        rt.draining = True
+        await rt.set_serving(False)
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while rt.model is not None and (rt.model.scheduler.running or rt.model.scheduler.waiting):
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("drain grace period over; cancelling what still runs")
+                break
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        await rt.close()
+
+
+async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: int = 0,
+                        limits: Limits | None = None, metrics_port: int | None = None,
+                        credentials: grpc.ServerCredentials | None = None) -> GatewayServer:
+    metrics = Metrics()
+    health = health_aio.HealthServicer()
+    runtime = Runtime(group, metrics, limits or Limits(), health)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(metrics)],
+        options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                 ("grpc.so_reuseport", 0)])
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(runtime), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
+             "grpc.health.v1.Health", reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, credentials) if credentials
+             else server.add_insecure_port(address))
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    await runtime.set_serving(False)
+    await server.start()
+    if metrics_port is not None:
+        metrics.serve_http(metrics_port, host)
+    assert SERVICE_NAME == names[0]
+    return GatewayServer(server, runtime, metrics, bound)

@@ -1,0 +1,56 @@
+"""A real gateway on loopback over real worker processes, driven with sync gRPC stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from shardlm.gateway.v1 import gateway_pb2_grpc
+
+from gateway.runtime import Limits
+from gateway.server import start_gateway
+from worker.launcher import WorkerGroup
+
+
+class LiveGateway:
+    def __init__(self, workers: int, limits: Limits) -> None:
+        self.group = WorkerGroup.spawn(workers)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(start_gateway(self.group, limits=limits))
+        self.address = f"127.0.0.1:{self.server.port}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+
+    def call(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def runtime(self):
+        return self.server.runtime
+
+    @property
+    def metrics(self):
+        return self.server.metrics
+
+    def kv_used(self) -> int:
+        async def used():
+            return self.runtime.model.allocator.used_blocks
+        return self.call(used())
+
+    def close(self) -> None:
+        self.channel.close()
+        self.call(self.server.drain(grace_s=2))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.group.close()
+
+
+@pytest.fixture(scope="module")
+def live():
+    gateway = LiveGateway(1, Limits(session_idle_timeout_s=600))
+    yield gateway
+    gateway.close()

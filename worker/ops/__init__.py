@@ -1,0 +1,269 @@
+"""ShardLM's compiled ops (``torch.ops.shardlm.*``) with typed Python wrappers.
+
+Importing this package loads ``worker._C`` (which registers the CPU and, when
+built with CUDA, the CUDA kernels) and registers fake implementations so the
+ops work under FakeTensor / ``torch.compile`` / ``torch.library.opcheck``.
+
+Set ``SHARDLM_OPS=reference`` to route every function to the plain-PyTorch
+implementations in :mod:`worker.ops.reference` (slow; for debugging). In that
+mode a missing ``worker._C`` is tolerated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "CUDA_BUILT",
+    "USE_REFERENCE",
+    "compute_cos_sin_cache",
+    "fused_add_rms_norm",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+INSTALL_COMMAND = "pip install --no-build-isolation -e ."
+USE_REFERENCE = os.environ.get("SHARDLM_OPS", "").strip().lower() == "reference"
+
+try:
+    from .. import _C
+except ImportError as exc:
+    if not USE_REFERENCE:
+        raise ImportError(
+            f"ShardLM's compiled ops (worker._C) could not be loaded: {exc}. Build them from "
+            f"the repository root with `{INSTALL_COMMAND}` (using the same Python environment "
+            "and torch), or set SHARDLM_OPS=reference to use the slow PyTorch reference ops."
+        ) from exc
+    _C = None
+
+#: True when worker._C was built with CUDA kernels (False for CPU-only builds).
+CUDA_BUILT = bool(_C is not None and _C.cuda_built)
+
+_OP_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "reshape_and_cache",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+)
+
+
+def _fake_mutating_op(*args, **kwargs) -> None:
+    # Every op writes into caller-provided tensors and returns nothing, so the
+    # fake (meta) implementation has no output to describe.
+    return None
+
+
+if _C is not None:
+    for _name in _OP_NAMES:
+        torch.library.register_fake(f"shardlm::{_name}")(_fake_mutating_op)
+
+_ops = torch.ops.shardlm if _C is not None else None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of ``x`` [..., H] (HF LlamaRMSNorm rounding); returns ``out``.
+
+    ``out`` may be ``x`` itself for an in-place norm.
+    """
+    if USE_REFERENCE:
+        return reference.rms_norm(x, weight, eps, out=out)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _ops.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual = x + residual`` (rounded to dtype); ``x = rms_norm(residual)``."""
+    if USE_REFERENCE:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    _ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Neox-style rotary embedding of ``q`` and ``k`` in place.
+
+    positions: int64 [T]. q: [T, num_heads * head_size] or [T, num_heads, head_size],
+    k likewise with num_kv_heads; both may be row-strided views (e.g. slices of a fused
+    qkv tensor). cos_sin_cache: float32 [max_position, rot_dim] = [cos | sin], see
+    :func:`compute_cos_sin_cache`; only the first rot_dim dims of each head rotate.
+    """
+    if USE_REFERENCE:
+        return reference.rotary_embedding(positions, q, k, head_size, cos_sin_cache)
+    _ops.rotary_embedding(positions, q, k, head_size, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` of shape [..., 2*d]; returns [..., d]."""
+    if USE_REFERENCE:
+        return reference.silu_and_mul(x, out=out)
+    if out is None:
+        out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    _ops.silu_and_mul(out, x)
+    return out
+
+
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's k/v [T, kv_heads, head_dim] to cache slot ``slot_mapping[t]``.
+
+    Caches are [num_blocks, block_size, kv_heads, head_dim]; slot = block * block_size +
+    offset; slot -1 marks a padding token and writes nothing.
+    """
+    if USE_REFERENCE:
+        return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    _ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Single-query attention per sequence over the paged KV cache.
+
+    q: [B, num_heads, head_dim]; block_tables: int32 [B, max_blocks]; context_lens:
+    int32 [B] (tokens to attend to, the current one included; 0 = padding row, zero
+    output). ``max_context_len`` must be >= every context length; pass the batch's real
+    maximum, since it sizes the CUDA grid and its float32 split-context workspace.
+    """
+    if USE_REFERENCE:
+        return reference.paged_attention_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=out
+        )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _ops.paged_attention_decode(
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+    )
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of packed new tokens over the paged KV cache.
+
+    q: [total_q, num_heads, head_dim] for B sequences; query_start_loc: int32 [B+1];
+    seq_lens: int32 [B] = cached prefix + new tokens (already written to the cache).
+    Query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys
+    0..position. ``max_query_len`` / ``max_seq_len`` must bound the real values.
+    """
+    if USE_REFERENCE:
+        return reference.paged_attention_prefill(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            max_query_len,
+            max_seq_len,
+            out=out,
+        )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _ops.paged_attention_prefill(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len,
+        max_seq_len,
+    )
+    return out
+
+
+def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    # Same float32 arithmetic as transformers' _compute_default_rope_parameters.
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim)
+    )
+    rope_type = "default"
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported")
+    # transformers' _compute_llama3_parameters, operation for operation.
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def compute_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """float32 [max_position, head_dim] = [cos | sin] of position * inv_freq.
+
+    Matches HF's rotary embedding (default rope and ``rope_type="llama3"``): HF's
+    ``cos(cat(freqs, freqs))`` repeats the same half, so storing each half once is
+    equivalent. Compute on the model's ``device`` to reproduce HF bit for bit.
+    """
+    inv_freq = _rope_inv_freq(head_dim, base, rope_scaling).to(device)
+    positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().contiguous()

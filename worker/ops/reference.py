@@ -1,0 +1,160 @@
+"""Plain-PyTorch reference implementations of ShardLM's compiled ops.
+
+Written for clarity, not speed: they define what the kernels in ``csrc/``
+must compute and are what ``SHARDLM_OPS=reference`` routes to. Signatures
+match the public functions in :mod:`worker.ops`. Rounding follows the
+Hugging Face Llama/Qwen2 modules where the ops stand in for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, round, then scale in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    result = weight * h.to(x.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """residual = x + residual (in the model dtype); x = rms_norm(residual)."""
+    residual.copy_(x + residual)
+    x.copy_(rms_norm(residual, weight, eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> None:
+    # View [T, heads*head_size] as [T, heads, head_size]; writes go to x's storage.
+    heads = x.unflatten(-1, (-1, head_size)) if x.dim() == 2 else x
+    rot_dim = cos.shape[-1]
+    part = heads[..., :rot_dim]
+    xf = part.float()
+    half = rot_dim // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)  # HF rotate_half
+    part.copy_((xf * cos + rotated * sin).to(x.dtype))
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Neox-style (rotate_half) rotary embedding of q and k in place, in float32."""
+    half = cos_sin_cache.shape[1] // 2
+    cache = cos_sin_cache[positions]  # [T, rot_dim]
+    cos = torch.cat((cache[:, :half], cache[:, :half]), dim=-1)[:, None, :]
+    sin = torch.cat((cache[:, half:], cache[:, half:]), dim=-1)[:, None, :]
+    _rotate(q, cos, sin, head_size)
+    _rotate(k, cos, sin, head_size)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up], both ops in x's dtype like HF's MLP."""
+    d = x.shape[-1] // 2
+    result = F.silu(x[..., :d]) * x[..., d:]
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter token t's k/v to cache[slot // block_size, slot % block_size]; slot -1 skips."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache[slots // block_size, slots % block_size] = k[valid]
+    v_cache[slots // block_size, slots % block_size] = v[valid]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` cached tokens of one sequence: [length, kv_heads, head_dim]."""
+    block_size = k_cache.shape[1]
+    blocks = block_row[: (length + block_size - 1) // block_size].long()
+    keys = k_cache[blocks].flatten(0, 1)[:length]
+    values = v_cache[blocks].flatten(0, 1)[:length]
+    return keys, values
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, q_pos: torch.Tensor
+) -> torch.Tensor:
+    """Causal GQA attention in float32: query n sees keys 0..q_pos[n]. q: [n, H, D]."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
+    key_pos = torch.arange(keys.shape[0], device=q.device)
+    scores = scores.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", probs, values).to(q.dtype)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sequence's single query attends to its first context_lens[b] cached tokens."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for b in range(q.shape[0]):
+        ctx = int(context_lens[b])
+        if ctx == 0:
+            out[b] = 0  # padding row
+            continue
+        keys, values = _gather_kv(k_cache, v_cache, block_tables[b], ctx)
+        last = torch.tensor([ctx - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], keys, values, scale, last)[0]
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention: the new queries are the last q_len tokens of each sequence."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if end == start:
+            continue
+        seq_len = int(seq_lens[b])
+        keys, values = _gather_kv(k_cache, v_cache, block_tables[b], seq_len)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        out[start:end] = _attend(q[start:end], keys, values, scale, q_pos)
+    return out
