@@ -22,7 +22,6 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError, UnavailableError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
-
 MAX_MESSAGE_BYTES = 256 << 20  # debug taps of large models are big
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]

@@ -1,0 +1,88 @@
+"""`shardlm serve`: workers + gateway in one command, with a graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from shardlm.common.v1 import common_pb2
+from shardlm.errors import ShardLMError
+
+from gateway.runtime import Limits
+from gateway.server import start_gateway
+from worker.launcher import WorkerGroup
+
+log = logging.getLogger("shardlm.serve")
+DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
+               "float16": common_pb2.DTYPE_FLOAT16}
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _start_workers(s: dict) -> WorkerGroup:
+    if s["workers"]:
+        addresses = [a.strip() for a in str(s["workers"]).split(",") if a.strip()]
+        group = WorkerGroup.connect(addresses, "cuda" if s["device"] == "cuda" else "cpu")
+        group.wait_healthy(60)
+        return group
+    device = s["device"] or ("cuda" if _cuda_available() else "cpu")
+    devices = [int(d) for d in str(s["devices"]).split(",")] if s["devices"] else None
+    count = len(devices) if devices else int(s["tp"] or 1)
+    return WorkerGroup.spawn(count, device=device, devices=devices)
+
+
+async def serve(s: dict) -> int:
+    from gateway.cli import install_stop_handlers
+
+    try:
+        group = await asyncio.to_thread(_start_workers, s)
+    except (ShardLMError, OSError, ValueError) as exc:
+        print(f"error: could not start workers: {exc}", file=sys.stderr)
+        return 1
+    limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
+                    session_idle_timeout_s=float(s["session_idle_timeout"]))
+    try:
+        server = await start_gateway(group, host=s["host"], port=int(s["port"]), limits=limits,
+                                     metrics_port=s["metrics_port"])
+    except OSError as exc:
+        group.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    address = f"{s['host']}:{server.port}"
+    print(f"ShardLM gateway on {address} with {group.world_size} worker(s)", flush=True)
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    if s["model"]:
+        kv = common_pb2.KvCacheConfig(block_size=int(s["block_size"]),
+                                      memory_bytes=int(s["kv_cache_mb"]) << 20)
+
+        def progress(p: common_pb2.LoadProgress) -> None:
+            print(f"loading: {p.fraction:4.0%} {p.message}", flush=True)
+
+        try:
+            model = await server.runtime.load(str(s["model"]), DTYPE_ENUMS.get(s["dtype"] or "", 0),
+                                              0, kv, progress)
+        except ShardLMError as exc:
+            print(f"error: could not load {s['model']}: {exc.message}", file=sys.stderr)
+            await server.drain(0)
+            group.close()
+            return 1
+        print(f"ready: serving {model.info.architecture} from {s['model']} on {address}",
+              flush=True)
+    else:
+        print("no --model given: waiting for a Load call (health is NOT_SERVING until then)",
+              flush=True)
+    await stop.wait()
+    print("draining...", flush=True)
+    await server.drain(float(s["drain_grace"]))
+    await asyncio.to_thread(group.close)
+    print("stopped", flush=True)
+    return 0

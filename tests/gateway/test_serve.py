@@ -1,0 +1,64 @@
+"""`shardlm serve` as users run it: one command, real processes, SIGTERM drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shardlm.common.v1 import common_pb2
+from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    address = None
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("ShardLM gateway on "):
+            address = line.split()[3]
+        if line.startswith(("ready:", "no --model")) or time.monotonic() > deadline:
+            break
+    assert address, "serve did not come up"
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, address
+
+
+def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text(f'model = "{llama_dir}"\ndtype = "float32"\ndrain_grace = 20\n')
+    proc, address = start_serve("--config", str(config), "--tp", "2")
+    try:
+        channel = grpc.insecure_channel(address)
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        stream = stub.Generate(gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+            stop=common_pb2.StopConditions(max_new_tokens=300, ignore_eos=True)))
+        chunks = [next(stream)]
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        try:
+            list(stub.Generate(gateway_pb2.GenerateRequest(text="late")))
+            raise AssertionError("a new call during drain must be refused")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+        chunks += list(stream)  # the in-flight stream still completes
+        assert sum(len(c.token_ids) for c in chunks) == 300
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
