@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from shardlm.common.v1 import common_pb2
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     IDLE = "idle"  # parked: holds its cache, nobody is generating (a session between calls)
     WAITING = "waiting"  # queued for (re)prefill
     RUNNING = "running"  # in the decode batch

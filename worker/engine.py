@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from worker.sampling import SampledToken, SamplingParams, SamplingRow, TokenHist
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     LENGTH = "length"
     EOS = "eos"
     STOP_TOKEN = "stop_token"

@@ -11,7 +11,7 @@ sequence slots, each a fixed run of blocks (predictable memory, no allocator chu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -22,7 +22,7 @@ DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 
 
-class CacheMode(str, Enum):
+class CacheMode(StrEnum):
     PAGED = "paged"
     STATIC = "static"
 
