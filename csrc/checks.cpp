@@ -1,0 +1,264 @@
+// Input validation shared by the CPU and CUDA implementations. Only metadata
+// (shapes, strides, dtypes, devices) is checked here; data-dependent checks
+// (slot / block-table / length ranges) are done by the CPU kernels, which can
+// read the index tensors for free. The CUDA kernels instead skip out-of-range
+// indices so that a bad input cannot corrupt memory.
+#include "ops.h"
+
+#include <c10/util/Exception.h>
+
+namespace shardlm {
+namespace {
+
+bool is_float_type(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
+}
+
+void check_float(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(is_float_type(t), op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+}
+
+void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name,
+                       const char* op) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(),
+              " but the other tensors are on ", ref.device());
+}
+
+void check_index(const at::Tensor& t, const char* name, at::ScalarType want, int64_t dim,
+                 const char* op) {
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// [num_blocks, block_size, kv_heads, head_dim] key/value caches.
+void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& ref, const char* op) {
+  TORCH_CHECK(key_cache.dim() == 4, op,
+              ": key_cache must be [num_blocks, block_size, kv_heads, head_dim], got ",
+              key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op,
+              ": value_cache shape ", value_cache.sizes(), " != key_cache shape ",
+              key_cache.sizes());
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": key_cache and value_cache must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == ref.scalar_type() &&
+                  value_cache.scalar_type() == ref.scalar_type(),
+              op, ": cache dtypes (", key_cache.scalar_type(), ", ", value_cache.scalar_type(),
+              ") must equal the key/query dtype ", ref.scalar_type());
+  check_same_device(ref, key_cache, "key_cache", op);
+  check_same_device(ref, value_cache, "value_cache", op);
+}
+
+// Common part of the two attention ops: query/out [N, H, D], caches, tables.
+AttnDims check_attention_common(const at::Tensor& out, const at::Tensor& query,
+                                const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, int64_t num_seqs,
+                                const char* op) {
+  check_float(query, "query", op);
+  TORCH_CHECK(query.dim() == 3, op, ": query must be [tokens, num_heads, head_dim], got ",
+              query.sizes());
+  TORCH_CHECK(query.size(2) == 0 || query.stride(2) == 1, op,
+              ": query's last dimension must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes(), op, ": out shape ", out.sizes(),
+              " != query shape ", query.sizes());
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out dtype ", out.scalar_type(),
+              " != query dtype ", query.scalar_type());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_same_device(query, out, "out", op);
+  check_caches(key_cache, value_cache, query, op);
+  check_index(block_tables, "block_tables", at::kInt, 2, op);
+  check_same_device(query, block_tables, "block_tables", op);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, op, ": block_tables has ",
+              block_tables.size(0), " rows but there are ", num_seqs, " sequences");
+
+  AttnDims d{};
+  d.num_seqs = num_seqs;
+  d.num_tokens = query.size(0);
+  d.num_heads = query.size(1);
+  d.head_dim = query.size(2);
+  d.num_blocks = key_cache.size(0);
+  d.block_size = key_cache.size(1);
+  d.num_kv_heads = key_cache.size(2);
+  d.max_blocks_per_seq = block_tables.size(1);
+  d.q_row_stride = query.stride(0);
+  d.q_head_stride = query.stride(1);
+  TORCH_CHECK(key_cache.size(3) == d.head_dim, op, ": cache head_dim ", key_cache.size(3),
+              " != query head_dim ", d.head_dim);
+  TORCH_CHECK(d.head_dim > 0, op, ": head_dim must be positive");
+  TORCH_CHECK(d.block_size > 0, op, ": block_size must be positive");
+  TORCH_CHECK(d.num_kv_heads > 0 && d.num_heads % d.num_kv_heads == 0, op, ": num_heads (",
+              d.num_heads, ") must be a multiple of num_kv_heads (", d.num_kv_heads, ")");
+  return d;
+}
+
+}  // namespace
+
+int64_t check_rms_norm(const at::Tensor& dst, const char* dst_name, const at::Tensor& src,
+                       const char* src_name, const at::Tensor& weight, const char* op) {
+  check_float(src, src_name, op);
+  TORCH_CHECK(src.dim() >= 1, op, ": ", src_name, " must be at least 1-D");
+  TORCH_CHECK(dst.sizes() == src.sizes(), op, ": ", dst_name, " shape ", dst.sizes(), " != ",
+              src_name, " shape ", src.sizes());
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type() && weight.scalar_type() == src.scalar_type(),
+              op, ": ", dst_name, ", ", src_name, " and weight must share one dtype, got ",
+              dst.scalar_type(), ", ", src.scalar_type(), ", ", weight.scalar_type());
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), op, ": ", dst_name, " and ", src_name,
+              " must be contiguous");
+  const int64_t hidden = src.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(), op,
+              ": weight must be a contiguous [", hidden, "] tensor, got ", weight.sizes());
+  check_same_device(src, dst, dst_name, op);
+  check_same_device(src, weight, "weight", op);
+  return hidden;
+}
+
+int64_t check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
+  const char* op = "silu_and_mul";
+  check_float(input, "input", op);
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
+              ": input's last dimension must be even ([..., 2*d]), got ", input.sizes());
+  const int64_t d = input.size(-1) / 2;
+  auto want = input.sizes().vec();
+  want.back() = d;
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(want), op, ": out must have shape ",
+              at::IntArrayRef(want),
+              ", got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), op, ": out dtype ", out.scalar_type(),
+              " != input dtype ", input.scalar_type());
+  TORCH_CHECK(input.is_contiguous() && out.is_contiguous(), op,
+              ": input and out must be contiguous");
+  check_same_device(input, out, "out", op);
+  return d;
+}
+
+namespace {
+// query/key for rotary: [T, heads*head_size] or [T, heads, head_size].
+void rope_layout(const at::Tensor& t, const char* name, int64_t num_tokens, int64_t head_size,
+                 int64_t& heads, int64_t& row_stride, int64_t& head_stride) {
+  const char* op = "rotary_embedding";
+  TORCH_CHECK(t.dim() == 2 || t.dim() == 3, op, ": ", name,
+              " must be [tokens, heads*head_size] or [tokens, heads, head_size], got ",
+              t.sizes());
+  TORCH_CHECK(t.size(0) == num_tokens, op, ": ", name, " has ", t.size(0),
+              " tokens but positions has ", num_tokens);
+  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, op, ": ", name,
+              "'s last dimension must be contiguous");
+  row_stride = t.stride(0);
+  if (t.dim() == 2) {
+    TORCH_CHECK(t.size(1) % head_size == 0, op, ": ", name, " width ", t.size(1),
+                " is not a multiple of head_size ", head_size);
+    heads = t.size(1) / head_size;
+    head_stride = head_size;
+  } else {
+    TORCH_CHECK(t.size(2) == head_size, op, ": ", name, " head size ", t.size(2),
+                " != head_size ", head_size);
+    heads = t.size(1);
+    head_stride = t.stride(1);
+  }
+}
+}  // namespace
+
+RopeDims check_rotary(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                      int64_t head_size, const at::Tensor& cos_sin_cache) {
+  const char* op = "rotary_embedding";
+  check_index(positions, "positions", at::kLong, 1, op);
+  check_float(query, "query", op);
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), op, ": key dtype ", key.scalar_type(),
+              " != query dtype ", query.scalar_type());
+  TORCH_CHECK(head_size > 0, op, ": head_size must be positive");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.is_contiguous(),
+              op, ": cos_sin_cache must be a contiguous float32 [max_position, rot_dim] tensor");
+  check_same_device(query, positions, "positions", op);
+  check_same_device(query, key, "key", op);
+  check_same_device(query, cos_sin_cache, "cos_sin_cache", op);
+
+  RopeDims d{};
+  d.num_tokens = positions.size(0);
+  d.head_size = head_size;
+  d.rot_dim = cos_sin_cache.size(1);
+  d.max_position = cos_sin_cache.size(0);
+  TORCH_CHECK(d.rot_dim > 0 && d.rot_dim % 2 == 0 && d.rot_dim <= head_size, op,
+              ": cos_sin_cache width (rot_dim) must be even and in (0, head_size], got ",
+              d.rot_dim);
+  rope_layout(query, "query", d.num_tokens, head_size, d.q_heads, d.q_row_stride,
+              d.q_head_stride);
+  rope_layout(key, "key", d.num_tokens, head_size, d.k_heads, d.k_row_stride, d.k_head_stride);
+  return d;
+}
+
+CacheWriteDims check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                       const at::Tensor& slot_mapping) {
+  const char* op = "reshape_and_cache";
+  check_float(key, "key", op);
+  TORCH_CHECK(key.dim() == 3, op, ": key must be [tokens, kv_heads, head_dim], got ",
+              key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), op, ": value shape ", value.sizes(),
+              " != key shape ", key.sizes());
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ",
+              value.scalar_type(), " != key dtype ", key.scalar_type());
+  TORCH_CHECK(key.numel() == 0 || (key.stride(2) == 1 && value.stride(2) == 1), op,
+              ": key and value must be contiguous in head_dim");
+  check_same_device(key, value, "value", op);
+  check_caches(key_cache, value_cache, key, op);
+  check_index(slot_mapping, "slot_mapping", at::kLong, 1, op);
+  check_same_device(key, slot_mapping, "slot_mapping", op);
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), op, ": slot_mapping has ",
+              slot_mapping.size(0), " entries but key has ", key.size(0), " tokens");
+  TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), op,
+              ": cache [.., .., kv_heads, head_dim] = ", key_cache.sizes(),
+              " does not match key ", key.sizes());
+
+  CacheWriteDims d{};
+  d.num_tokens = key.size(0);
+  d.kv_heads = key.size(1);
+  d.head_dim = key.size(2);
+  d.num_blocks = key_cache.size(0);
+  d.block_size = key_cache.size(1);
+  d.k_row_stride = key.stride(0);
+  d.k_head_stride = key.stride(1);
+  d.v_row_stride = value.stride(0);
+  d.v_head_stride = value.stride(1);
+  return d;
+}
+
+AttnDims check_paged_decode(const at::Tensor& out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t max_context_len) {
+  const char* op = "paged_attention_decode";
+  check_index(context_lens, "context_lens", at::kInt, 1, op);
+  check_same_device(query, context_lens, "context_lens", op);
+  TORCH_CHECK(query.dim() >= 1 && context_lens.size(0) == query.size(0), op,
+              ": context_lens has ", context_lens.size(0), " entries but query has ",
+              query.dim() >= 1 ? query.size(0) : 0, " sequences");
+  TORCH_CHECK(max_context_len >= 0, op, ": max_context_len must be >= 0");
+  return check_attention_common(out, query, key_cache, value_cache, block_tables,
+                                context_lens.size(0), op);
+}
+
+AttnDims check_paged_prefill(const at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& seq_lens, int64_t max_query_len,
+                             int64_t max_seq_len) {
+  const char* op = "paged_attention_prefill";
+  check_index(seq_lens, "seq_lens", at::kInt, 1, op);
+  check_index(query_start_loc, "query_start_loc", at::kInt, 1, op);
+  check_same_device(query, seq_lens, "seq_lens", op);
+  check_same_device(query, query_start_loc, "query_start_loc", op);
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, op,
+              ": query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
+              " entries, got ", query_start_loc.size(0));
+  TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, op,
+              ": max_query_len and max_seq_len must be >= 0");
+  return check_attention_common(out, query, key_cache, value_cache, block_tables,
+                                seq_lens.size(0), op);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,120 @@
+// CPU: rotary_embedding (neox / rotate_half layout) and reshape_and_cache.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "../dispatch.h"
+#include "../ops.h"
+#include "cpu_utils.h"
+
+namespace shardlm {
+namespace {
+
+using cpu::from_f;
+using cpu::to_f;
+
+// Rotates one head in place. In float32 this is bit-identical to HF's
+// `q * cos + rotate_half(q) * sin`: the same two products and one sum per
+// element (the build passes -ffp-contract=off so no FMA fuses them).
+template <typename T>
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(x[i]);
+    const float x2 = to_f(x[i + half]);
+    x[i] = from_f<T>(x1 * cos[i] - x2 * sin[i]);
+    x[i + half] = from_f<T>(x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+template <typename T>
+void rotary_impl(const int64_t* positions, T* q, T* k, const float* cache, const RopeDims& d) {
+  const int64_t half = d.rot_dim / 2;
+  const int64_t per_token = (d.q_heads + d.k_heads) * d.rot_dim;
+  at::parallel_for(0, d.num_tokens, cpu::grain_for(per_token), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cache + positions[t] * d.rot_dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < d.q_heads; ++h) {
+        rotate_head(q + t * d.q_row_stride + h * d.q_head_stride, cos, sin, half);
+      }
+      for (int64_t h = 0; h < d.k_heads; ++h) {
+        rotate_head(k + t * d.k_row_stride + h * d.k_head_stride, cos, sin, half);
+      }
+    }
+  });
+}
+
+template <typename T>
+void reshape_and_cache_impl(const T* key, const T* value, T* key_cache, T* value_cache,
+                            const int64_t* slots, const CacheWriteDims& d) {
+  const int64_t row = d.kv_heads * d.head_dim;  // one token's entry in the cache
+  const size_t head_bytes = static_cast<size_t>(d.head_dim) * sizeof(T);
+  at::parallel_for(0, d.num_tokens, cpu::grain_for(row), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) {
+        continue;  // padding token: nothing to cache
+      }
+      // slot = block * block_size + offset, and the cache is
+      // [num_blocks, block_size, ...] contiguous, so the slot is the row index.
+      T* kdst = key_cache + slot * row;
+      T* vdst = value_cache + slot * row;
+      for (int64_t h = 0; h < d.kv_heads; ++h) {
+        std::memcpy(kdst + h * d.head_dim, key + t * d.k_row_stride + h * d.k_head_stride,
+                    head_bytes);
+        std::memcpy(vdst + h * d.head_dim, value + t * d.v_row_stride + h * d.v_head_stride,
+                    head_bytes);
+      }
+    }
+  });
+}
+
+// Index checks run before any write so a bad call leaves the tensors untouched.
+void check_positions(const int64_t* positions, const RopeDims& d) {
+  for (int64_t t = 0; t < d.num_tokens; ++t) {
+    TORCH_CHECK(positions[t] >= 0 && positions[t] < d.max_position,
+                "rotary_embedding: position ", positions[t], " of token ", t,
+                " is outside cos_sin_cache [0, ", d.max_position, ")");
+  }
+}
+
+void check_slots(const int64_t* slots, const CacheWriteDims& d) {
+  const int64_t num_slots = d.num_blocks * d.block_size;
+  for (int64_t t = 0; t < d.num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "reshape_and_cache: slot ", slots[t],
+                " of token ", t, " is outside [-1, ", num_slots, ") (-1 marks padding)");
+  }
+}
+
+}  // namespace
+
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                          int64_t head_size, const at::Tensor& cos_sin_cache) {
+  const RopeDims d = check_rotary(positions, query, key, head_size, cos_sin_cache);
+  if (d.num_tokens == 0) {
+    return;
+  }
+  check_positions(positions.const_data_ptr<int64_t>(), d);
+  SHARDLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "rotary_embedding", [&] {
+    rotary_impl(positions.const_data_ptr<int64_t>(), query.data_ptr<scalar_t>(),
+                key.data_ptr<scalar_t>(), cos_sin_cache.const_data_ptr<float>(), d);
+  });
+}
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const CacheWriteDims d =
+      check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  if (d.num_tokens == 0 || d.kv_heads == 0 || d.head_dim == 0) {
+    return;
+  }
+  check_slots(slot_mapping.const_data_ptr<int64_t>(), d);
+  SHARDLM_DISPATCH_FLOAT_TYPES(key.scalar_type(), "reshape_and_cache", [&] {
+    reshape_and_cache_impl(key.const_data_ptr<scalar_t>(), value.const_data_ptr<scalar_t>(),
+                           key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+                           slot_mapping.const_data_ptr<int64_t>(), d);
+  });
+}
+
+}  // namespace shardlm

@@ -1,0 +1,72 @@
+// Operator schemas, CPU registrations and the Python module stub.
+//
+// The ops are plain dispatcher ops (torch.ops.shardlm.*), so the Python
+// module itself exports nothing but build metadata. We use the bare CPython
+// API instead of pybind11: importing `worker._C` only has to dlopen the .so
+// (which runs the static registrars below), and skipping pybind11's headers
+// keeps the build noticeably faster.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+#ifndef SHARDLM_WITH_CUDA
+#define SHARDLM_WITH_CUDA 0
+#endif
+
+TORCH_LIBRARY(shardlm, m) {
+  // All ops write into caller-provided tensors and return nothing: the
+  // serving loop preallocates activations and the KV cache, and `(a!)`
+  // annotations let torch.compile / functionalization reason about it.
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
+      "Tensor cos_sin_cache) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
+      "int max_context_len) -> ()");
+  m.def(
+      "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
+      "float scale, int max_query_len, int max_seq_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
+  m.impl("rms_norm", &shardlm::rms_norm_cpu);
+  m.impl("fused_add_rms_norm", &shardlm::fused_add_rms_norm_cpu);
+  m.impl("rotary_embedding", &shardlm::rotary_embedding_cpu);
+  m.impl("silu_and_mul", &shardlm::silu_and_mul_cpu);
+  m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);
+  m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
+  m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);
+}
+
+namespace {
+PyModuleDef shardlm_module = {
+    PyModuleDef_HEAD_INIT,
+    "_C",
+    "ShardLM compiled ops; they are registered as torch.ops.shardlm.* on import.",
+    -1,
+    nullptr,
+};
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&shardlm_module);
+  if (mod == nullptr) {
+    return nullptr;
+  }
+  // Build metadata so Python can tell a CPU-only build from a CUDA one.
+  if (PyModule_AddIntConstant(mod, "cuda_built", SHARDLM_WITH_CUDA) != 0) {
+    Py_DECREF(mod);
+    return nullptr;
+  }
+  return mod;
+}

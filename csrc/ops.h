@@ -1,0 +1,105 @@
+// Declarations shared by the schema registration (ops.cpp), the CPU kernels
+// (cpu/*.cpp), the CUDA launchers (cuda/*.cu) and the input validation
+// (checks.cpp). Validation lives in one place so that the CPU and CUDA
+// implementations reject exactly the same inputs with the same messages.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace shardlm {
+
+// ---------------------------------------------------------------------------
+// Validation helpers (checks.cpp). Each returns the sizes the kernels need, so
+// the kernels never re-derive them differently from what was checked.
+// ---------------------------------------------------------------------------
+
+// rms_norm / fused_add_rms_norm: `dst` and `src` are [..., H] tensors of the
+// same shape (names are used in messages); returns the hidden size H.
+int64_t check_rms_norm(const at::Tensor& dst, const char* dst_name, const at::Tensor& src,
+                       const char* src_name, const at::Tensor& weight, const char* op);
+
+// silu_and_mul: returns d (input is [..., 2*d], out is [..., d]).
+int64_t check_silu_and_mul(const at::Tensor& out, const at::Tensor& input);
+
+struct RopeDims {
+  int64_t num_tokens;
+  int64_t q_heads, k_heads;
+  int64_t head_size, rot_dim, max_position;
+  int64_t q_row_stride, q_head_stride, k_row_stride, k_head_stride;
+};
+RopeDims check_rotary(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                      int64_t head_size, const at::Tensor& cos_sin_cache);
+
+struct CacheWriteDims {
+  int64_t num_tokens, kv_heads, head_dim, num_blocks, block_size;
+  int64_t k_row_stride, k_head_stride, v_row_stride, v_head_stride;
+};
+CacheWriteDims check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                       const at::Tensor& slot_mapping);
+
+struct AttnDims {
+  int64_t num_seqs;      // B
+  int64_t num_tokens;    // rows of query (B for decode, total_q for prefill)
+  int64_t num_heads, num_kv_heads, head_dim;
+  int64_t num_blocks, block_size, max_blocks_per_seq;
+  int64_t q_row_stride, q_head_stride;  // query may be a strided view; out is contiguous
+};
+AttnDims check_paged_decode(const at::Tensor& out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t max_context_len);
+AttnDims check_paged_prefill(const at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& seq_lens, int64_t max_query_len,
+                             int64_t max_seq_len);
+
+// ---------------------------------------------------------------------------
+// CPU implementations (cpu/*.cpp)
+// ---------------------------------------------------------------------------
+void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps);
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                            double eps);
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                          int64_t head_size, const at::Tensor& cos_sin_cache);
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,
+                                const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                double scale, int64_t max_context_len);
+void paged_attention_prefill_cpu(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables,
+                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                 double scale, int64_t max_query_len, int64_t max_seq_len);
+
+// ---------------------------------------------------------------------------
+// CUDA implementations (cuda/*.cu); only compiled and registered when the
+// extension is built with CUDA (SHARDLM_WITH_CUDA=1).
+// ---------------------------------------------------------------------------
+void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                   double eps);
+void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                             double eps);
+void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                           int64_t head_size, const at::Tensor& cos_sin_cache);
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input);
+void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value,
+                            at::Tensor& key_cache, at::Tensor& value_cache,
+                            const at::Tensor& slot_mapping);
+void paged_attention_decode_cuda(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                 double scale, int64_t max_context_len);
+void paged_attention_prefill_cuda(at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables,
+                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                  double scale, int64_t max_query_len, int64_t max_seq_len);
+
+}  // namespace shardlm
