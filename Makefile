@@ -5,7 +5,7 @@ STAMP := $(VENV)/.shardlm-installed
 SOURCES := pyproject.toml setup.py clients/python/pyproject.toml scripts/install.sh \
 	$(wildcard csrc/*.h csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: install test check proto bench
+.PHONY: install test check proto bench serve
 
 $(STAMP): $(SOURCES)
 	bash scripts/install.sh
@@ -27,3 +27,7 @@ proto: install
 
 bench: install
 	$(PY) -m bench.engine_bench
+
+# Serve a checkpoint folder: make serve MODEL=/path/to/model [ARGS="--tp 2 --port 50051"]
+serve: install
+	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
