@@ -25,7 +25,7 @@ from shardlm.worker.v1 import worker_pb2
 
 from gateway.allocator import BlockAllocator
 from gateway.metrics import Metrics
-from gateway.sequence import ErrorEvent, Limits, Phase, Sequence, TokenEvent
+from gateway.sequence import ErrorEvent, FinishEvent, Limits, Phase, Sequence, TokenEvent
 from gateway.sessions import SessionStore
 from gateway.workers import WorkerPool
 
@@ -168,6 +168,8 @@ class Scheduler:
 
     def _reap(self) -> None:
         for seq in self._to_free:
+            if seq.phase in (Phase.WAITING, Phase.RUNNING):  # a call still streams from it
+                seq.events.put_nowait(FinishEvent(common_pb2.FINISH_REASON_CANCELLED))
             self.allocator.free(seq.seq_id)
             self._resets.append(seq.seq_id)
             seq.phase = Phase.DONE

@@ -38,6 +38,13 @@ class ErrorEvent:
 
 
 @dataclass
+class FinishEvent:
+    """The call ended without a new token (its session was reset under it)."""
+
+    finish_reason: int
+
+
+@dataclass
 class Limits:
     """The stop conditions of the current generation call, as the gateway enforces them."""
 

@@ -130,14 +130,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         session: Session | None = None
         if request.session_id:
             session = model.sessions.acquire(request.session_id, owner)
+        new_session = session is None
+        seq = model.scheduler.new_sequence([], request.sampling) if session is None else session.seq
         try:
             if session is not None:
-                self._check_free(session.seq)
-            new_session = session is None
-            history = [] if new_session else session.messages + session.pending_reply()
+                self._check_free(seq)
+            history = [] if session is None else session.messages + session.pending_reply()
             tokens = self._encode(model, request, new_session, history)
-            seq = (model.scheduler.new_sequence([], request.sampling) if new_session
-                   else session.seq)
             if request.WhichOneof("prompt") == "messages":
                 # The whole conversation is re-rendered; the cache is good up to the first
                 # token where the new rendering differs from the history.
@@ -174,9 +173,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                               logprobs=event.logprobs),
                 timings=timings)
         except BaseException:
-            if session is not None and session.seq.cached == 0 and not session.messages \
-                    and request.session_id == "":
-                model.sessions.remove(session.session_id)
+            if new_session:  # a session that never got its first token does not exist
+                if session is not None:
+                    model.sessions.remove(session.session_id)
+                model.scheduler.release(seq)
             raise
         finally:
             if session is not None:
@@ -216,7 +216,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     yield message
             finally:
                 session.reply_parts.append(stream.text)
-                if not finished:
+                if not finished:  # the client left: keep only what it was sent
+                    seq.finish_after = stream.count
                     model.scheduler.cancel(seq)
         finally:
             model.sessions.release_busy(session)

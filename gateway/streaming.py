@@ -15,7 +15,7 @@ from shardlm.common.v1 import common_pb2
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.sequence import ErrorEvent, Sequence, TokenEvent
+from gateway.sequence import ErrorEvent, FinishEvent, Sequence, TokenEvent
 from gateway.stop import StopSequenceMatcher
 from gateway.tokenizer import Tokenizer
 
@@ -71,6 +71,10 @@ class TokenStream:
             event = await self.seq.events.get()
             if isinstance(event, ErrorEvent):
                 raise event.error
+            if isinstance(event, FinishEvent):
+                yield Chunk(text=self.stops.flush(), finish_reason=event.finish_reason,
+                            usage=self._final_usage(), timings=self.timings())
+                return
             assert isinstance(event, TokenEvent)
             self._timestamp()
             chunk = Chunk([event.token_id], logprobs=self._text_logprobs(event.logprobs))
@@ -95,6 +99,11 @@ class TokenStream:
                 return
             self.text_parts.append(chunk.text)
             yield chunk
+
+    @property
+    def count(self) -> int:
+        """Tokens streamed so far."""
+        return len(self.token_times)
 
     @property
     def text(self) -> str:

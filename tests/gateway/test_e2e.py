@@ -182,3 +182,35 @@ def test_unknown_session_and_busy(live, loaded):
     error = rich(err.value)
     assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
     assert error.resource == ("shardlm.session", "nope")
+
+
+def test_session_survives_a_cancelled_decode_and_a_reset_ends_its_stream(live, loaded):
+    stub = live.stub
+    prompt = [1, 70, 71, 72, 73]
+    first = stub.Prefill(gateway_pb2.PrefillRequest(
+        token_ids=gateway_pb2.TokenIds(token_ids=prompt)))
+    stream = stub.Decode(gateway_pb2.DecodeRequest(
+        session_id=first.session_id,
+        stop=common_pb2.StopConditions(max_new_tokens=300, ignore_eos=True)))
+    seen = list(next(stream).token_ids) + list(next(stream).token_ids)
+    stream.cancel()
+    time.sleep(0.3)  # the scheduler parks the session before the next step
+    # History = what the client was sent; the next Decode continues from exactly there.
+    history = prompt + [first.first_token.token_id] + seen
+    more = collect(stub.Decode(gateway_pb2.DecodeRequest(
+        session_id=first.session_id,
+        stop=common_pb2.StopConditions(max_new_tokens=5, ignore_eos=True))))[0]
+    fresh = collect(stub.Generate(gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(token_ids=history), **greedy(5))))[0]
+    assert more == fresh
+    stream = stub.Decode(gateway_pb2.DecodeRequest(
+        session_id=first.session_id,
+        stop=common_pb2.StopConditions(max_new_tokens=400, ignore_eos=True)))
+    next(stream)
+    stub.ResetCache(gateway_pb2.ResetCacheRequest(session_ids=[first.session_id]))
+    last = list(stream)[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    deadline = time.monotonic() + 5
+    while live.kv_used() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live.kv_used() == 0
