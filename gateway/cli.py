@@ -24,7 +24,8 @@ SERVE_DEFAULTS = {
     "model": None, "tp": None, "devices": None, "device": None, "dtype": None,
     "host": "127.0.0.1", "port": 50051, "workers": None, "metrics_port": None,
     "kv_cache_mb": 0, "block_size": 16, "max_new_tokens": 4096, "session_idle_timeout": 600.0,
-    "drain_grace": 30.0,
+    "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
+    "tls_client_ca": None, "model_root": None,
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -47,6 +48,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, help="largest max_new_tokens accepted")
     p.add_argument("--session-idle-timeout", type=float, help="seconds before idle sessions end")
     p.add_argument("--drain-grace", type=float, help="seconds in-flight calls get at shutdown")
+    p.add_argument("--auth-tokens", help="file of 'TOKEN NAME [admin]' lines: require bearer auth")
+    p.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mutual TLS)")
+    p.add_argument("--model-root", help="Load may only read model folders inside this folder")
 
 
 def _client_parsers(sub) -> None:

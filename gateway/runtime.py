@@ -24,6 +24,7 @@ from shardlm.worker.v1 import worker_pb2
 
 from gateway.allocator import BlockAllocator
 from gateway.metrics import Metrics
+from gateway.paths import check_model_path
 from gateway.scheduler import Scheduler
 from gateway.sessions import SessionStore
 from gateway.tokenizer import Tokenizer, TokenizerError
@@ -71,7 +72,8 @@ def not_loaded() -> FailedPreconditionError:
 
 class Runtime:
     def __init__(self, group: WorkerGroup, metrics: Metrics, limits: Limits,
-                 health: health_aio.HealthServicer) -> None:
+                 health: health_aio.HealthServicer, model_root: str | None = None) -> None:
+        self.model_root = model_root
         self.group = group
         self.metrics = metrics
         self.limits = limits
@@ -110,6 +112,7 @@ class Runtime:
                 reason="TENSOR_PARALLEL_MISMATCH",
                 field_violations=[FieldViolation("tensor_parallel_size", f"must be 0 or {world}")],
                 metadata={"tensor_parallel_size": tp_size, "workers": world})
+        model_path = check_model_path(model_path, self.model_root)
         if self._load_lock.locked():
             raise FailedPreconditionError("another Load is in progress", reason="MODEL_NOT_LOADED")
         async with self._load_lock:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 
+from gateway.auth import load_tokens
 from gateway.runtime import Limits
-from gateway.server import start_gateway
+from gateway.server import server_credentials, start_gateway
 from worker.launcher import WorkerGroup
 
 log = logging.getLogger("shardlm.serve")
@@ -50,9 +52,17 @@ async def serve(s: dict) -> int:
     limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
                     session_idle_timeout_s=float(s["session_idle_timeout"]))
     try:
+        credentials = None
+        if s["tls_cert"] or s["tls_key"]:
+            credentials = server_credentials(s["tls_cert"], s["tls_key"], s["tls_client_ca"])
+        tokens = load_tokens(s["auth_tokens"]) if s["auth_tokens"] else None
+        model_root = s["model_root"]
+        if model_root is None and tokens and s["model"]:
+            model_root = str(Path(s["model"]).resolve().parent)  # auth on: never load anywhere
         server = await start_gateway(group, host=s["host"], port=int(s["port"]), limits=limits,
-                                     metrics_port=s["metrics_port"])
-    except OSError as exc:
+                                     metrics_port=s["metrics_port"], credentials=credentials,
+                                     auth_tokens=tokens, model_root=model_root)
+    except (OSError, ValueError, TypeError) as exc:
         group.close()
         print(f"error: {exc}", file=sys.stderr)
         return 1

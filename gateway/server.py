@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -17,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from gateway.auth import AuthInterceptor, Identity
 from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
 from gateway.runtime import SERVICE_NAME, Limits, Runtime
@@ -49,14 +51,28 @@ class GatewayServer:
         await rt.close()
 
 
+def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
+    """TLS with the given certificate; with `client_ca`, mutual TLS (clients must present a
+    certificate signed by that CA)."""
+    pair = (Path(key).read_bytes(), Path(cert).read_bytes())
+    ca = Path(client_ca).read_bytes() if client_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: int = 0,
                         limits: Limits | None = None, metrics_port: int | None = None,
-                        credentials: grpc.ServerCredentials | None = None) -> GatewayServer:
+                        credentials: grpc.ServerCredentials | None = None,
+                        auth_tokens: dict[str, Identity] | None = None,
+                        model_root: str | None = None) -> GatewayServer:
     metrics = Metrics()
     health = health_aio.HealthServicer()
-    runtime = Runtime(group, metrics, limits or Limits(), health)
+    runtime = Runtime(group, metrics, limits or Limits(), health, model_root)
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
+    if auth_tokens:
+        interceptors.append(AuthInterceptor(auth_tokens))
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(metrics)],
+        interceptors=interceptors,
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                  ("grpc.so_reuseport", 0)])
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(runtime), server)

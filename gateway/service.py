@@ -20,6 +20,7 @@ from shardlm.errors import (
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway import __version__
+from gateway.auth import current_identity, require_admin
 from gateway.runtime import Model, Runtime
 from gateway.sequence import ErrorEvent, Limits, Phase, Sequence
 from gateway.sessions import Session
@@ -56,7 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # ----------------------------------------------------------------- helpers
     def _identity(self, context) -> str:
-        return getattr(context, "shardlm_identity", "")
+        return current_identity.get().name
 
     def _limits(self, model: Model, stop: common_pb2.StopConditions, prompt_len: int,
                 *, clamp: bool) -> Limits:
@@ -104,6 +105,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # ----------------------------------------------------------------- RPCs
     async def Load(self, request, context) -> AsyncIterator[gateway_pb2.LoadResponse]:
+        require_admin("Load")
         progress: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self.rt.load(
             request.model_path, request.dtype, request.tensor_parallel_size,
@@ -259,6 +261,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise InvalidArgumentError("kv_cache may only be changed together with all",
                                        reason="INVALID_FIELD",
                                        field_violations=[FieldViolation("kv_cache", "needs all")])
+        if request.all:
+            require_admin("ResetCache of all sessions")
         owner = self._identity(context)
         targets = (model.sessions.all() if request.all
                    else [model.sessions.get(sid, owner) for sid in request.session_ids])

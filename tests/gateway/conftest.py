@@ -15,14 +15,15 @@ from worker.launcher import WorkerGroup
 
 
 class LiveGateway:
-    def __init__(self, workers: int, limits: Limits) -> None:
+    def __init__(self, workers: int, limits: Limits, channel_credentials=None, **kwargs) -> None:
         self.group = WorkerGroup.spawn(workers)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = self.call(start_gateway(self.group, limits=limits))
+        self.server = self.call(start_gateway(self.group, limits=limits, **kwargs))
         self.address = f"127.0.0.1:{self.server.port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (grpc.secure_channel(self.address, channel_credentials)
+                        if channel_credentials else grpc.insecure_channel(self.address))
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     def call(self, coro, timeout: float = 120):
