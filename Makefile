@@ -21,6 +21,7 @@ check: install
 	$(PY) -m ruff check .
 	bash scripts/buf_lint.sh
 	$(PY) scripts/gen_proto.py --check
+	bash scripts/validate_compose.sh
 
 proto: install
 	$(PY) scripts/gen_proto.py

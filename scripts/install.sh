@@ -21,4 +21,4 @@ $PIP install -q --upgrade pip setuptools wheel ninja
 $PIP install -q torch
 $PIP install -q -e ./clients/python
 $PIP install -q --no-build-isolation -e '.[test]'
-"$VENV/bin/python" -c "import worker.ops as o; print('shardlm ops:', o.BUILD_INFO)"
+"$VENV/bin/python" -c "import worker.ops as o; print('shardlm ops built:', 'CUDA + C++' if o.CUDA_BUILT else 'C++ (CPU only)')"

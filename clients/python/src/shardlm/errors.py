@@ -132,28 +132,67 @@ def _parse_details(blob: bytes) -> dict:
     return out
 
 
-def _typed(name: str, status: grpc.StatusCode, doc: str) -> type[ShardLMError]:
-    return type(name, (ShardLMError,), {"code": status, "__doc__": doc})
+# Explicit subclasses (rather than built with type()) so that type checkers see real classes
+# that SDK users can name in annotations.
+class InvalidArgumentError(ShardLMError):
+    """The request is wrong; see field_violations."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-InvalidArgumentError = _typed("InvalidArgumentError", grpc.StatusCode.INVALID_ARGUMENT,
-                              "The request is wrong; see field_violations.")
-NotFoundError = _typed("NotFoundError", grpc.StatusCode.NOT_FOUND,
-                       "A named session, sequence or path does not exist.")
-FailedPreconditionError = _typed("FailedPreconditionError", grpc.StatusCode.FAILED_PRECONDITION,
-                                 "The server is not in a state to serve this request.")
-ResourceExhaustedError = _typed("ResourceExhaustedError", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "A queue, the KV cache or memory is full; see retry_after_s.")
-UnavailableError = _typed("UnavailableError", grpc.StatusCode.UNAVAILABLE,
-                          "A worker or peer is down, or the server is draining.")
-UnauthenticatedError = _typed("UnauthenticatedError", grpc.StatusCode.UNAUTHENTICATED,
-                              "The call carries no valid credentials.")
-PermissionDeniedError = _typed("PermissionDeniedError", grpc.StatusCode.PERMISSION_DENIED,
-                               "The caller may not do this.")
-CancelledError = _typed("CancelledError", grpc.StatusCode.CANCELLED, "The call was cancelled.")
-DeadlineExceededError = _typed("DeadlineExceededError", grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "The call's deadline passed.")
-InternalError = _typed("InternalError", grpc.StatusCode.INTERNAL, "A server bug; see request_id.")
+class NotFoundError(ShardLMError):
+    """A named session, sequence or path does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPreconditionError(ShardLMError):
+    """The server is not in a state to serve this request."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhaustedError(ShardLMError):
+    """A queue, the KV cache or memory is full; see retry_after_s."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(ShardLMError):
+    """A worker or peer is down, or the server is draining."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class UnauthenticatedError(ShardLMError):
+    """The call carries no valid credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(ShardLMError):
+    """The caller may not do this."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class CancelledError(ShardLMError):
+    """The call was cancelled."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceededError(ShardLMError):
+    """The call's deadline passed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class InternalError(ShardLMError):
+    """A server bug; see request_id."""
+
+    code = grpc.StatusCode.INTERNAL
+
 
 _BY_CODE = {cls.code: cls for cls in (
     InvalidArgumentError, NotFoundError, FailedPreconditionError, ResourceExhaustedError,
