@@ -81,6 +81,8 @@ class Runtime:
         self.model: Model | None = None
         self.pool = WorkerPool([h.address for h in group.handles])
         self.draining = False
+        self.recovering = False
+        self.last_load: tuple | None = None  # what to reload after a worker restart
         self._load_lock = asyncio.Lock()
         self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
 
@@ -88,6 +90,9 @@ class Runtime:
         if self.draining:
             raise UnavailableError("the server is shutting down", reason="DRAINING",
                                    retry_after_s=1.0)
+        if self.recovering:
+            raise UnavailableError("workers are restarting; retry shortly",
+                                   reason="WORKER_UNAVAILABLE", retry_after_s=2.0)
         if self.model is None:
             raise not_loaded()
         return self.model
@@ -100,7 +105,8 @@ class Runtime:
 
     async def load(self, model_path: str, dtype: int, tp_size: int,
                    kv_cache: common_pb2.KvCacheConfig | None,
-                   progress: Callable[[common_pb2.LoadProgress], None]) -> Model:
+                   progress: Callable[[common_pb2.LoadProgress], None],
+                   sessions: SessionStore | None = None) -> Model:
         if not model_path:
             raise InvalidArgumentError("model_path must name a checkpoint folder",
                                        reason="INVALID_FIELD",
@@ -130,19 +136,21 @@ class Runtime:
             except TokenizerError as exc:
                 raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
                                               metadata={"model_path": model_path}) from None
-            self.model = self._build(complete, tokenizer)
+            self.model = self._build(complete, tokenizer, sessions)
+            self.last_load = (model_path, dtype, tp_size, kv_cache)
             await self.set_serving(True)
             log.info("loaded %s (%s, tp=%d, %d KV blocks)", model_path,
                      complete.model.architecture, world, complete.capacity.num_blocks)
             return self.model
 
-    def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer) -> Model:
+    def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer,
+               sessions: SessionStore | None = None) -> Model:
         capacity = complete.capacity
         static = capacity.mode == common_pb2.KV_CACHE_MODE_STATIC
         slot_blocks = capacity.num_blocks // max(capacity.max_sequences, 1) if static else 0
         allocator = BlockAllocator(capacity.num_blocks, capacity.block_size,
                                    static_slot_blocks=slot_blocks)
-        sessions = SessionStore(self.limits.session_idle_timeout_s)
+        sessions = sessions or SessionStore(self.limits.session_idle_timeout_s)
         max_running = self.limits.max_running
         if static:
             max_running = min(max_running, capacity.max_sequences)
@@ -169,6 +177,12 @@ class Runtime:
             await model.scheduler.stop()
             model.scheduler.fail_all(error)
 
+    async def replace_group(self, group: WorkerGroup) -> None:
+        """Talk to a new worker group (after a restart) from now on."""
+        old = self.pool
+        self.group, self.pool = group, WorkerPool([h.address for h in group.handles])
+        await old.close()
+
     async def reset_cache(self, config: common_pb2.KvCacheConfig) -> common_pb2.KvCacheCapacity:
         """Reallocate the workers' caches with a new configuration; every session is released."""
         model = self.require()
@@ -177,7 +191,7 @@ class Runtime:
                                                   reason="WORKER_UNAVAILABLE", retry_after_s=1.0))
         reply = await self.pool.reset(worker_pb2.ResetCacheRequest(all=True, kv_cache=config))
         complete = worker_pb2.LoadComplete(model=model.info, capacity=reply.capacity)
-        self.model = self._build(complete, model.tokenizer)
+        self.model = self._build(complete, model.tokenizer, model.sessions)
         return reply.capacity
 
     async def close(self) -> None:

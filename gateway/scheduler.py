@@ -31,6 +31,9 @@ from gateway.workers import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 FINISHED_BY_WORKER = common_pb2.FINISH_REASON_UNSPECIFIED
+# Sequence ids are unique for the life of the process: sessions outlive a scheduler (a worker
+# restart builds a new one) and their ids must never collide with new sequences.
+_SEQUENCE_IDS = itertools.count(1)
 
 
 class Scheduler:
@@ -58,7 +61,6 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.on_worker_failure = on_worker_failure
-        self._ids = itertools.count(1)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._to_free: list[Sequence] = []
@@ -68,7 +70,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- API for the service
     def new_sequence(self, tokens: list[int], sampling: common_pb2.SamplingParams) -> Sequence:
-        return Sequence(next(self._ids), list(tokens), sampling)
+        return Sequence(next(_SEQUENCE_IDS), list(tokens), sampling)
 
     def submit(self, seq: Sequence, limits: Limits, *, prefill_only: bool) -> None:
         """Start a call on `seq`: prefill what is not cached (or all, for prefill_only) and then
@@ -138,10 +140,13 @@ class Scheduler:
     # ----------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
+            # Sleep until woken, or 1 s (idle sessions expire even when nothing else happens).
+            # asyncio.wait, unlike wait_for, never delays this task's own cancellation.
+            waiter = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
+                await asyncio.wait([waiter], timeout=1.0)
+            finally:
+                waiter.cancel()
             self._wake.clear()
             try:
                 await self._iteration()

@@ -13,6 +13,7 @@ from shardlm.errors import ShardLMError
 from gateway.auth import load_tokens
 from gateway.runtime import Limits
 from gateway.server import server_credentials, start_gateway
+from gateway.supervisor import Supervisor
 from worker.launcher import WorkerGroup
 
 log = logging.getLogger("shardlm.serve")
@@ -66,6 +67,8 @@ async def serve(s: dict) -> int:
         group.close()
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    supervisor = Supervisor(server.runtime, lambda: _start_workers(s))
+    supervisor.start()
     address = f"{s['host']}:{server.port}"
     print(f"ShardLM gateway on {address} with {group.world_size} worker(s)", flush=True)
     stop = asyncio.Event()
@@ -82,8 +85,9 @@ async def serve(s: dict) -> int:
                                               0, kv, progress)
         except ShardLMError as exc:
             print(f"error: could not load {s['model']}: {exc.message}", file=sys.stderr)
+            await supervisor.stop()
             await server.drain(0)
-            group.close()
+            server.runtime.group.close()
             return 1
         print(f"ready: serving {model.info.architecture} from {s['model']} on {address}",
               flush=True)
@@ -92,7 +96,8 @@ async def serve(s: dict) -> int:
               flush=True)
     await stop.wait()
     print("draining...", flush=True)
+    await supervisor.stop()
     await server.drain(float(s["drain_grace"]))
-    await asyncio.to_thread(group.close)
+    await asyncio.to_thread(server.runtime.group.close)
     print("stopped", flush=True)
     return 0

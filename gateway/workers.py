@@ -50,14 +50,22 @@ class WorkerPool:
         return len(self.stubs)
 
     async def _all_unary(self, method: str, request) -> list:
-        calls = [getattr(stub, method)(request, timeout=self.timeout) for stub in self.stubs]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for rank, result in enumerate(results):
-            if isinstance(result, grpc.aio.AioRpcError):
-                raise worker_error(result, rank)
-            if isinstance(result, BaseException):
-                raise result
-        return results
+        """Call every rank; the first failure cancels the rest (a rank whose peer died would
+        otherwise sit in a collective until its timeout)."""
+        tasks = [asyncio.ensure_future(getattr(stub, method)(request, timeout=self.timeout))
+                 for stub in self.stubs]
+        try:
+            done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for rank, task in enumerate(tasks):
+                if task in done and task.exception() is not None:
+                    exc = task.exception()
+                    if isinstance(exc, grpc.aio.AioRpcError):
+                        raise worker_error(exc, rank)
+                    raise exc
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         return (await self._all_unary("Prefill", request))[0]
@@ -72,28 +80,50 @@ class WorkerPool:
             raise worker_error(exc, rank) from None
 
     async def decode(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        """Rank 0's step messages as they arrive; the other ranks are drained alongside."""
+        """Rank 0's step messages as they arrive; the other ranks are drained alongside, and a
+        failure of any rank ends the stream at once."""
         calls = [stub.Decode(request, timeout=self.timeout) for stub in self.stubs]
+        messages: asyncio.Queue = asyncio.Queue()
+        end = object()
 
-        async def drain(rank: int) -> None:
+        async def pump(rank: int) -> None:
             try:
-                async for _ in calls[rank]:
-                    pass
+                async for message in calls[rank]:
+                    if rank == 0:
+                        messages.put_nowait(message)
             except grpc.aio.AioRpcError as exc:
                 raise worker_error(exc, rank) from None
+            if rank == 0:
+                messages.put_nowait(end)
 
-        others = [asyncio.ensure_future(drain(r)) for r in range(1, len(calls))]
+        tasks = [asyncio.ensure_future(pump(r)) for r in range(len(calls))]
+        getter: asyncio.Future | None = None
         try:
-            try:
-                async for message in calls[0]:
-                    yield message
-            except grpc.aio.AioRpcError as exc:
-                raise worker_error(exc, 0) from None
-            for task in others:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(messages.get())
+                failed = [t for t in tasks if t.done() and t.exception() is not None]
+                if not failed and not getter.done():
+                    await asyncio.wait([getter, *[t for t in tasks if not t.done()]],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    failed = [t for t in tasks if t.done() and t.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
+                if not getter.done():
+                    continue  # another rank finished its stream; rank 0 still sends
+                message, getter = getter.result(), None
+                if message is end:
+                    break
+                yield message
+            for task in tasks:
                 await task
         finally:
-            for task in others:
+            if getter is not None:
+                getter.cancel()
+            for task in tasks:
                 task.cancel()
+            for call in calls:
+                call.cancel()
 
     async def close(self) -> None:
         for channel in self.channels:

@@ -16,11 +16,11 @@ from worker.launcher import WorkerGroup
 
 class LiveGateway:
     def __init__(self, workers: int, limits: Limits, channel_credentials=None, **kwargs) -> None:
-        self.group = WorkerGroup.spawn(workers)
+        group = WorkerGroup.spawn(workers)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = self.call(start_gateway(self.group, limits=limits, **kwargs))
+        self.server = self.call(start_gateway(group, limits=limits, **kwargs))
         self.address = f"127.0.0.1:{self.server.port}"
         self.channel = (grpc.secure_channel(self.address, channel_credentials)
                         if channel_credentials else grpc.insecure_channel(self.address))
@@ -41,6 +41,10 @@ class LiveGateway:
         async def used():
             return self.runtime.model.allocator.used_blocks
         return self.call(used())
+
+    @property
+    def group(self) -> WorkerGroup:
+        return self.server.runtime.group  # replaced when a supervisor restarts the workers
 
     def close(self) -> None:
         self.channel.close()

@@ -1,0 +1,104 @@
+"""Keeps the worker group alive: notices a dead worker, restarts the group, reloads the model.
+
+A worker that dies mid-step makes that step's calls fail at once (UNAVAILABLE); the scheduler
+reports it here. A worker that dies while idle is noticed by a watch loop (a local process that
+exited, or a remote one that stops answering). Recovery: health NOT_SERVING, every in-flight call
+ends with UNAVAILABLE, the group is restarted and the last model reloaded, with bounded attempts
+and exponential backoff. Sessions survive: their token histories stay here, their caches are gone,
+and each is rebuilt by re-prefilling on its next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from shardlm.errors import ShardLMError, UnavailableError
+
+from gateway.runtime import Runtime
+from worker.launcher import WorkerGroup
+
+log = logging.getLogger("shardlm.supervisor")
+
+
+class Supervisor:
+    def __init__(self, runtime: Runtime, respawn: Callable[[], WorkerGroup], *,
+                 max_attempts: int = 5, backoff_s: float = 1.0, check_interval_s: float = 0.5,
+                 ping_timeout_s: float = 2.0) -> None:
+        self.rt = runtime
+        self.respawn = respawn
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.check_interval_s = check_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self._watch: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None
+        runtime.on_failure = self.trigger
+
+    def start(self) -> None:
+        self._watch = asyncio.ensure_future(self._watch_loop())
+
+    async def stop(self) -> None:
+        for task in (self._watch, self._recovery):
+            if task is not None:
+                task.cancel()
+
+    def trigger(self, error: ShardLMError) -> None:
+        if self._recovery is None or self._recovery.done():
+            log.error("worker failure: %s; restarting the worker group", error.message)
+            self._recovery = asyncio.ensure_future(self._recover(error))
+
+    async def _dead_worker(self) -> str | None:
+        for h in self.rt.group.handles:
+            if h.process is not None:
+                if h.process.poll() is not None:
+                    return f"worker rank {h.rank} exited with code {h.process.returncode}"
+            else:
+                try:
+                    await self.rt.pool.info(h.rank, timeout=self.ping_timeout_s)
+                except ShardLMError:
+                    return f"worker rank {h.rank} at {h.address} stopped answering"
+        return None
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            if self.rt.model is None or self.rt.recovering or self.rt.draining:
+                continue
+            why = await self._dead_worker()
+            if why:
+                self.trigger(UnavailableError(why, reason="WORKER_UNAVAILABLE",
+                                              retry_after_s=2.0))
+
+    async def _recover(self, error: ShardLMError) -> None:
+        rt = self.rt
+        if rt.last_load is None or rt.draining:
+            return
+        rt.recovering = True
+        try:
+            sessions = rt.model.sessions if rt.model is not None else None
+            await rt.unload(error)
+            log.info("in-flight calls failed; stopping the old workers")
+            for attempt in range(1, self.max_attempts + 1):
+                await asyncio.to_thread(rt.group.close, 2.0)
+                try:
+                    group = await asyncio.to_thread(self.respawn)
+                    log.info("new workers are up; reloading the model")
+                    await rt.replace_group(group)
+                    path, dtype, tp, kv = rt.last_load
+                    await rt.load(path, dtype, tp, kv, lambda _p: None, sessions=sessions)
+                    rt.metrics.worker_restarts.inc()
+                    log.info("worker group restarted and %s reloaded (attempt %d)", path, attempt)
+                    return
+                except (ShardLMError, OSError) as exc:
+                    delay = self.backoff_s * 2 ** (attempt - 1)
+                    log.warning("restart attempt %d/%d failed: %s; next in %.1fs", attempt,
+                                self.max_attempts, exc, delay)
+                    await asyncio.sleep(delay)
+            log.error("giving up after %d restart attempts; health stays NOT_SERVING",
+                      self.max_attempts)
+        except Exception:  # noqa: BLE001 - a bug here must be seen, not lost in a task
+            log.exception("worker recovery failed")
+        finally:
+            rt.recovering = False
