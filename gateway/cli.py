@@ -25,7 +25,8 @@ SERVE_DEFAULTS = {
     "host": "127.0.0.1", "port": 50051, "workers": None, "metrics_port": None,
     "kv_cache_mb": 0, "block_size": 16, "max_new_tokens": 4096, "session_idle_timeout": 600.0,
     "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
-    "tls_client_ca": None, "model_root": None,
+    "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
+    "worker_tls_key": None,
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,6 +54,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mutual TLS)")
     p.add_argument("--model-root", help="Load may only read model folders inside this folder")
+    p.add_argument("--worker-tls-ca", help="PEM CA for mutual TLS between gateway and workers")
+    p.add_argument("--worker-tls-cert", help="PEM certificate workers serve and the gateway shows")
+    p.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
 
 
 def _client_parsers(sub) -> None:

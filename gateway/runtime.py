@@ -79,12 +79,17 @@ class Runtime:
         self.limits = limits
         self.health = health
         self.model: Model | None = None
-        self.pool = WorkerPool([h.address for h in group.handles])
+        self.pool = self._pool_for(group)
         self.draining = False
         self.recovering = False
         self.last_load: tuple | None = None  # what to reload after a worker restart
         self._load_lock = asyncio.Lock()
         self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
+
+    @staticmethod
+    def _pool_for(group: WorkerGroup) -> WorkerPool:
+        credentials = group.tls.channel_credentials() if group.tls else None
+        return WorkerPool([h.address for h in group.handles], credentials=credentials)
 
     def require(self) -> Model:
         if self.draining:
@@ -180,7 +185,7 @@ class Runtime:
     async def replace_group(self, group: WorkerGroup) -> None:
         """Talk to a new worker group (after a restart) from now on."""
         old = self.pool
-        self.group, self.pool = group, WorkerPool([h.address for h in group.handles])
+        self.group, self.pool = group, self._pool_for(group)
         await old.close()
 
     async def reset_cache(self, config: common_pb2.KvCacheConfig) -> common_pb2.KvCacheCapacity:

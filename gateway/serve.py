@@ -14,7 +14,7 @@ from gateway.auth import load_tokens
 from gateway.runtime import Limits
 from gateway.server import server_credentials, start_gateway
 from gateway.supervisor import Supervisor
-from worker.launcher import WorkerGroup
+from worker.launcher import WorkerGroup, WorkerTLS
 
 log = logging.getLogger("shardlm.serve")
 DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
@@ -31,15 +31,20 @@ def _cuda_available() -> bool:
 
 
 def _start_workers(s: dict) -> WorkerGroup:
+    tls = None
+    if s["worker_tls_ca"] or s["worker_tls_cert"] or s["worker_tls_key"]:
+        if not (s["worker_tls_ca"] and s["worker_tls_cert"] and s["worker_tls_key"]):
+            raise ValueError("--worker-tls-ca, --worker-tls-cert and --worker-tls-key go together")
+        tls = WorkerTLS(s["worker_tls_ca"], s["worker_tls_cert"], s["worker_tls_key"])
     if s["workers"]:
         addresses = [a.strip() for a in str(s["workers"]).split(",") if a.strip()]
-        group = WorkerGroup.connect(addresses, "cuda" if s["device"] == "cuda" else "cpu")
+        group = WorkerGroup.connect(addresses, "cuda" if s["device"] == "cuda" else "cpu", tls)
         group.wait_healthy(60)
         return group
     device = s["device"] or ("cuda" if _cuda_available() else "cpu")
     devices = [int(d) for d in str(s["devices"]).split(",")] if s["devices"] else None
     count = len(devices) if devices else int(s["tp"] or 1)
-    return WorkerGroup.spawn(count, device=device, devices=devices)
+    return WorkerGroup.spawn(count, device=device, devices=devices, tls=tls)
 
 
 async def serve(s: dict) -> int:

@@ -37,11 +37,13 @@ def worker_error(exc: grpc.aio.AioRpcError, rank: int) -> ShardLMError:
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str], step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
+    def __init__(self, addresses: list[str], step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.addresses = addresses
-        self.channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
+        self.channels = [grpc.aio.secure_channel(a, credentials, options) if credentials
+                         else grpc.aio.insecure_channel(a, options=options) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self.channels]
         self.timeout = step_timeout_s
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from shardlm.common.v1 import common_pb2
@@ -25,6 +26,24 @@ from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 MAX_MESSAGE_BYTES = 256 << 20  # debug taps of large models are big
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(frozen=True)
+class WorkerTLS:
+    """Mutual TLS between the gateway and its workers: each worker serves with `cert`/`key` and
+    requires a client certificate signed by `ca`; the gateway presents the same pair."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def worker_args(self) -> list[str]:
+        return ["--tls-cert", self.cert, "--tls-key", self.key, "--tls-client-ca", self.ca]
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca).read_bytes(), private_key=Path(self.key).read_bytes(),
+            certificate_chain=Path(self.cert).read_bytes())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,11 +58,14 @@ class WorkerHandle:
     address: str
     device: str  # as the worker names it ("cpu", "cuda:0")
     process: subprocess.Popen | None = None
+    tls: WorkerTLS | None = None
     channel: grpc.Channel = field(init=False)
     stub: worker_pb2_grpc.WorkerServiceStub = field(init=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = (
+            grpc.secure_channel(self.address, self.tls.channel_credentials(), CHANNEL_OPTIONS)
+            if self.tls else grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS))
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
 
     @property
@@ -51,10 +73,12 @@ class WorkerHandle:
         return self.process is None or self.process.poll() is None
 
 
-def _spawn(rank: int, env_extra: dict[str, str], host: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
+def _spawn(rank: int, env_extra: dict[str, str], host: str, timeout_s: float,
+           tls: WorkerTLS | None) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, **env_extra, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", "--host", host, "--port", "0"],
+        [sys.executable, "-m", "worker", "--host", host, "--port", "0",
+         *(tls.worker_args() if tls else [])],
         stdout=subprocess.PIPE, stderr=None, env=env, text=True,
     )
     ready: list[str] = []
@@ -77,8 +101,9 @@ def _spawn(rank: int, env_extra: dict[str, str], host: str, timeout_s: float) ->
 
 
 class WorkerGroup:
-    def __init__(self, handles: list[WorkerHandle]) -> None:
+    def __init__(self, handles: list[WorkerHandle], tls: WorkerTLS | None = None) -> None:
         self.handles = handles
+        self.tls = tls
 
     @property
     def world_size(self) -> int:
@@ -93,6 +118,7 @@ class WorkerGroup:
         devices: list[int] | None = None,
         host: str = "127.0.0.1",
         start_timeout_s: float = 120.0,
+        tls: WorkerTLS | None = None,
     ) -> WorkerGroup:
         """Start local workers: on CUDA one per entry of `devices` (default 0..N-1), each seeing
         only its GPU; on CPU `num_workers` ranks."""
@@ -102,25 +128,27 @@ class WorkerGroup:
                 gpus = devices if devices is not None else list(range(num_workers))
                 for rank, gpu in enumerate(gpus):
                     proc, address = _spawn(rank, {"CUDA_VISIBLE_DEVICES": str(gpu)}, host,
-                                           start_timeout_s)
-                    handles.append(WorkerHandle(rank, address, "cuda:0", proc))
+                                           start_timeout_s, tls)
+                    handles.append(WorkerHandle(rank, address, "cuda:0", proc, tls))
             else:
                 threads = max(1, (os.cpu_count() or 1) // num_workers)
                 for rank in range(num_workers):
                     proc, address = _spawn(rank, {"OMP_NUM_THREADS": str(threads)}, host,
-                                           start_timeout_s)
-                    handles.append(WorkerHandle(rank, address, "cpu", proc))
+                                           start_timeout_s, tls)
+                    handles.append(WorkerHandle(rank, address, "cpu", proc, tls))
         except BaseException:
             cls(handles).close()
             raise
-        group = cls(handles)
+        group = cls(handles, tls)
         group.wait_healthy(start_timeout_s)
         return group
 
     @classmethod
-    def connect(cls, addresses: list[str], device: str = "cpu") -> WorkerGroup:
+    def connect(cls, addresses: list[str], device: str = "cpu",
+                tls: WorkerTLS | None = None) -> WorkerGroup:
         """Workers started elsewhere (other hosts), in rank order."""
-        return cls([WorkerHandle(rank, a, device) for rank, a in enumerate(addresses)])
+        return cls([WorkerHandle(rank, a, device, None, tls) for rank, a in enumerate(addresses)],
+                   tls)
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

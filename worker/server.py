@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from shardlm.worker.v1 import worker_pb2_grpc
@@ -21,7 +22,8 @@ from worker.rpc_errors import ErrorMappingInterceptor
 from worker.service import WorkerServicer
 
 
-def build_server(address: str) -> tuple[grpc.Server, int]:
+def build_server(address: str, credentials: grpc.ServerCredentials | None = None
+                 ) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardlm-worker"),
         interceptors=[ErrorMappingInterceptor()],
@@ -30,7 +32,8 @@ def build_server(address: str) -> tuple[grpc.Server, int]:
                  ("grpc.so_reuseport", 0)],
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(), server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials
+            else server.add_insecure_port(address))
     if port == 0 and not address.startswith("unix:"):
         raise OSError(f"cannot listen on {address}")
     return server, port
@@ -40,13 +43,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=int, default=0, help="TCP port (0 picks a free one)")
     parser.add_argument("--unix", default="", help="listen on this unix socket path instead")
+    parser.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mTLS)")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     address = f"unix:{args.unix}" if args.unix else f"{args.host}:{args.port}"
     try:
-        server, port = build_server(address)
+        credentials = None
+        if args.tls_cert or args.tls_key:
+            ca = Path(args.tls_client_ca).read_bytes() if args.tls_client_ca else None
+            credentials = grpc.ssl_server_credentials(
+                [(Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes())],
+                root_certificates=ca, require_client_auth=ca is not None)
+        server, port = build_server(address, credentials)
     except (OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

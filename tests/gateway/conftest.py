@@ -15,8 +15,9 @@ from worker.launcher import WorkerGroup
 
 
 class LiveGateway:
-    def __init__(self, workers: int, limits: Limits, channel_credentials=None, **kwargs) -> None:
-        group = WorkerGroup.spawn(workers)
+    def __init__(self, workers: int, limits: Limits, channel_credentials=None, worker_tls=None,
+                 **kwargs) -> None:
+        group = WorkerGroup.spawn(workers, tls=worker_tls)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -132,3 +132,28 @@ def test_load_cannot_escape_the_model_root(secured, path):
     else:
         assert (error.code, error.reason) == (grpc.StatusCode.PERMISSION_DENIED,
                                               "PATH_NOT_ALLOWED")
+
+
+def test_gateway_and_workers_talk_mutual_tls(pki, llama_dir):
+    from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    from worker.launcher import WorkerTLS
+
+    tls = WorkerTLS(str(pki / "ca.pem"), str(pki / "server.pem"), str(pki / "server.key"))
+    gateway = LiveGateway(2, Limits(), worker_tls=tls)
+    try:
+        list(gateway.stub.Load(gateway_pb2.LoadRequest(model_path=str(llama_dir),
+                                                        dtype=common_pb2.DTYPE_FLOAT32)))
+        chunks = list(gateway.stub.Generate(gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+            stop=common_pb2.StopConditions(max_new_tokens=4, ignore_eos=True))))
+        assert sum(len(c.token_ids) for c in chunks) == 4
+        worker = gateway.group.handles[0].address
+        for creds in (None, grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())):
+            channel = (grpc.secure_channel(worker, creds) if creds
+                       else grpc.insecure_channel(worker))
+            with channel, pytest.raises(grpc.RpcError):  # no client certificate: refused
+                worker_pb2_grpc.WorkerServiceStub(channel).GetInfo(
+                    worker_pb2.GetInfoRequest(), timeout=5)
+    finally:
+        gateway.close()
