@@ -4,6 +4,7 @@
                   [--host H] [--port P] [--workers ADDR,ADDR] [--config FILE] ...
     shardlm worker [--host H] [--port P | --unix PATH]
     shardlm generate "PROMPT" [--address HOST:PORT] [--max-new-tokens N] [--temperature T] ...
+    shardlm chat [--address HOST:PORT] ...        (one turn per line; /reset starts over)
     shardlm load DIR [--address HOST:PORT] [--dtype D]
 
 Every `serve` flag can also come from a TOML or JSON file given with --config (keys are the flag
@@ -59,19 +60,27 @@ def _serve_parser(sub) -> None:
     p.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
 
 
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="gateway address")
+    p.add_argument("--auth-token", help="bearer token, when the gateway requires one")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+
+
 def _client_parsers(sub) -> None:
     g = sub.add_parser("generate", help="stream a completion from a running gateway")
     g.add_argument("prompt")
-    g.add_argument("--address", default="127.0.0.1:50051")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    ld = sub.add_parser("load", help="load a model into a running gateway")
+    _sampling_flags(g)
+    c = sub.add_parser("chat", help="an interactive multi-turn session (one turn per line)")
+    _sampling_flags(c)
+    ld = sub.add_parser("load", help="load a model into a running gateway, with progress")
     ld.add_argument("model_path")
     ld.add_argument("--address", default="127.0.0.1:50051")
+    ld.add_argument("--auth-token", help="bearer token with the admin scope")
     ld.add_argument("--dtype", choices=DTYPES)
     w = sub.add_parser("worker", help="serve one worker (normally started by `serve`)")
     from worker.server import add_arguments
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         from worker.server import run
 
         return run(args)
-    if args.command in ("generate", "load"):
+    if args.command in ("generate", "chat", "load"):
         from gateway.client_cli import run_client
 
         return run_client(args)

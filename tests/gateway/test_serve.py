@@ -62,3 +62,30 @@ def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_cli_generate_chat_load_and_friendly_errors(llama_dir):
+    proc, address = start_serve("--model", str(llama_dir), "--dtype", "float32")
+    cli = [sys.executable, "-m", "gateway.cli"]
+    try:
+        out = subprocess.run([*cli, "generate", "To be", "--address", address,
+                              "--max-new-tokens", "8"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("To be")
+        out = subprocess.run([*cli, "chat", "--address", address, "--max-new-tokens", "5"],
+                             input="hello there\nand again\n", capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and out.stdout.count("bot> ") == 2
+        out = subprocess.run([*cli, "load", str(llama_dir), "--address", address],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "loaded LlamaForCausalLM" in out.stdout
+        assert "100%" in out.stderr  # the progress bar
+        out = subprocess.run([*cli, "generate", "x", "--address", address, "--temperature", "-1"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "sampling.temperature" in out.stderr
+        assert "Traceback" not in out.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    out = subprocess.run([*cli, "generate", "x", "--address", address], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and "no ShardLM gateway answers" in out.stderr
