@@ -66,3 +66,28 @@ def test_idle_sessions_expire(small):
         decode(small.stub, first.session_id, 2)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert small.kv_used() == 0
+
+
+def test_long_prompt_is_prefilled_in_chunks_with_the_same_result(llama_dir):
+    gateway = LiveGateway(1, Limits(prefill_token_budget=32))
+    try:
+        list(gateway.stub.Load(gateway_pb2.LoadRequest(
+            model_path=str(llama_dir), dtype=common_pb2.DTYPE_FLOAT32,
+            kv_cache=common_pb2.KvCacheConfig(block_size=16, num_blocks=64))))
+        prompt = [1] + [(7 * j) % 900 + 3 for j in range(150)]
+        before = gateway.metrics.value("shardlm_prefill_batch_tokens_count")
+        chunked = ids(gateway.stub.Generate(gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(token_ids=prompt),
+            stop=common_pb2.StopConditions(max_new_tokens=6, ignore_eos=True))))
+        assert gateway.metrics.value("shardlm_prefill_batch_tokens_count") - before >= 5
+    finally:
+        gateway.close()
+    import torch
+
+    from tests.checkpoints import load_reference
+
+    with torch.no_grad():
+        expected = load_reference(llama_dir).generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+            pad_token_id=0)[0, len(prompt):].tolist()
+    assert chunked == expected

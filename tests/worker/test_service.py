@@ -165,3 +165,26 @@ def test_killed_peer_turns_into_an_error_not_a_hang(llama_dir):
         doomed.cancel()
     finally:
         group.close()
+
+
+def test_debug_taps_agree_across_tensor_parallel_sizes(groups, qwen2_dir):
+    names = ["layers.0.input_norm", "layers.0.q", "layers.0.k", "layers.0.v",
+             "layers.1.attn_output", "layers.1.mlp_output", "logits"]
+    request = worker_pb2.PrefillRequest(
+        sequences=[worker_pb2.PrefillSequence(sequence_id=0, token_ids=PROMPTS[0],
+                                              block_table=table(0), sample=True)],
+        debug_taps=names)
+    taps = {}
+    for world in (1, 2):
+        group = groups(world)
+        group.load(str(qwen2_dir), dtype=common_pb2.DTYPE_FLOAT32, kv_cache=KV)
+        reply = prefill(group, request)
+        taps[world] = {t.name: np.frombuffer(t.data, "<f4").reshape(t.shape) for t in reply.taps}
+    assert sorted(taps[1]) == sorted(names)
+    for name in names:
+        np.testing.assert_allclose(taps[1][name], taps[2][name], atol=1e-4, rtol=0, err_msg=name)
+    assert taps[1]["layers.0.q"].shape == (len(PROMPTS[0]), 4 * 12)  # all heads, gathered
+    with pytest.raises(grpc.RpcError) as err:
+        groups(1).handles[0].stub.Prefill(worker_pb2.PrefillRequest(
+            sequences=request.sequences, debug_taps=["layers.99.q"]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
