@@ -96,7 +96,12 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """The sequence is gone for good (Generate ended, session reset): free its cache."""
         seq.cancelled = True
-        self._to_free.append(seq)
+        if seq.phase in (Phase.IDLE, Phase.DONE):  # in no step: free now, so callers see it
+            self.allocator.free(seq.seq_id)
+            self._resets.append(seq.seq_id)
+            seq.phase = Phase.DONE
+        else:
+            self._to_free.append(seq)
         self._wake.set()
 
     def evict(self, seq: Sequence) -> None:
