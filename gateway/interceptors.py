@@ -34,6 +34,30 @@ def to_error(exc: BaseException) -> ShardLMError:
                         code=grpc.StatusCode.INTERNAL, metadata={"request_id": request_id})
 
 
+class _Undecodable:
+    """Stands for a request body that did not parse (gRPC would answer UNKNOWN with the parser's
+    exception text if the deserializer raised)."""
+
+
+def _tolerant(deserialize: Callable | None) -> Callable | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception:  # noqa: BLE001 - any parse failure is the client's malformed body
+            return _Undecodable()
+
+    return parse
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise ShardLMError("the request body is not a valid protobuf message of this RPC",
+                           reason="INVALID_FIELD", code=grpc.StatusCode.INVALID_ARGUMENT)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -47,12 +71,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
+        deserialize = _tolerant(handler.request_deserializer)
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary(request, context):
                 started = time.monotonic()
                 try:
+                    _check_decoded(request)
                     reply = await inner(request, context)
                 except asyncio.CancelledError:
                     self._done(method, grpc.StatusCode.CANCELLED, started)
@@ -63,13 +89,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 return reply
 
             return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer)
+                unary, deserialize, handler.response_serializer)
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
                 started = time.monotonic()
                 try:
+                    _check_decoded(request)
                     async for message in inner_stream(request, context):
                         yield message
                 except asyncio.CancelledError:
@@ -80,7 +107,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._done(method, grpc.StatusCode.OK, started)
 
             return grpc.unary_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer)
+                stream, deserialize, handler.response_serializer)
         return handler
 
     async def _abort(self, context, exc: BaseException, method: str, started: float) -> None:

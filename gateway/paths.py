@@ -6,16 +6,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardlm.errors import FailedPreconditionError, NotFoundError, PermissionDeniedError
+from shardlm.errors import (
+    FailedPreconditionError,
+    FieldViolation,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 
 MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
                        "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
                        "chat_template.jinja", "*.safetensors", "model.safetensors.index.json")
 
 
+def _shown(model_path: str) -> str:
+    return model_path if len(model_path) <= 200 else model_path[:200] + "..."
+
+
 def _denied(model_path: str, why: str) -> PermissionDeniedError:
-    return PermissionDeniedError(f"model_path '{model_path}' is not allowed: {why}",
-                                 reason="PATH_NOT_ALLOWED", metadata={"model_path": model_path})
+    return PermissionDeniedError(f"model_path '{_shown(model_path)}' is not allowed: {why}",
+                                 reason="PATH_NOT_ALLOWED",
+                                 metadata={"model_path": _shown(model_path)})
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -24,6 +35,16 @@ def _inside(path: Path, root: Path) -> bool:
 
 def check_model_path(model_path: str, root: str | None) -> str:
     """The resolved folder to load, or a PERMISSION_DENIED / NOT_FOUND error."""
+    try:
+        return _check(model_path, root)
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise InvalidArgumentError(f"model_path is not a usable path ({exc.strerror})",
+                                   reason="INVALID_FIELD", metadata={"field": "model_path"},
+                                   field_violations=[FieldViolation("model_path",
+                                                                    "not a usable path")]) from None
+
+
+def _check(model_path: str, root: str | None) -> str:
     if "\x00" in model_path:
         raise _denied(model_path, "contains a NUL byte")
     folder = Path(model_path)
@@ -41,11 +62,11 @@ def check_model_path(model_path: str, root: str | None) -> str:
                         raise _denied(model_path, f"{file.name} links outside the model root")
         folder = resolved
     if not folder.exists():
-        raise NotFoundError(f"model_path '{model_path}' does not exist", reason="CHECKPOINT_INVALID",
-                            metadata={"model_path": model_path},
-                            resource=("shardlm.model", model_path))
+        raise NotFoundError(f"model_path '{_shown(model_path)}' does not exist",
+                            reason="CHECKPOINT_INVALID", metadata={"model_path": _shown(model_path)},
+                            resource=("shardlm.model", _shown(model_path)))
     if not folder.is_dir():
-        raise FailedPreconditionError(f"model_path '{model_path}' is not a folder",
+        raise FailedPreconditionError(f"model_path '{_shown(model_path)}' is not a folder",
                                       reason="CHECKPOINT_INVALID",
-                                      metadata={"model_path": model_path})
+                                      metadata={"model_path": _shown(model_path)})
     return str(folder)

@@ -194,7 +194,14 @@ class Runtime:
         await model.scheduler.stop()
         model.scheduler.fail_all(UnavailableError("the KV cache was reconfigured",
                                                   reason="WORKER_UNAVAILABLE", retry_after_s=1.0))
-        reply = await self.pool.reset(worker_pb2.ResetCacheRequest(all=True, kv_cache=config))
+        try:
+            reply = await self.pool.reset(worker_pb2.ResetCacheRequest(all=True, kv_cache=config))
+        except ShardLMError:
+            # The workers kept (restored) the cache they had: serve on with it.
+            self.model = self._build(worker_pb2.LoadComplete(model=model.info,
+                                                             capacity=model.capacity),
+                                     model.tokenizer, model.sessions)
+            raise
         complete = worker_pb2.LoadComplete(model=model.info, capacity=reply.capacity)
         self.model = self._build(complete, model.tokenizer, model.sessions)
         return reply.capacity

@@ -26,7 +26,13 @@ from gateway.sequence import ErrorEvent, Limits, Phase, Sequence
 from gateway.sessions import Session
 from gateway.streaming import TokenStream
 from gateway.tokenizer import ChatMessage
-from gateway.validation import Violations, check_prompt, check_sampling, check_stop
+from gateway.validation import (
+    Violations,
+    check_prompt,
+    check_sampling,
+    check_session_id,
+    check_stop,
+)
 
 
 def _too_long(prompt: int, max_new: int, context: int) -> InvalidArgumentError:
@@ -124,6 +130,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.monotonic()
         model = self.rt.require()
         v = Violations()
+        check_session_id(request.session_id, v)
         check_prompt(request, v, vocab_size=model.info.vocab_size)
         if request.HasField("sampling"):
             check_sampling(request.sampling, v)
@@ -138,7 +145,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if session is not None:
                 self._check_free(seq)
             history = [] if session is None else session.messages + session.pending_reply()
-            tokens = self._encode(model, request, new_session, history)
+            tokens = await asyncio.to_thread(self._encode, model, request, new_session, history)
             if request.WhichOneof("prompt") == "messages":
                 # The whole conversation is re-rendered; the cache is good up to the first
                 # token where the new rendering differs from the history.
@@ -170,7 +177,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 timings.queue_seconds = max(0.0, seq.admitted_at - seq.enqueued_at)
             return gateway_pb2.PrefillResponse(
                 session_id=session.session_id,
-                usage=common_pb2.Usage(prompt_tokens=len(seq.tokens) - 1, cached_tokens=cached),
+                usage=common_pb2.Usage(prompt_tokens=len(seq.tokens) - 1, cached_tokens=cached,
+                                      generated_tokens=1),
                 first_token=gateway_pb2.Token(token_id=event.token_id, text=text,
                                               logprobs=event.logprobs),
                 timings=timings)
@@ -188,6 +196,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.monotonic()
         model = self.rt.require()
         v = Violations()
+        check_session_id(request.session_id, v)
         check_stop(request.stop, v, max_new_tokens_limit=self.rt.limits.max_new_tokens,
                    vocab_size=model.info.vocab_size)
         if request.HasField("sampling"):
@@ -233,7 +242,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         check_stop(request.stop, v, max_new_tokens_limit=self.rt.limits.max_new_tokens,
                    vocab_size=model.info.vocab_size)
         v.raise_if_any()
-        tokens = self._encode(model, request, True, [])
+        tokens = await asyncio.to_thread(self._encode, model, request, True, [])
         limits = self._limits(model, request.stop, len(tokens), clamp=False)
         seq = model.scheduler.new_sequence(tokens, request.sampling)
         seq.ephemeral = True
@@ -264,8 +273,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.all:
             require_admin("ResetCache of all sessions")
         owner = self._identity(context)
-        targets = (model.sessions.all() if request.all
-                   else [model.sessions.get(sid, owner) for sid in request.session_ids])
+        found = (model.sessions.find(sid, owner) for sid in request.session_ids)
+        targets = model.sessions.all() if request.all else [s for s in found if s is not None]
         for session in targets:
             model.sessions.remove(session.session_id)
             model.scheduler.release(session.seq)
@@ -280,16 +289,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         kind = request.WhichOneof("input")
         if kind is None or (kind == "text" and not request.text):
             v.add("text", "set text or messages", "EMPTY_PROMPT")
-        elif kind == "messages":
-            shim = gateway_pb2.PrefillRequest(messages=request.messages)
+        else:
+            shim = (gateway_pb2.PrefillRequest(messages=request.messages) if kind == "messages"
+                    else gateway_pb2.PrefillRequest(text=request.text))
             check_prompt(shim, v, vocab_size=model.info.vocab_size)
         v.raise_if_any()
         if kind == "messages":
-            ids = model.tokenizer.encode_chat(
-                [ChatMessage(m.role, m.content) for m in request.messages.messages])
+            messages = [ChatMessage(m.role, m.content) for m in request.messages.messages]
+            ids = await asyncio.to_thread(model.tokenizer.encode_chat, messages)
         else:
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = model.tokenizer.encode(request.text, add_special_tokens=special)
+            ids = await asyncio.to_thread(model.tokenizer.encode, request.text,
+                                          add_special_tokens=special)
         return gateway_pb2.TokenizeResponse(token_ids=ids, tokens=model.tokenizer.token_strings(ids))
 
     async def GetModelInfo(self, request, context) -> gateway_pb2.GetModelInfoResponse:

@@ -37,10 +37,16 @@ class Session:
         self.last_used = time.monotonic()
 
 
+def _shown(session_id: str) -> str:
+    # Error details travel in trailers, which gRPC caps: never echo unbounded client input.
+    return session_id if len(session_id) <= 64 else session_id[:64] + "..."
+
+
 def not_found(session_id: str) -> NotFoundError:
-    return NotFoundError(f"session '{session_id}' does not exist or was released",
-                         reason="SESSION_NOT_FOUND", metadata={"session_id": session_id},
-                         resource=("shardlm.session", session_id))
+    shown = _shown(session_id)
+    return NotFoundError(f"session '{shown}' does not exist or was released",
+                         reason="SESSION_NOT_FOUND", metadata={"session_id": shown},
+                         resource=("shardlm.session", shown))
 
 
 class SessionStore:
@@ -72,8 +78,8 @@ class SessionStore:
         session = self.get(session_id, owner)
         if session.busy:
             raise FailedPreconditionError(
-                f"session '{session_id}' is busy with another call", reason="SESSION_BUSY",
-                metadata={"session_id": session_id}, code=grpc.StatusCode.FAILED_PRECONDITION)
+                f"session '{_shown(session_id)}' is busy with another call", reason="SESSION_BUSY",
+                metadata={"session_id": _shown(session_id)}, code=grpc.StatusCode.FAILED_PRECONDITION)
         session.busy = True
         session.touch()
         return session
@@ -81,6 +87,11 @@ class SessionStore:
     def release_busy(self, session: Session) -> None:
         session.busy = False
         session.touch()
+
+    def find(self, session_id: str, owner: str = "") -> Session | None:
+        session = self._sessions.get(session_id)
+        return session if session is not None and (not session.owner or session.owner == owner) \
+            else None
 
     def remove(self, session_id: str) -> Session | None:
         return self._sessions.pop(session_id, None)

@@ -205,7 +205,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TokenizerError("text to encode must be a string")
-        encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized in a worker
+        # thread then does not stall the gateway's event loop.
+        encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         ids = list(encoding.ids)
         if not add_special_tokens:
             return ids

@@ -20,12 +20,20 @@ MAX_TOP_LOGPROBS = 20
 MAX_PROMPT_CHARS = 4 << 20
 
 
+MAX_VIOLATIONS = 10  # error details travel in trailers, which gRPC caps at a few KiB
+MAX_TOKEN_IDS = 1 << 20
+
+
 class Violations:
     def __init__(self) -> None:
         self.items: list[tuple[FieldViolation, str]] = []
+        self.dropped = 0
 
     def add(self, field: str, description: str, reason: str = "INVALID_FIELD") -> None:
-        self.items.append((FieldViolation(field, description), reason))
+        if len(self.items) >= MAX_VIOLATIONS:
+            self.dropped += 1
+            return
+        self.items.append((FieldViolation(field[:200], description[:200]), reason))
 
     def raise_if_any(self) -> None:
         if not self.items:
@@ -35,13 +43,19 @@ class Violations:
         first = self.items[0][0]
         raise InvalidArgumentError(
             f"invalid {first.field}: {first.description}"
-            + (f" (and {len(self.items) - 1} more)" if len(self.items) > 1 else ""),
+            + (f" (and {len(self.items) - 1 + self.dropped} more)"
+               if len(self.items) + self.dropped > 1 else ""),
             reason=reason, field_violations=[v for v, _r in self.items],
             metadata={"field": first.field})
 
 
 def _finite(x: float) -> bool:
     return not (math.isnan(x) or math.isinf(x))
+
+
+def check_session_id(session_id: str, v: Violations) -> None:
+    if len(session_id) > 128:
+        v.add("session_id", "at most 128 characters (ids are issued by Prefill)")
 
 
 def check_sampling(p: common_pb2.SamplingParams, v: Violations, path: str = "sampling") -> None:
@@ -96,6 +110,8 @@ def check_prompt(request, v: Violations, *, vocab_size: int, allow_empty: bool =
         messages = request.messages.messages
         if not messages:
             v.add("messages.messages", "must hold at least one message", "EMPTY_PROMPT")
+        if sum(len(m.content) for m in messages) > MAX_PROMPT_CHARS:
+            v.add("messages.messages", f"longer than {MAX_PROMPT_CHARS} characters in all")
         for i, m in enumerate(messages):
             if m.role not in ALLOWED_ROLES:
                 v.add(f"messages.messages[{i}].role",
@@ -104,6 +120,8 @@ def check_prompt(request, v: Violations, *, vocab_size: int, allow_empty: bool =
         ids = request.token_ids.token_ids
         if not ids:
             v.add("token_ids.token_ids", "must not be empty", "EMPTY_PROMPT")
+        if len(ids) > MAX_TOKEN_IDS:
+            v.add("token_ids.token_ids", f"more than {MAX_TOKEN_IDS} token ids")
         for i, t in enumerate(ids):
             if not 0 <= t < vocab_size:
                 v.add(f"token_ids.token_ids[{i}]", f"token id {t} is outside [0, {vocab_size})",

@@ -18,7 +18,7 @@ import torch
 from worker.batch import build_decode_batch, build_prefill_batch
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig, load_config
-from worker.errors import InvalidRequestError, SequenceNotCachedError
+from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from worker.layers import Parallel
 from worker.loader import CheckpointReader
@@ -176,11 +176,17 @@ class Engine:
 
     def reconfigure(self, config: CacheConfig) -> CacheCapacity:
         """Drop every sequence and reallocate the cache with a new configuration."""
+        config.validate()
+        old = self.cache.config
         self.sequences.clear()
         self.cache = None  # type: ignore[assignment]  # free the old pool before the new one
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = self._allocate(config)
+        try:
+            self.cache = self._allocate(config)
+        except EngineError:
+            self.cache = self._allocate(old)  # keep serving with the pool that worked
+            raise
         return self.cache.capacity
 
     def used_blocks(self) -> int:

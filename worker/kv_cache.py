@@ -15,7 +15,7 @@ from enum import StrEnum
 
 import torch
 
-from worker.errors import CacheCapacityError
+from worker.errors import CacheCapacityError, DeviceOutOfMemoryError, InvalidRequestError
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
@@ -39,15 +39,17 @@ class CacheConfig:
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 1024:
-            raise CacheCapacityError(f"block_size must be in [1, 1024], got {self.block_size}")
+            raise InvalidRequestError(f"block_size must be in [1, 1024], got {self.block_size}",
+                                      field="kv_cache.block_size")
         if not 0.0 <= self.gpu_memory_fraction < 1.0:
-            raise CacheCapacityError("gpu_memory_fraction must be in [0, 1)")
+            raise InvalidRequestError("gpu_memory_fraction must be in [0, 1)",
+                                      field="kv_cache.gpu_memory_fraction")
         if self.mode is CacheMode.STATIC and (
             self.static_max_sequences <= 0 or self.static_max_sequence_length <= 0
         ):
-            raise CacheCapacityError(
-                "static cache mode needs static_max_sequences and static_max_sequence_length > 0"
-            )
+            raise InvalidRequestError(
+                "static cache mode needs static_max_sequences and static_max_sequence_length > 0",
+                field="kv_cache.static_max_sequences")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,21 @@ def _budget_bytes(config: CacheConfig, device: torch.device) -> int:
     return DEFAULT_CPU_BUDGET_BYTES
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory a new cache may take: free device memory, or the host's available memory (so an
+    absurd request fails cleanly instead of inviting the kernel's OOM killer)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class KVCache:
     def __init__(
         self,
@@ -104,6 +121,11 @@ class KVCache:
                 f"the KV cache budget holds no block of {per_block} bytes; raise memory_bytes",
                 bytes_per_block=per_block,
             )
+        available = _available_bytes(device)
+        if available is not None and num_blocks * per_block > available:
+            raise DeviceOutOfMemoryError(
+                f"{num_blocks} KV blocks need {num_blocks * per_block} bytes; only {available} "
+                "are available", requested_bytes=num_blocks * per_block, device=str(device))
         shape = (num_blocks, config.block_size, kv_heads, head_dim)
         try:
             self.layers = [
@@ -113,8 +135,9 @@ class KVCache:
                 )
                 for _ in range(num_layers)
             ]
-        except torch.OutOfMemoryError as exc:
-            raise CacheCapacityError(
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # CPU allocation failures are
+            # RuntimeErrors
+            raise DeviceOutOfMemoryError(
                 f"could not allocate {num_blocks} KV blocks ({num_blocks * per_block} bytes)"
             ) from exc
         self.config = config
