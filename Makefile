@@ -29,6 +29,6 @@ proto: install
 bench: install
 	$(PY) -m bench.engine_bench
 
-# Serve a checkpoint folder: make serve MODEL=/path/to/model [ARGS="--tp 2 --port 50051"]
+# Serve the bundled demo model, or a checkpoint folder: make serve [MODEL=/path] [ARGS="--tp 2"]
 serve: install
 	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)

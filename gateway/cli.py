@@ -27,7 +27,7 @@ SERVE_DEFAULTS = {
     "kv_cache_mb": 0, "block_size": 16, "max_new_tokens": 4096, "session_idle_timeout": 600.0,
     "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
     "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
-    "worker_tls_key": None,
+    "worker_tls_key": None, "no_model": False,
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -35,7 +35,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the gateway and its workers, load a model, serve")
     p.add_argument("--config", help="TOML or JSON file with any of these flags")
-    p.add_argument("--model", help="checkpoint folder (Hugging Face format) to load at start")
+    p.add_argument("--model", help="checkpoint folder (Hugging Face format) to load at start; "
+                   "default: the bundled demo model models/shakespeare-tiny")
+    p.add_argument("--no-model", action="store_true", default=None,
+                   help="start without a model and wait for a Load call")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--tp", type=int, help="tensor-parallel size: number of local workers")
     group.add_argument("--devices", help="comma-separated GPU ids, one worker each (e.g. 0,2)")

@@ -17,6 +17,8 @@ from gateway.supervisor import Supervisor
 from worker.launcher import WorkerGroup, WorkerTLS
 
 log = logging.getLogger("shardlm.serve")
+# The demo model trained by scripts/train_demo_model.py, served when no --model is given.
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "shakespeare-tiny"
 DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
                "float16": common_pb2.DTYPE_FLOAT16}
 
@@ -49,6 +51,10 @@ def _start_workers(s: dict) -> WorkerGroup:
 
 async def serve(s: dict) -> int:
     from gateway.cli import install_stop_handlers
+
+    if not s["model"] and not s["no_model"] and (BUNDLED_MODEL / "config.json").exists():
+        s["model"] = str(BUNDLED_MODEL)
+        print(f"no --model given: serving the bundled demo model {BUNDLED_MODEL.name}", flush=True)
 
     try:
         group = await asyncio.to_thread(_start_workers, s)
@@ -97,8 +103,7 @@ async def serve(s: dict) -> int:
         print(f"ready: serving {model.info.architecture} from {s['model']} on {address}",
               flush=True)
     else:
-        print("no --model given: waiting for a Load call (health is NOT_SERVING until then)",
-              flush=True)
+        print("no model: waiting for a Load call (health is NOT_SERVING until then)", flush=True)
     await stop.wait()
     print("draining...", flush=True)
     await supervisor.stop()

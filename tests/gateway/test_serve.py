@@ -25,7 +25,7 @@ def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
     for line in proc.stdout:
         if line.startswith("ShardLM gateway on "):
             address = line.split()[3]
-        if line.startswith(("ready:", "no --model")) or time.monotonic() > deadline:
+        if line.startswith(("ready:", "no model:")) or time.monotonic() > deadline:
             break
     assert address, "serve did not come up"
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
