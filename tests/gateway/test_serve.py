@@ -89,3 +89,36 @@ def test_cli_generate_chat_load_and_friendly_errors(llama_dir):
     out = subprocess.run([*cli, "generate", "x", "--address", address], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and "no ShardLM gateway answers" in out.stderr
+
+
+def test_sigterm_under_load_lets_every_stream_finish(llama_dir):
+    proc, address = start_serve("--model", str(llama_dir), "--dtype", "float32",
+                                "--drain-grace", "30")
+    results: list = [None] * 24
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            call = stub.Generate(gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(token_ids=[1, 5 + i, 9]),
+                stop=common_pb2.StopConditions(max_new_tokens=60 + i, ignore_eos=True)))
+            chunks = [next(call)]
+            started.release()
+            chunks += list(call)
+            results[i] = (sum(len(c.token_ids) for c in chunks), chunks[-1].finish_reason)
+
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for _ in threads:  # every stream is in flight before the signal
+            assert started.acquire(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert results == [(60 + i, common_pb2.FINISH_REASON_LENGTH) for i in range(24)]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
