@@ -27,7 +27,7 @@ proto: install
 	$(PY) scripts/gen_proto.py
 
 bench: install
-	$(PY) -m bench.engine_bench
+	$(PY) -m bench.run --device $(if $(DEVICE),$(DEVICE),cpu)
 
 # Serve the bundled demo model, or a checkpoint folder: make serve [MODEL=/path] [ARGS="--tp 2"]
 serve: install

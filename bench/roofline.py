@@ -1,0 +1,79 @@
+"""The batch-1 decode floor: one decode step must read every weight once, so no engine can take
+less than weight bytes / memory bandwidth per token.
+
+* GPU: the bandwidth is measured as a device-to-device copy (bytes read + bytes written over
+  CUDA-event time), the usual practical ceiling of HBM.
+* CPU: a plain copy overstates what a matrix-vector product streams on a few cores, so the floor
+  is measured directly: one batch-1 GEMV over every linear layer of the model (its real weight
+  tensors, in its dtype), best of several passes. The bandwidth is those bytes over that time.
+
+Achieved GB/s of an engine = weight bytes / its batch-1 step time; % of floor = floor / step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.engine_bench import best_of, sync
+from bench.shapes import weight_bytes
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Bytes per second of a device-to-device copy (read + write both counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):  # warm-up
+        dst.copy_(src)
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def gemv_pass_seconds(model, device: torch.device, repeats: int = 10) -> tuple[float, int]:
+    """Best time of one batch-1 pass over every nn.Linear of `model`, and the bytes it reads."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {}
+    for m in linears:
+        key = (m.in_features, m.weight.dtype)
+        if key not in inputs:
+            inputs[key] = torch.randn(1, m.in_features, device=device).to(m.weight.dtype)
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+    def one_pass() -> None:
+        with torch.no_grad():
+            for m in linears:
+                F.linear(inputs[(m.in_features, m.weight.dtype)], m.weight, m.bias)
+
+    one_pass()
+    return best_of(one_pass, device, repeats), nbytes
+
+
+def measure(model, device: torch.device) -> dict:
+    """The floor for `model` (a transformers model holding the benchmark's weights) on `device`."""
+    total = weight_bytes(model)
+    if device.type == "cuda":
+        bandwidth = copy_bandwidth(device)
+        method = "device-to-device copy"
+    else:
+        seconds, linear_bytes = gemv_pass_seconds(model, device)
+        bandwidth = linear_bytes / seconds
+        method = "batch-1 GEMV over the model's weights"
+    floor_s = total / bandwidth
+    return {"method": method, "weight_bytes": total, "bandwidth_gb_s": bandwidth / 1e9,
+            "floor_ms_per_token": 1000 * floor_s, "floor_tokens_per_s": 1 / floor_s}
+
+
+def achieved(roof: dict, ms_per_token: float) -> dict:
+    """GB/s an engine streams at `ms_per_token` (batch 1), and the share of the floor it reaches."""
+    return {"ms_per_token": ms_per_token,
+            "achieved_gb_s": roof["weight_bytes"] / (ms_per_token / 1000) / 1e9,
+            "pct_of_floor": 100 * roof["floor_ms_per_token"] / ms_per_token}

@@ -1,0 +1,60 @@
+"""`python -m bench.run --smoke` end to end: every section runs and lands in the JSON.
+
+Only the shape of the result is checked; timings on a shared CI machine mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_every_section(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--device", "cpu", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=170,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = list(tmp_path.glob("run-cpu-*.json"))
+    assert len(files) == 1, files
+    report = json.loads(files[0].read_text())
+    assert report["device_type"] == "cpu"
+    for key in ("device", "versions", "date", "config"):
+        assert report[key], key
+    assert report["config"]["smoke"] is True
+    (shape,) = report["results"]
+    assert shape["shape"] == "tiny"
+    for section in ("engine", "baselines", "stack"):
+        assert section in shape and "error" not in shape[section], (section, shape.get(section))
+
+    engine = shape["engine"]
+    assert [r["batch"] for r in engine["decode"]] == report["config"]["batches"]
+    assert all(r["tokens_per_s"] > 0 for r in engine["decode"])
+    assert engine["prefill"] and engine["prefill"][0]["tokens_per_s"] > 0
+
+    base = shape["baselines"]
+    assert {r["batch"] for r in base["transformers"]["decode"]} == {1, max(report["config"]["batches"])}
+    assert "n/a" in base["transformers_compiled"]  # GPU only
+    roof = base["roofline"]
+    assert roof["weight_bytes"] > 0 and roof["bandwidth_gb_s"] > 0
+    assert {"shardlm", "transformers"} <= set(roof["achieved"])
+
+    stack = shape["stack"]
+    assert [r["streams"] for r in stack["rows"]] == report["config"]["streams"]
+    for row in stack["rows"]:
+        assert row["tokens"] == row["streams"] * report["config"]["new_tokens"]
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s"):
+            assert row[key] >= 0, key
+
+    names = {t["target"] for t in report["targets"]}
+    assert any("transformers" in n for n in names) and any("streams" in n for n in names)
+    assert any("in-process" in n for n in names)
+    assert all(t["pass"] is not None for t in report["targets"])
+    for marker in ("== 1. engine", "== 2. baselines", "== 3. full stack", "== 4. targets"):
+        assert marker in proc.stdout
