@@ -28,14 +28,9 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +40,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from bench.serve_process import Server, metric_sum
+
 REPO = Path(__file__).resolve().parents[1]
 EXPECTED_TOKENS = 48
 MIN_NEW_TOKENS = 4
@@ -53,123 +50,6 @@ RSS_GROWTH_LIMIT = 0.10
 
 
 # ----------------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m gateway.cli serve` in a subprocess, with its output drained and kept."""
-
-    def __init__(self, model: Path, *, kv_cache_mb: int = 64, tp: int = 1,
-                 dtype: str = "float32", extra: tuple[str, ...] = (),
-                 start_timeout_s: float = 180.0) -> None:
-        self.metrics_port = free_port()
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--model", str(model),
-               "--dtype", dtype, "--tp", str(tp), "--kv-cache-mb", str(kv_cache_mb),
-               "--metrics-port", str(self.metrics_port), "--drain-grace", "5", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.output: list[str] = []
-        self.address = ""
-        ready = threading.Event()
-
-        def drain() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if line.startswith("ShardLM gateway on "):
-                    self.address = line.split()[3]
-                if line.startswith("ready:"):
-                    ready.set()
-            ready.set()  # the process ended
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(start_timeout_s) or self.proc.poll() is not None or not self.address:
-            self.stop()
-            raise RuntimeError("the gateway did not come up:\n" + "".join(self.output[-30:]))
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def rss_bytes(self) -> int:
-        """VmRSS of the gateway process alone (its workers are separate processes)."""
-        return _vm_rss(self.pid)
-
-    def workers_rss_bytes(self) -> int:
-        return sum(_vm_rss(pid) for pid in _children(self.pid))
-
-    def metrics(self) -> dict[str, float]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return parse_prometheus(reply.read().decode())
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _vm_rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return found
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """`name{labels}` -> value for every sample of a Prometheus text exposition."""
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            samples[key] = float(value)
-        except ValueError:
-            continue
-    return samples
-
-
-def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += value
-    return total
-
-
 # ----------------------------------------------------------------------------- the load
 @dataclass
 class Prompt:

@@ -10,64 +10,12 @@ in-process decode tokens/s. The gateway's own timings (final chunk) are kept bes
 
 from __future__ import annotations
 
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@contextmanager
-def serve(model_dir: Path, device: str, dtype: str, kv_cache_mb: int,
-          timeout_s: float = 600.0) -> Iterator[tuple[str, float]]:
-    """Run `shardlm serve` on `model_dir`; yield (address, startup seconds) once it is ready."""
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--model", str(model_dir), "--device", device, "--dtype", dtype,
-           "--kv-cache-mb", str(kv_cache_mb), "--drain-grace", "5"]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:  # keep reading so the server never blocks on a full pipe
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        address, tail = None, []
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"serve not ready after {timeout_s:.0f} s: {''.join(tail)}") from None
-            if line is None:
-                raise RuntimeError(f"serve exited ({proc.wait()}): {''.join(tail)}")
-            tail = (tail + [line])[-20:]
-            if line.startswith("ShardLM gateway on "):
-                address = line.split()[3]
-            if line.startswith("ready:") and address:
-                break
-        yield address, time.perf_counter() - start
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+from bench.serve_process import Server
 
 
 def _stream(address: str, prompt: list[int], max_new_tokens: int,
@@ -170,7 +118,9 @@ def measure(model_dir: Path, *, device: str, dtype: str, shape_config: dict, dty
     prompts = torch.randint(3, vocab, (most, prompt_len), generator=gen).tolist()
     budget = kv_cache_mb(shape_config, dtype_bytes, most, prompt_len + max_new_tokens)
     rows = []
-    with serve(model_dir, device, dtype, budget) as (address, startup_s):
+    with Server(model_dir, device=device, dtype=dtype, kv_cache_mb=budget,
+                start_timeout_s=600.0) as server:
+        address, startup_s = server.address, server.startup_s
         # Warm-up: the first few requests after a load run several times slower per token (seen
         # on CPU), so three full single streams, then one short round of the largest size.
         for _ in range(3):

@@ -14,13 +14,15 @@ from shardlm.errors import (
     PermissionDeniedError,
 )
 
+from gateway.validation import clip
+
 MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
                        "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
                        "chat_template.jinja", "*.safetensors", "model.safetensors.index.json")
 
 
 def _shown(model_path: str) -> str:
-    return model_path if len(model_path) <= 200 else model_path[:200] + "..."
+    return clip(model_path, 200)
 
 
 def _denied(model_path: str, why: str) -> PermissionDeniedError:

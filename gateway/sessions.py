@@ -16,6 +16,7 @@ import grpc
 from shardlm.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
 from gateway.sequence import Phase, Sequence
+from gateway.validation import clip
 
 
 @dataclass
@@ -37,13 +38,8 @@ class Session:
         self.last_used = time.monotonic()
 
 
-def _shown(session_id: str) -> str:
-    # Error details travel in trailers, which gRPC caps: never echo unbounded client input.
-    return session_id if len(session_id) <= 64 else session_id[:64] + "..."
-
-
 def not_found(session_id: str) -> NotFoundError:
-    shown = _shown(session_id)
+    shown = clip(session_id)
     return NotFoundError(f"session '{shown}' does not exist or was released",
                          reason="SESSION_NOT_FOUND", metadata={"session_id": shown},
                          resource=("shardlm.session", shown))
@@ -78,8 +74,8 @@ class SessionStore:
         session = self.get(session_id, owner)
         if session.busy:
             raise FailedPreconditionError(
-                f"session '{_shown(session_id)}' is busy with another call", reason="SESSION_BUSY",
-                metadata={"session_id": _shown(session_id)}, code=grpc.StatusCode.FAILED_PRECONDITION)
+                f"session '{clip(session_id)}' is busy with another call", reason="SESSION_BUSY",
+                metadata={"session_id": clip(session_id)}, code=grpc.StatusCode.FAILED_PRECONDITION)
         session.busy = True
         session.touch()
         return session

@@ -24,6 +24,12 @@ MAX_VIOLATIONS = 10  # error details travel in trailers, which gRPC caps at a fe
 MAX_TOKEN_IDS = 1 << 20
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """Client input as echoed in an error: bounded, because error details travel in trailers and
+    gRPC caps their size."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class Violations:
     def __init__(self) -> None:
         self.items: list[tuple[FieldViolation, str]] = []
