@@ -66,6 +66,7 @@ class Scheduler:
         self._to_free: list[Sequence] = []
         self._resets: list[int] = []
         self._wake = asyncio.Event()
+        self._next_expiry_check = 0.0
         self._task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- API for the service
@@ -185,7 +186,11 @@ class Scheduler:
             seq.phase = Phase.DONE
         freed = {id(s) for s in self._to_free}
         self._to_free.clear()
-        for session in self.sessions.expired():
+        now = time.monotonic()
+        expired = self.sessions.expired(now) if now >= self._next_expiry_check else []
+        if now >= self._next_expiry_check:  # a scan of every session: once a second, not per step
+            self._next_expiry_check = now + 1.0
+        for session in expired:
             self.sessions.remove(session.session_id)
             self.allocator.free(session.seq.seq_id)
             self._resets.append(session.seq.seq_id)
