@@ -126,22 +126,25 @@ def engine_section(engine, fitting: list[int], args, shape, device) -> dict:
         seconds = eb.engine_prefill_seconds(engine, prompt, device, args.repeats)
         prefill.append({"prompt_tokens": length, "tokens_per_s": length / seconds,
                         "ms": 1000 * seconds})
-    return {"decode": decode, "prefill": prefill}
+    section = {"decode": decode, "prefill": prefill,
+               "cuda_graphs": engine.runner.graphs is not None}
+    if engine.runner.graphs is not None and 1 in fitting:
+        # The same padded steps without replaying the graphs: what the graphs are worth.
+        engine.runner.replay_graphs = False
+        try:
+            prompts = eb.random_prompts(1, args.prompt_len, vocab)
+            seconds = eb.engine_decode_seconds(engine, prompts, args.new_tokens, device, args.repeats)
+            section["without_graphs_batch1"] = eb.decode_row(1, seconds, steps)
+        finally:
+            engine.runner.replay_graphs = True
+    return section
 
 
 def paired_batch1(engine, model, args, vocab: int, device) -> tuple[float, float]:
-    """Batch-1 decode seconds of ShardLM and transformers, timed in alternation (`repeats + 1`
-    rounds each), so that a busy neighbour on a shared machine slows both alike."""
+    """Batch-1 decode seconds of ShardLM and transformers, timed in alternation."""
     prompts = eb.random_prompts(1, args.prompt_len, vocab)
-    runs: tuple[list[float], ...] = ([], [], [], [])  # ours full/prefill, theirs full/prefill
-    for i in range(args.repeats + 1):
-        ours = eb.engine_decode_runs(engine, prompts, args.new_tokens, device, 1)
-        theirs = eb.hf_decode_runs(model, prompts.to(device), args.new_tokens, device, 1,
-                                   warmups=int(i == 0), disable_compile=True)
-        for acc, part in zip(runs, ours + theirs, strict=True):
-            acc.extend(part)
-    return (eb.decode_seconds(lambda _i: (runs[0], runs[1]), attempts=1),
-            eb.decode_seconds(lambda _i: (runs[2], runs[3]), attempts=1))
+    return eb.paired_decode_seconds(engine, model, prompts, args.new_tokens, device,
+                                    args.repeats + 1)
 
 
 def _measured(rows: list[dict]) -> list[dict]:
@@ -309,6 +312,10 @@ def print_report(results: list[dict], goals: list[dict]) -> None:
         for row in r.get("engine", {}).get("prefill", []):
             print(f"{r['shape']:<14} prefill {row['prompt_tokens']} tokens: "
                   f"{row['tokens_per_s']:.0f} tok/s ({row['ms']:.1f} ms)")
+        eager = r.get("engine", {}).get("without_graphs_batch1")
+        if eager:
+            print(f"{r['shape']:<14} batch 1 without CUDA graphs: {eager['tokens_per_s']:.1f} "
+                  f"tok/s ({eager['ms_per_step']:.2f} ms/step)")
         if "error" in r.get("engine", {}):
             print(f"{r['shape']:<14} error: {r['engine']['error']}")
     print("\n== 2. baselines and the batch-1 roofline")

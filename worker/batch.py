@@ -1,5 +1,6 @@
-"""Host-side preparation of one forward pass: packed token ids, positions, slot mapping and the
-attention metadata, built in plain Python lists and copied to the device once per tensor."""
+"""Host-side preparation of one prefill pass: packed token ids, positions, slot mapping and the
+attention metadata, built in plain Python lists and copied to the device once per tensor without
+waiting for it. (Decode steps run on the fixed buffers of `worker.decode_runner`.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from itertools import accumulate
 import torch
 
 from worker.attention import AttentionMetadata
+from worker.transfer import to_device
 
 
 @dataclass
@@ -25,7 +27,7 @@ def slots_for(table: list[int], start: int, count: int, block_size: int) -> list
 def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=1) or 1
     padded = [t + [0] * (width - len(t)) for t in tables]  # never read past seq_lens
-    return torch.tensor(padded, dtype=torch.int32, device=device)
+    return to_device(padded, torch.int32, device)
 
 
 def build_prefill_batch(
@@ -48,45 +50,16 @@ def build_prefill_batch(
         seq_lens.append(start + count)
     starts = [0, *accumulate(q_lens)]
     return Batch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        input_ids=to_device(ids, torch.int64, device),
         meta=AttentionMetadata(
             is_decode=False,
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            positions=to_device(positions, torch.int64, device),
+            slot_mapping=to_device(slots, torch.int64, device),
             block_tables=_tables(tables, device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            query_start_loc=to_device(starts, torch.int32, device),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
-            logits_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=torch.int64,
-                                        device=device),
-        ),
-    )
-
-
-def build_decode_batch(
-    tokens: list[int],
-    positions: list[int],
-    tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-) -> Batch:
-    """One new token per sequence, at `positions` (= tokens already cached)."""
-    n = len(tokens)
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, p in zip(tables, positions, strict=True)]
-    seq_lens = [p + 1 for p in positions]
-    return Batch(
-        input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
-        meta=AttentionMetadata(
-            is_decode=True,
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=_tables(tables, device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-            max_query_len=1,
-            max_seq_len=max(seq_lens),
-            logits_indices=torch.arange(n, dtype=torch.int64, device=device),
+            logits_indices=to_device([s - 1 for s in starts[1:]], torch.int64, device),
         ),
     )

@@ -8,91 +8,44 @@ broadcasts the chosen ids so that all ranks feed the same next token.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from worker.batch import build_decode_batch, build_prefill_batch
+from worker.batch import build_prefill_batch
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig, load_config
+from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
 from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from worker.layers import Parallel
 from worker.loader import CheckpointReader
 from worker.model import TransformerModel, tap_names
-from worker.sampling import SampledToken, SamplingParams, SamplingRow, TokenHistory, sample
+from worker.sampling import (
+    DeviceSample,
+    SampledToken,
+    SamplingRow,
+    TokenHistory,
+    record_outputs,
+    sample_on_device,
+)
+from worker.sequence import (  # noqa: F401 - the engine's API types, re-exported
+    DecodeItem,
+    FinishReason,
+    PrefillItem,
+    Sequence,
+    StepOutput,
+    StopParams,
+    TokenOutput,
+)
+from worker.transfer import to_device
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class FinishReason(StrEnum):
-    LENGTH = "length"
-    EOS = "eos"
-    STOP_TOKEN = "stop_token"
-    CONTEXT_LENGTH = "context_length"
-
-
-@dataclass(frozen=True)
-class StopParams:
-    max_new_tokens: int = 0  # 0 = bounded only by the context
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass
-class PrefillItem:
-    sequence_id: int
-    token_ids: list[int]  # new tokens only
-    start_position: int  # tokens of this sequence already in the cache
-    block_table: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: StopParams = field(default_factory=StopParams)
-    sample: bool = True  # False for a non-final chunk of a chunked prefill
-
-
-@dataclass
-class DecodeItem:
-    sequence_id: int
-    block_table: list[int]
-    max_steps: int
-    sampling: SamplingParams | None = None  # replaces the sequence's parameters when given
-    stop: StopParams | None = None
-
-
-@dataclass
-class TokenOutput:
-    sequence_id: int
-    token: SampledToken
-    finish_reason: FinishReason | None = None
-
-
-@dataclass
-class StepOutput:
-    tokens: list[TokenOutput]
-    taps: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class Sequence:
-    """What a rank remembers of a sequence between calls."""
-
-    sequence_id: int
-    tokens: list[int]  # every token whose K/V is in the cache, in order
-    block_table: list[int]
-    sampling: SamplingParams
-    stop: StopParams
-    pending: int | None = None  # sampled but not yet fed (its K/V is not cached yet)
-    generated: int = 0
-    finished: FinishReason | None = None
-    generator: torch.Generator | None = None
-    history: TokenHistory | None = None
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.tokens)
 
 
 class Engine:
@@ -103,6 +56,7 @@ class Engine:
         model_dir: Path,
         dtype: torch.dtype,
         eos_token_ids: tuple[int, ...],
+        graph_config: GraphConfig | None = None,
     ) -> None:
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -112,7 +66,9 @@ class Engine:
         self.model_dir = model_dir
         self.eos_token_ids = eos_token_ids
         self.sequences: dict[int, Sequence] = {}
+        self.graph_config = graph_config or GraphConfig.from_env()
         self.cache = self._allocate(cache_config)
+        self.runner = self._decode_runner()
         self._tap_names = frozenset(tap_names(self.cfg.num_layers))
 
     # ----------------------------------------------------------------- loading and the cache
@@ -138,6 +94,7 @@ class Engine:
         device: str | torch.device = "cpu",
         comm: Communicator | None = None,
         cache_config: CacheConfig | None = None,
+        graph_config: GraphConfig | None = None,
         progress: Callable[[float, str], None] = lambda _f, _m: None,
     ) -> Engine:
         model_dir = Path(model_dir)
@@ -149,7 +106,7 @@ class Engine:
         with CheckpointReader(model_dir, device, torch_dtype) as reader:
             model = TransformerModel(cfg, parallel, reader, device, progress)
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos(model_dir)))
-        return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos)
+        return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos, graph_config)
 
     def _allocate(self, config: CacheConfig) -> KVCache:
         return KVCache(
@@ -161,6 +118,19 @@ class Engine:
             device=self.device,
             max_model_len=self.cfg.max_position_embeddings,
         )
+
+    def _decode_runner(self) -> DecodeRunner:
+        """Step buffers (and on CUDA the decode graphs) over the current cache. A capture that
+        fails (e.g. the cache left too little memory) costs speed, not service: decode runs eagerly."""
+        try:
+            return DecodeRunner(self.model, self.cache.layers, self.cache.block_size,
+                                self.graph_config)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            log.warning("CUDA graph capture failed (%s); decode runs without graphs", exc)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return DecodeRunner(self.model, self.cache.layers, self.cache.block_size,
+                                GraphConfig(enabled=False))
 
     @property
     def capacity(self) -> CacheCapacity:
@@ -179,7 +149,8 @@ class Engine:
         config.validate()
         old = self.cache.config
         self.sequences.clear()
-        self.cache = None  # type: ignore[assignment]  # free the old pool before the new one
+        # Free the old pool (and the graphs that point into it) before allocating the new one.
+        self.cache = self.runner = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         try:
@@ -187,6 +158,9 @@ class Engine:
         except EngineError:
             self.cache = self._allocate(old)  # keep serving with the pool that worked
             raise
+        finally:
+            if self.cache is not None:
+                self.runner = self._decode_runner()
         return self.cache.capacity
 
     def used_blocks(self) -> int:
@@ -209,38 +183,116 @@ class Engine:
         )
         tap_values = self._requested_taps(taps)
         logits = self.model.forward(batch.input_ids, batch.meta, self.cache.layers, tap_values)
-        to_sample = [(s, row) for row, (s, item) in enumerate(zip(sequences, items, strict=True))
-                     if item.sample]
-        outputs = self._sample_and_advance(logits, to_sample)
-        return StepOutput(outputs, tap_values or {})
+        rows = [row for row, item in enumerate(items) if item.sample]
+        if not rows:
+            return StepOutput([], tap_values or {})
+        if len(rows) != logits.shape[0]:
+            logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
+        picked = [sequences[r] for r in rows]
+        tokens = self._collect(self._launch_sample(logits, picked, rows))
+        return StepOutput(self._advance(picked, tokens), tap_values or {})
 
     def decode(
         self, items: list[DecodeItem], num_steps: int, taps: list[str] | tuple[str, ...] = ()
     ) -> Iterator[StepOutput]:
         """Up to `num_steps` decode steps over the batch; yields each step's tokens. A sequence
-        leaves the batch when it finishes or has used its own `max_steps`."""
+        leaves the batch when it finishes or has used its own `max_steps`.
+
+        Steps are pipelined: step t+1 is queued on the device before step t's tokens are yielded,
+        so the caller's work on them (detokenising, streaming) overlaps the device's work. Each
+        sequence keeps one row of the step buffers for the whole call; a row whose sequence has
+        left computes nothing (slot -1, context 0).
+        """
         if num_steps <= 0:
             raise InvalidRequestError("num_steps must be positive")
         self._check_unique([i.sequence_id for i in items])
         plan = [(self._prepare_decode(item, num_steps), item.max_steps) for item in items]
-        for step in range(num_steps):
-            active = [s for s, budget in plan if s.finished is None and budget > step]
-            if not active:
-                return
-            batch = build_decode_batch(
-                [s.pending for s in active],  # type: ignore[misc]
-                [s.num_cached for s in active],
-                [s.block_table for s in active],
-                self.cache.block_size,
-                self.device,
-            )
-            tap_values = self._requested_taps(taps) if step == 0 else None
-            logits = self.model.forward(batch.input_ids, batch.meta, self.cache.layers, tap_values)
-            for s in active:  # the fed token's K/V is now cached
-                s.tokens.append(s.pending)  # type: ignore[arg-type]
-                s.pending = None
-            outputs = self._sample_and_advance(logits, [(s, i) for i, s in enumerate(active)])
-            yield StepOutput(outputs, tap_values or {})
+        tap_values = self._requested_taps(taps)
+        if not plan:
+            return
+        seqs = [s for s, _budget in plan]
+        budgets = [min(budget, num_steps) for _s, budget in plan]
+        longest = max(s.num_cached + b for s, b in zip(seqs, budgets, strict=True))
+        call = self.runner.begin([s.block_table for s in seqs], longest,
+                                 eager=tap_values is not None)
+
+        def live_rows(step: int) -> list[int]:
+            return [i for i, s in enumerate(seqs) if s.finished is None and budgets[i] > step]
+
+        live = live_rows(0)
+        pending = self._launch_decode(call, seqs, live, None, tap_values) if live else None
+        step = 0
+        try:
+            while pending is not None:
+                tokens = self._collect(pending)
+                for i in live:  # the fed token's K/V is now cached
+                    seqs[i].tokens.append(seqs[i].pending)  # type: ignore[arg-type]
+                outputs = self._advance([seqs[i] for i in live], tokens)
+                step += 1
+                previous, live = pending, live_rows(step) if step < num_steps else []
+                pending = self._launch_decode(call, seqs, live, previous) if live else None
+                yield StepOutput(outputs, (tap_values or {}) if step == 1 else {})
+        finally:
+            # A caller that stops reading leaves one step queued; its tokens are dropped (the
+            # sequences stay as after the last step read) but its reads of the step buffers
+            # must finish before another call rewrites them.
+            if pending is not None and pending.done is not None:
+                pending.done.synchronize()
+
+    # ----------------------------------------------------------------- step internals
+    def _launch_decode(self, call: DecodeCall, seqs: list[Sequence], live: list[int],
+                       previous: _PendingSample | None, taps: dict | None = None) -> _PendingSample:
+        """Queue one decode step of rows `live` (and the sampling of its tokens)."""
+        bs = self.cache.block_size
+        positions = [seqs[i].num_cached for i in live]
+        slots = [seqs[i].block_table[p // bs] * bs + p % bs
+                 for i, p in zip(live, positions, strict=True)]
+        if previous is None:
+            call.buffers.stage(call.rows, live, [seqs[i].pending for i in live],  # type: ignore[misc]
+                               positions, slots)
+        else:  # the ids are the previous step's samples, still on the device
+            call.buffers.stage(call.rows, live, None, positions, slots)
+            call.buffers.feed_ids(previous.rows, previous.ids)
+        logits = call.run(taps)
+        if live != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(live, torch.int64, self.device))
+        return self._launch_sample(logits, [seqs[i] for i in live], live)
+
+    def _launch_sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                       rows: list[int]) -> _PendingSample:
+        """Sample one token per row of `logits` on rank 0 and share the ids with every rank,
+        without waiting for the device."""
+        chosen: DeviceSample | None = None
+        if self.comm.rank == 0:
+            chosen = sample_on_device(logits, self._sampling_rows(seqs))
+        if self.comm.world_size > 1:
+            ids = (chosen.ids if chosen is not None
+                   else torch.zeros(len(seqs), dtype=torch.int64, device=self.device))
+            self.comm.broadcast(ids, src=0)
+            chosen = chosen or DeviceSample(ids)
+        assert chosen is not None
+        done = None
+        host = chosen.to_host()
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _PendingSample(seqs, rows, chosen, host, done)
+
+    def _collect(self, pending: _PendingSample) -> list[SampledToken]:
+        """Wait for a launched sampling, record it in the penalty histories, return its tokens."""
+        if self.comm.world_size > 1:
+            self.comm.synchronize()  # bounded wait: a dead peer raises instead of hanging here
+        elif pending.done is not None:
+            pending.done.synchronize()
+        if self.comm.rank != 0:
+            return [SampledToken(t) for t in pending.host.ids.tolist()]
+        sampling_rows = self._sampling_rows(pending.seqs)
+        record_outputs(pending.ids, sampling_rows)
+        return pending.host.tokens(sampling_rows)
+
+    @staticmethod
+    def _sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
+        return [SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
 
     # ----------------------------------------------------------------- internals
     def _check_unique(self, ids: list[int]) -> None:
@@ -342,26 +394,10 @@ class Engine:
         if p.uses_repetition_penalty or p.uses_output_penalties:
             seq.history = TokenHistory.from_prompt(seq.tokens, self.cfg.vocab_size, self.device)
 
-    def _sample_and_advance(
-        self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]
-    ) -> list[TokenOutput]:
-        if not rows:
-            return []
-        picked = logits[[r for _s, r in rows]] if len(rows) != logits.shape[0] else logits
-        if self.comm.rank == 0:
-            tokens = sample(
-                picked, [SamplingRow(s.sampling, s.generator, s.history) for s, _r in rows]
-            )
-        if self.comm.world_size > 1:
-            ids = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
-            if self.comm.rank == 0:
-                ids.copy_(torch.tensor([t.token_id for t in tokens]))
-            self.comm.broadcast(ids, src=0)
-            self.comm.synchronize()  # bounded wait: a dead peer raises instead of hanging here
-            if self.comm.rank != 0:
-                tokens = [SampledToken(t) for t in ids.tolist()]
+    def _advance(self, seqs: list[Sequence], tokens: list[SampledToken]) -> list[TokenOutput]:
+        """Each sequence's new token becomes its pending one; see whether it finished."""
         outputs = []
-        for (seq, _row), token in zip(rows, tokens, strict=True):
+        for seq, token in zip(seqs, tokens, strict=True):
             seq.pending = token.token_id
             seq.generated += 1
             seq.finished = self._finish_reason(seq, token.token_id)
@@ -378,6 +414,21 @@ class Engine:
         if seq.num_cached >= self.cfg.max_position_embeddings:
             return FinishReason.CONTEXT_LENGTH  # no position left to feed the new token
         return None
+
+
+@dataclass
+class _PendingSample:
+    """A sampling queued on the device: `ids` there, `host` its copy once `done` has fired."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # the step-buffer row of each sampled sequence
+    chosen: DeviceSample
+    host: DeviceSample
+    done: torch.cuda.Event | None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.chosen.ids
 
 
 class _SizeOnly(SingleRankCommunicator):

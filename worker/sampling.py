@@ -3,8 +3,9 @@
 Everything is vectorised over the batch: penalties, temperature, top-k / top-p / min-p truncation
 and the draw itself. The draw uses the exponential race (argmax of p / E with E ~ Exp(1)), which
 samples the categorical distribution exactly and lets a seeded row take its noise from its own
-generator while unseeded rows share one call, so there is no host synchronisation per row; the
-only device-to-host copy is the final one of the chosen ids (and logprobs when asked).
+generator while unseeded rows share one call, so there is no host synchronisation per row. The
+only device-to-host copy is that of the chosen ids (and logprobs when asked), and
+`sample_on_device` leaves it to the caller, who may queue the next step's work first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from worker.transfer import to_device, to_host_async
 
 MAX_TOP_LOGPROBS = 20
 
@@ -54,7 +57,7 @@ class TokenHistory:
         """A fresh history: `prompt` counts for the repetition penalty, nothing is output yet."""
         seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if prompt:
-            seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+            seen[to_device(prompt, torch.long, device)] = True
         return cls(seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
 
     def add_output(self, token_id: torch.Tensor) -> None:
@@ -78,7 +81,7 @@ class SamplingRow:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -113,7 +116,7 @@ def truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     ordered, order = logits.sort(dim=1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
     ordered = ordered.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = ordered.softmax(dim=1)
     top_p = _column([p.top_p for p in params], device)
@@ -125,14 +128,18 @@ def truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    """Choose one token per row of `logits` ([B, V] float32) and update each row's history."""
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+    """Choose one token per row of `logits` ([B, V] float32) without waiting on the device.
+
+    The rows' penalty histories are read, not updated: call `record_outputs` with the chosen ids
+    before the next sampling call of the same sequences.
+    """
     device = logits.device
     raw = logits
     logits = apply_penalties(logits, rows)
     chosen = logits.argmax(dim=1)
     if not all(r.params.greedy for r in rows):
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        greedy = to_device([r.params.greedy for r in rows], torch.bool, device)
         temperature = _column([r.params.temperature or 1.0 for r in rows], device)
         probs = truncate(logits / temperature, rows).softmax(dim=1)
         noise = torch.empty_like(probs).exponential_()
@@ -141,34 +148,66 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
                 noise[i].exponential_(generator=row.generator)
         drawn = (probs / noise).argmax(dim=1)
         chosen = torch.where(greedy, chosen, drawn)
-    for i, row in enumerate(rows):
-        if row.history is not None:
-            row.history.add_output(chosen[i])
     return _with_logprobs(raw, chosen, rows)
 
 
-def _with_logprobs(
-    raw: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]
-) -> list[SampledToken]:
+def record_outputs(ids: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each row's chosen id (a device tensor, [B]) to its penalty history."""
+    for i, row in enumerate(rows):
+        if row.history is not None:
+            row.history.add_output(ids[i])
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """Choose one token per row, update the histories and return the tokens (waits on the device)."""
+    chosen = sample_on_device(logits, rows)
+    record_outputs(chosen.ids, rows)
+    return chosen.to_host().tokens(rows)
+
+
+@dataclass
+class DeviceSample:
+    """The result of one sampling call, on the device until `to_host` copies it (asynchronously on a
+    GPU: synchronise the stream, or an event recorded after `to_host`, before `tokens`)."""
+
+    ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None = None  # float32 [B]
+    top_ids: torch.Tensor | None = None  # int64 [B, k]
+    top_logprobs: torch.Tensor | None = None  # float32 [B, k]
+
+    def to_host(self) -> DeviceSample:
+        return DeviceSample(*(None if t is None else to_host_async(t) for t in
+                              (self.ids, self.logprobs, self.top_ids, self.top_logprobs)))
+
+    def tokens(self, rows: list[SamplingRow]) -> list[SampledToken]:
+        ids = self.ids.tolist()
+        if self.logprobs is None:
+            return [SampledToken(t) for t in ids]
+        lps = self.logprobs.tolist()
+        tops = (
+            [list(zip(i, v, strict=True)) for i, v in
+             zip(self.top_ids.tolist(), self.top_logprobs.tolist(), strict=True)]
+            if self.top_ids is not None and self.top_logprobs is not None
+            else [[] for _ in rows]
+        )
+        out = []
+        for row, tok, lp, pairs in zip(rows, ids, lps, tops, strict=True):
+            if not row.params.logprobs:
+                out.append(SampledToken(tok))
+            else:
+                out.append(SampledToken(tok, lp, pairs[: row.params.top_logprobs]))
+        return out
+
+
+def _with_logprobs(raw: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
     """Log-probabilities under the model's own distribution (before penalties and temperature),
     so they do not depend on how a client chose to sample."""
     want = max((r.params.top_logprobs for r in rows if r.params.logprobs), default=-1)
     if want < 0:
-        return [SampledToken(int(t)) for t in chosen.tolist()]
+        return DeviceSample(chosen)
     logprobs = raw.log_softmax(dim=1)
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    top_lp, top_ids = logprobs.topk(min(want, MAX_TOP_LOGPROBS), dim=1) if want else (None, None)
-    ids, lps = chosen.tolist(), chosen_lp.tolist()
-    top_pairs = (
-        [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_lp.tolist(),
-                                                       strict=True)]
-        if top_ids is not None
-        else [[] for _ in rows]
-    )
-    out = []
-    for row, tok, lp, pairs in zip(rows, ids, lps, top_pairs, strict=True):
-        if not row.params.logprobs:
-            out.append(SampledToken(tok))
-        else:
-            out.append(SampledToken(tok, lp, pairs[: row.params.top_logprobs]))
-    return out
+    if not want:
+        return DeviceSample(chosen, chosen_lp)
+    top_lp, top_ids = logprobs.topk(min(want, MAX_TOP_LOGPROBS), dim=1)
+    return DeviceSample(chosen, chosen_lp, top_ids, top_lp)

@@ -1,0 +1,252 @@
+"""Decode steps on fixed buffers, and CUDA graphs of them.
+
+A decode call keeps each sequence in one row for all of its steps. A step's per-row inputs (token
+id, position, cache slot, context length) are staged in one host buffer, page-locked on a GPU, and
+reach the device with one non-blocking copy; the block tables are copied once per call. A row
+that has finished, and every row that pads the batch up to a captured size, gets slot -1 (the
+cache write skips it) and context length 0 (attention returns zeros for it): padding is made a
+no-op by the data, not by branches, so one captured graph serves every batch up to its size.
+
+On CUDA, for a single rank, one graph per batch-size bucket is captured when the cache is
+allocated; a step is then one replay instead of hundreds of kernel launches. Steps that no graph
+fits (debug taps, a larger batch, a longer context, tensor parallelism) run the same code eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import AttentionMetadata
+from worker.model import Taps, TransformerModel
+from worker.transfer import pinned_if_cuda, to_device
+
+log = logging.getLogger(__name__)
+
+# Rows of the staging buffer, and what a padding row holds in each.
+IDS, POSITIONS, SLOTS, CONTEXT = range(4)
+PADDING = (0, 0, -1, 0)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs for decode: whether to capture them, and the largest batch and context a
+    captured step serves (longer contexts widen every graph's attention grid, so they run eagerly)."""
+
+    enabled: bool = True
+    max_batch: int = 128
+    max_context: int = 16384
+
+    @classmethod
+    def from_env(cls) -> GraphConfig:
+        """SHARDLM_CUDA_GRAPHS=0 turns graphs off; SHARDLM_CUDA_GRAPH_MAX_BATCH and
+        SHARDLM_CUDA_GRAPH_MAX_CONTEXT bound them (workers inherit the server's environment)."""
+        def number(name: str, default: int) -> int:
+            raw = os.environ.get(name, "").strip()
+            try:
+                return int(raw) if raw else default
+            except ValueError:
+                log.warning("ignoring %s=%r: not an integer", name, raw)
+                return default
+
+        enabled = os.environ.get("SHARDLM_CUDA_GRAPHS", "1").strip().lower() not in (
+            "0", "false", "no", "off")
+        return cls(enabled, number("SHARDLM_CUDA_GRAPH_MAX_BATCH", cls.max_batch),
+                   number("SHARDLM_CUDA_GRAPH_MAX_CONTEXT", cls.max_context))
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every 8 up to 64, every 16 up to 128, every 32
+    beyond; a batch runs in the smallest bucket that holds it."""
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(80, 129, 16), *range(160, max_batch + 32, 32)]
+    buckets = [b for b in sizes if b < max_batch]
+    return [*buckets, max_batch] if max_batch >= 1 else []
+
+
+class StepBuffers:
+    """Device inputs of a decode step for up to `rows` sequences of up to `blocks` cache blocks."""
+
+    def __init__(self, rows: int, blocks: int, device: torch.device) -> None:
+        self.rows, self.blocks, self.device = rows, blocks, device
+        self.host = pinned_if_cuda((4, rows), torch.int64, device)
+        self._staged = self.host.numpy()
+        self.inputs = (torch.zeros((4, rows), dtype=torch.int64, device=device)
+                       if device.type == "cuda" else self.host)
+        self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((rows, blocks), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)
+        self.stage_padding(rows)
+
+    def fits(self, rows: int, blocks: int) -> bool:
+        return rows <= self.rows and blocks <= self.blocks
+
+    def set_block_tables(self, tables: list[list[int]]) -> None:
+        """Row i reads blocks tables[i]; columns past a table's end are never read."""
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        self.block_tables[: len(tables), :width].copy_(
+            to_device(padded, torch.int32, self.device), non_blocking=True)
+
+    def stage(self, rows: int, live: list[int], ids: list[int] | None, positions: list[int],
+              slots: list[int]) -> None:
+        """Queue the inputs of one step: rows `live` get their values, rows [0, rows) outside it
+        are padding. `ids=None` leaves the ids to `feed_ids`.
+
+        The host buffer is rewritten here, so the previous step's copy must have run: callers
+        wait for each step's results before staging the next.
+        """
+        staged = self._staged
+        for row, value in enumerate(PADDING):
+            staged[row, :rows] = value
+        if ids is not None:
+            staged[IDS, live] = ids
+        staged[POSITIONS, live] = positions
+        staged[SLOTS, live] = slots
+        staged[CONTEXT, live] = [p + 1 for p in positions]
+        if self.inputs is not self.host:
+            self.inputs[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
+
+    def stage_padding(self, rows: int) -> None:
+        self.stage(rows, [], None, [], [])
+
+    def feed_ids(self, live: list[int], ids: torch.Tensor) -> None:
+        """Rows `live` take their input ids from a device tensor (the previous step's samples)."""
+        if live == list(range(len(live))):
+            self.inputs[IDS, : len(live)].copy_(ids)
+        else:
+            self.inputs[IDS].index_copy_(0, to_device(live, torch.int64, self.device), ids)
+
+    def forward(self, model: TransformerModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                rows: int, max_context: int, taps: Taps | None = None) -> torch.Tensor:
+        """Logits [rows, vocab] of the staged step (captured as is by `DecodeGraphs`)."""
+        self.context_lens[:rows].copy_(self.inputs[CONTEXT, :rows])
+        meta = AttentionMetadata(
+            is_decode=True,
+            positions=self.inputs[POSITIONS, :rows],
+            slot_mapping=self.inputs[SLOTS, :rows],
+            block_tables=self.block_tables[:rows],
+            seq_lens=self.context_lens[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            max_query_len=1,
+            max_seq_len=max_context,
+            logits_indices=self.logits_indices[:rows],
+        )
+        return model.forward(self.inputs[IDS, :rows], meta, kv_caches, taps)
+
+
+class DecodeGraphs:
+    """One CUDA graph per bucket of `forward(rows)`, sharing one memory pool (captured largest
+    first, so the smaller graphs reuse its activations)."""
+
+    def __init__(self, forward: Callable[[int], torch.Tensor], buckets: list[int]) -> None:
+        self.buckets = sorted(buckets)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        pool = None
+        for rows in reversed(self.buckets):
+            # Warm up on a side stream first, as torch's capture rules ask: lazy initialisation
+            # (cuBLAS handles, workspaces) must not happen inside the capture.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward(rows)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a health probe asking for memory figures from another thread while
+            # the load thread captures must neither fail nor invalidate the capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._logits[rows] = forward(rows)
+            pool = graph.pool()
+            self._graphs[rows] = graph
+        torch.cuda.synchronize()
+
+    def bucket_for(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def replay(self, rows: int) -> torch.Tensor:
+        self._graphs[rows].replay()
+        return self._logits[rows]
+
+
+class DecodeCall:
+    """The buffers one decode call runs on: a graph bucket, or eager buffers of its exact size."""
+
+    def __init__(self, runner: DecodeRunner, buffers: StepBuffers, rows: int, max_context: int,
+                 graphs: DecodeGraphs | None) -> None:
+        self.runner = runner
+        self.buffers = buffers
+        self.rows = rows  # rows computed per step: the bucket, or the batch itself when eager
+        self.max_context = max_context
+        self.graphs = graphs
+
+    @property
+    def uses_graph(self) -> bool:
+        return self.graphs is not None
+
+    def run(self, taps: Taps | None = None) -> torch.Tensor:
+        """Logits of the staged step: [rows, vocab] (float32)."""
+        if self.graphs is not None and self.runner.replay_graphs:
+            return self.graphs.replay(self.rows)
+        return self.buffers.forward(self.runner.model, self.runner.kv_caches, self.rows,
+                                    self.max_context, taps)
+
+
+class DecodeRunner:
+    """Owns the step buffers (and graphs) of one engine for one cache allocation."""
+
+    def __init__(self, model: TransformerModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, config: GraphConfig | None = None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = model.device
+        self.config = config or GraphConfig.from_env()
+        self._eager: StepBuffers | None = None
+        self._graph_buffers: StepBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+        # False runs a graph's step eagerly on the same padded buffers: the same shapes, hence the
+        # same kernels, so its tokens must equal the replay's exactly (how graphs are checked).
+        self.replay_graphs = True
+        if self._graphs_possible():
+            self._capture()
+
+    def _graphs_possible(self) -> bool:
+        c = self.config
+        return (c.enabled and self.device.type == "cuda" and c.max_batch > 0 and c.max_context > 0
+                and self.model.parallel.world_size == 1)
+
+    def _capture(self) -> None:
+        c = self.config
+        max_context = min(c.max_context, self.model.cfg.max_position_embeddings)
+        blocks = -(-max_context // self.block_size)
+        buffers = StepBuffers(c.max_batch, blocks, self.device)
+        buckets = batch_buckets(c.max_batch)
+        self.graphs = DecodeGraphs(
+            lambda rows: buffers.forward(self.model, self.kv_caches, rows, max_context), buckets)
+        self._graph_buffers = buffers
+        self._graph_context = max_context
+        log.info("captured CUDA graphs for decode batches %s (context <= %d)", buckets, max_context)
+
+    def begin(self, tables: list[list[int]], max_context: int, eager: bool = False) -> DecodeCall:
+        """Buffers for a call over len(tables) rows whose contexts stay <= max_context."""
+        rows = len(tables)
+        width = max(len(t) for t in tables)
+        if (not eager and self.graphs is not None and self._graph_buffers is not None
+                and max_context <= self._graph_context and self._graph_buffers.fits(rows, width)):
+            bucket = self.graphs.bucket_for(rows)
+            if bucket is not None:
+                self._graph_buffers.set_block_tables(tables)
+                return DecodeCall(self, self._graph_buffers, bucket, self._graph_context,
+                                  self.graphs)
+        if self._eager is None or not self._eager.fits(rows, width):
+            grown_rows = max(rows, self._eager.rows if self._eager else 0)
+            grown_blocks = max(width, self._eager.blocks if self._eager else 0)
+            self._eager = StepBuffers(grown_rows, grown_blocks, self.device)
+        self._eager.set_block_tables(tables)
+        return DecodeCall(self, self._eager, rows, max_context, None)

@@ -1,0 +1,77 @@
+"""What the engine is asked to run and what it remembers of each sequence between calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from worker.sampling import SampledToken, SamplingParams, TokenHistory
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    CONTEXT_LENGTH = "context_length"
+
+
+@dataclass(frozen=True)
+class StopParams:
+    max_new_tokens: int = 0  # 0 = bounded only by the context
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class PrefillItem:
+    sequence_id: int
+    token_ids: list[int]  # new tokens only
+    start_position: int  # tokens of this sequence already in the cache
+    block_table: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopParams = field(default_factory=StopParams)
+    sample: bool = True  # False for a non-final chunk of a chunked prefill
+
+
+@dataclass
+class DecodeItem:
+    sequence_id: int
+    block_table: list[int]
+    max_steps: int
+    sampling: SamplingParams | None = None  # replaces the sequence's parameters when given
+    stop: StopParams | None = None
+
+
+@dataclass
+class TokenOutput:
+    sequence_id: int
+    token: SampledToken
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class StepOutput:
+    tokens: list[TokenOutput]
+    taps: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Sequence:
+    """What a rank remembers of a sequence between calls."""
+
+    sequence_id: int
+    tokens: list[int]  # every token whose K/V is in the cache, in order
+    block_table: list[int]
+    sampling: SamplingParams
+    stop: StopParams
+    pending: int | None = None  # sampled but not yet fed (its K/V is not cached yet)
+    generated: int = 0
+    finished: FinishReason | None = None
+    generator: torch.Generator | None = None
+    history: TokenHistory | None = None
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.tokens)
