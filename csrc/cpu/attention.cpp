@@ -11,15 +11,15 @@
 // pool. Scratch memory is per thread and only ever grows, so the steady-state
 // decode loop allocates nothing.
 //
-// The per-tile steps (convert a key/value tile, score it, exponentiate,
-// accumulate) have a portable version and an AVX2 one (simd.h), picked once
-// per call.
+// The per-tile steps (score, exponentiate, accumulate) have a portable
+// version and an AVX2 one (simd.h), picked once per call.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../dispatch.h"
@@ -32,7 +32,7 @@ namespace {
 using cpu::from_f;
 using cpu::to_f;
 
-constexpr int64_t kKeyTile = 64;    // keys converted and scored per step
+constexpr int64_t kKeyTile = 32;    // keys converted and scored per step
 constexpr int64_t kQueryTile = 16;  // prefill query tokens per task
 
 template <typename T>
@@ -100,105 +100,107 @@ Row<T>* thread_rows(int64_t n) {
   return rows.data();
 }
 
-// ---- tile steps: portable versions (the reference for the AVX2 ones) ---------------
 
-// Keys k0 .. k0+nk-1 of the paged cache to float, [nk][D] each for k and v.
+// ---- tile steps --------------------------------------------------------------------
+// A tile's key and value rows are passed as pointers to D elements of S: a
+// float copy of the tile, or (AVX2 only) the cache rows themselves, S = T.
+
+// Converts the tile's rows to float into kt / vt ([nk][D] each) and points
+// kr / vr at the copies.
 template <typename T>
-void load_tile(float* kt, float* vt, const PagedKV<T>& kv, int64_t k0, int64_t nk) {
-  const int64_t D = kv.head_dim;
-  int64_t off[kKeyTile];
-  kv.offsets(k0, nk, off);
+void convert_tile(float* kt, float* vt, const T* const* k, const T* const* v, int64_t nk,
+                  int64_t D, const float** kr, const float** vr) {
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t i = 0; i < D; ++i) {
-      kt[j * D + i] = to_f(kv.k[off[j] + i]);
-      vt[j * D + i] = to_f(kv.v[off[j] + i]);
+      kt[j * D + i] = to_f(k[j][i]);
+      vt[j * D + i] = to_f(v[j][i]);
     }
+    kr[j] = kt + j * D;
+    vr[j] = vt + j * D;
   }
 }
 
-// s[j] = q . k[j] for j < nk.
-void tile_scores(float* s, const float* q, const float* k, int64_t nk, int64_t D) {
-  for (int64_t j = 0; j < nk; ++j) s[j] = cpu::dot_f(q, k + j * D, D);
-}
-
-// s[j] = exp(s[j] - m); returns the sum.
-float exp_shifted(float* s, int64_t n, float m) {
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    sum += s[j];
+// Portable steps; with float rows they do exactly what the kernel did before
+// it had an AVX2 path.
+struct Portable {
+  // s[j] = q . k[j] for j < nk.
+  static void scores(float* s, const float* q, const float* const* k, int64_t nk, int64_t D) {
+    for (int64_t j = 0; j < nk; ++j) s[j] = cpu::dot_f(q, k[j], D);
   }
-  return sum;
-}
-
-// acc = alpha * acc + sum_j p[j] * v[j].
-void tile_accumulate(float* acc, float alpha, const float* p, const float* v, int64_t nk,
-                     int64_t D) {
-  for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
-  for (int64_t j = 0; j < nk; ++j) cpu::axpy_f(acc, p[j], v + j * D, D);
-}
+  // s[j] = exp(s[j] - m); returns the sum.
+  static float exp(float* s, int64_t n, float m) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    return sum;
+  }
+  // acc = alpha * acc + sum_j p[j] * v[j].
+  static void accumulate(float* acc, float alpha, const float* p, const float* const* v,
+                         int64_t nk, int64_t D) {
+    for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
+    for (int64_t j = 0; j < nk; ++j) cpu::axpy_f(acc, p[j], v[j], D);
+  }
+};
 
 #if SHARDLM_HAVE_AVX2
-// ---- tile steps: AVX2 ------------------------------------------------------------
 // Same maths with 8-wide FMAs, so float32 sums round differently (well within
-// the tolerance), and avx2::exp8 instead of std::exp.
+// the tolerance), and avx2::exp8 instead of std::exp. Rows of bf16 / fp16 are
+// converted as they are read.
 namespace avx2 = cpu::avx2;
 
 template <typename T>
-SHARDLM_AVX2 void load_tile_avx2(float* kt, float* vt, const PagedKV<T>& kv, int64_t k0,
-                                 int64_t nk) {
-  const int64_t D = kv.head_dim;
-  int64_t off[kKeyTile];
-  kv.offsets(k0, nk, off);
+SHARDLM_AVX2 void convert_tile_avx2(float* kt, float* vt, const T* const* k, const T* const* v,
+                                    int64_t nk, int64_t D, const float** kr, const float** vr) {
   for (int64_t j = 0; j < nk; ++j) {
-    const T* k = kv.k + off[j];
-    const T* v = kv.v + off[j];
     int64_t i = 0;
     for (; i + 8 <= D; i += 8) {
-      avx2::store8(kt + j * D + i, avx2::load8(k + i));
-      avx2::store8(vt + j * D + i, avx2::load8(v + i));
+      avx2::store8(kt + j * D + i, avx2::load8(k[j] + i));
+      avx2::store8(vt + j * D + i, avx2::load8(v[j] + i));
     }
     for (; i < D; ++i) {
-      kt[j * D + i] = to_f(k[i]);
-      vt[j * D + i] = to_f(v[i]);
+      kt[j * D + i] = to_f(k[j][i]);
+      vt[j * D + i] = to_f(v[j][i]);
     }
+    kr[j] = kt + j * D;
+    vr[j] = vt + j * D;
   }
 }
 
 // Eight keys at a time: eight independent FMA chains keep the FMA units busy
 // (one dot product alone is a single latency-bound chain), and q is loaded
 // once per eight keys.
-SHARDLM_AVX2 void tile_scores_avx2(float* s, const float* q, const float* k, int64_t nk,
-                                   int64_t D) {
+template <typename S>
+SHARDLM_AVX2 void scores_avx2(float* s, const float* q, const S* const* k, int64_t nk,
+                              int64_t D) {
   const int64_t D8 = D & ~int64_t{7};
   int64_t j = 0;
   for (; j + 8 <= nk; j += 8) {
-    const float* kj = k + j * D;
     __m256 a[8];
     for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int64_t i = 0; i < D8; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + u * D + i), a[u]);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, avx2::load8(k[j + u] + i), a[u]);
     }
     _mm_storeu_ps(s + j, avx2::hsum4(a[0], a[1], a[2], a[3]));
     _mm_storeu_ps(s + j + 4, avx2::hsum4(a[4], a[5], a[6], a[7]));
     for (int64_t i = D8; i < D; ++i) {
-      for (int u = 0; u < 8; ++u) s[j + u] += q[i] * kj[u * D + i];
+      for (int u = 0; u < 8; ++u) s[j + u] += q[i] * to_f(k[j + u][i]);
     }
   }
   for (; j < nk; ++j) {
-    const float* kj = k + j * D;
     __m256 a = _mm256_setzero_ps();
     for (int64_t i = 0; i < D8; i += 8) {
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), a);
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), avx2::load8(k[j] + i), a);
     }
     float dot = avx2::hsum(a);
-    for (int64_t i = D8; i < D; ++i) dot += q[i] * kj[i];
+    for (int64_t i = D8; i < D; ++i) dot += q[i] * to_f(k[j][i]);
     s[j] = dot;
   }
 }
 
-SHARDLM_AVX2 float exp_shifted_avx2(float* s, int64_t n, float m) {
+SHARDLM_AVX2 float exp_avx2(float* s, int64_t n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sum = _mm256_setzero_ps();
   int64_t j = 0;
@@ -220,70 +222,79 @@ SHARDLM_AVX2 float exp_shifted_avx2(float* s, int64_t n, float m) {
   return avx2::hsum(sum);
 }
 
-// acc[0 .. 8*NV) of one row kept in NV registers across all nk keys.
-template <int NV>
-SHARDLM_AVX2 inline void accumulate_cols(float* acc, float alpha, const float* p, const float* v,
-                                         int64_t nk, int64_t D) {
+// Columns [c, c + 8*NV) of one row's accumulator, kept in NV registers
+// across all nk keys.
+template <int NV, typename S>
+SHARDLM_AVX2 inline void accumulate_cols(float* acc, float alpha, const float* p,
+                                         const S* const* v, int64_t nk, int64_t c) {
   __m256 a[NV];
   const __m256 al = _mm256_set1_ps(alpha);
-  for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), al);
+  for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8 * u), al);
   for (int64_t j = 0; j < nk; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v + j * D;
-    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), a[u]);
+    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(pj, avx2::load8(v[j] + c + 8 * u), a[u]);
   }
-  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
+  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + c + 8 * u, a[u]);
 }
 
-SHARDLM_AVX2 void tile_accumulate_avx2(float* acc, float alpha, const float* p, const float* v,
-                                       int64_t nk, int64_t D) {
+template <typename S>
+SHARDLM_AVX2 void accumulate_avx2(float* acc, float alpha, const float* p, const S* const* v,
+                                  int64_t nk, int64_t D) {
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) accumulate_cols<8>(acc + c, alpha, p, v + c, nk, D);
-  for (; c + 32 <= D; c += 32) accumulate_cols<4>(acc + c, alpha, p, v + c, nk, D);
-  for (; c + 8 <= D; c += 8) accumulate_cols<1>(acc + c, alpha, p, v + c, nk, D);
+  for (; c + 64 <= D; c += 64) accumulate_cols<8>(acc, alpha, p, v, nk, c);
+  for (; c + 32 <= D; c += 32) accumulate_cols<4>(acc, alpha, p, v, nk, c);
+  for (; c + 8 <= D; c += 8) accumulate_cols<1>(acc, alpha, p, v, nk, c);
   for (; c < D; ++c) {
     float a = acc[c] * alpha;
-    for (int64_t j = 0; j < nk; ++j) a += p[j] * v[j * D + c];
+    for (int64_t j = 0; j < nk; ++j) a += p[j] * to_f(v[j][c]);
     acc[c] = a;
   }
 }
-#endif  // SHARDLM_HAVE_AVX2
 
-// One call per tile (not per element) picks the implementation.
-struct TileOps {
-  bool simd;
-
-  template <typename T>
-  void load(float* kt, float* vt, const PagedKV<T>& kv, int64_t k0, int64_t nk) const {
-#if SHARDLM_HAVE_AVX2
-    if (simd) return load_tile_avx2(kt, vt, kv, k0, nk);
-#endif
-    load_tile(kt, vt, kv, k0, nk);
+struct Avx2 {
+  template <typename S>
+  static void scores(float* s, const float* q, const S* const* k, int64_t nk, int64_t D) {
+    scores_avx2(s, q, k, nk, D);
   }
-  void scores(float* s, const float* q, const float* k, int64_t nk, int64_t D) const {
-#if SHARDLM_HAVE_AVX2
-    if (simd) return tile_scores_avx2(s, q, k, nk, D);
-#endif
-    tile_scores(s, q, k, nk, D);
-  }
-  float exp(float* s, int64_t n, float m) const {
-#if SHARDLM_HAVE_AVX2
-    if (simd) return exp_shifted_avx2(s, n, m);
-#endif
-    return exp_shifted(s, n, m);
-  }
-  void accumulate(float* acc, float alpha, const float* p, const float* v, int64_t nk,
-                  int64_t D) const {
-#if SHARDLM_HAVE_AVX2
-    if (simd) return tile_accumulate_avx2(acc, alpha, p, v, nk, D);
-#endif
-    tile_accumulate(acc, alpha, p, v, nk, D);
+  static float exp(float* s, int64_t n, float m) { return exp_avx2(s, n, m); }
+  template <typename S>
+  static void accumulate(float* acc, float alpha, const float* p, const S* const* v,
+                         int64_t nk, int64_t D) {
+    accumulate_avx2(acc, alpha, p, v, nk, D);
   }
 };
+#endif  // SHARDLM_HAVE_AVX2
+
+// One tile for every row that sees part of it: scores, online softmax
+// update, accumulation. Ops is Portable or Avx2; S is float or T.
+template <typename Ops, typename T, typename S>
+void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S* const* kr,
+                 const S* const* vr, int64_t D, const Workspace& ws) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t visible = std::min(nk, rows[r].pos - k0 + 1);  // causal mask
+    if (visible <= 0) continue;
+    Ops::scores(ws.s, ws.q + r * D, kr, visible, D);
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, ws.s[j]);
+    // visible > 0 makes m_new finite, so exp(-inf - m_new) = 0 on the
+    // first tile and no NaN can appear.
+    const float m_new = std::max(ws.m[r], tile_max);
+    const float alpha = std::exp(ws.m[r] - m_new);
+    const float sum = Ops::exp(ws.s, visible, m_new);  // scores -> probabilities
+    Ops::accumulate(ws.acc + r * D, alpha, ws.s, vr, visible, D);
+    ws.l[r] = ws.l[r] * alpha + sum;
+    ws.m[r] = m_new;
+  }
+}
+
+// Up to this many rows, the AVX2 path reads bf16 / fp16 rows straight from
+// the cache, converting as it goes; more rows (prefill) share one float copy
+// of the tile. float32 rows are always read in place.
+constexpr int64_t kMaxDirectRows = 8;
 
 template <typename T>
 void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<T>& kv, float scale,
-                 const Workspace& ws, const TileOps& ops) {
+                 const Workspace& ws, bool simd) {
   const int64_t D = kv.head_dim;
   int64_t last = -1;
   for (int64_t r = 0; r < n; ++r) {
@@ -293,30 +304,39 @@ void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<T>& kv, float scal
     ws.l[r] = 0.f;
     last = std::max(last, rows[r].pos);
   }
+  [[maybe_unused]] const bool direct = std::is_same_v<T, float> || n <= kMaxDirectRows;
+  int64_t off[kKeyTile];
+  const T* kc[kKeyTile];  // the tile's rows in the cache
+  const T* vc[kKeyTile];
+  const float* kf[kKeyTile];  // ... or in the float copy
+  const float* vf[kKeyTile];
   for (int64_t k0 = 0; k0 <= last; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, last + 1 - k0);
-    ops.load(ws.k, ws.v, kv, k0, nk);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t visible = std::min(nk, rows[r].pos - k0 + 1);  // causal mask
-      if (visible <= 0) continue;
-      ops.scores(ws.s, ws.q + r * D, ws.k, visible, D);
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, ws.s[j]);
-      // visible > 0 makes m_new finite, so exp(-inf - m_new) = 0 on the
-      // first tile and no NaN can appear.
-      const float m_new = std::max(ws.m[r], tile_max);
-      const float alpha = std::exp(ws.m[r] - m_new);
-      const float sum = ops.exp(ws.s, visible, m_new);  // scores -> probabilities
-      ops.accumulate(ws.acc + r * D, alpha, ws.s, ws.v, visible, D);
-      ws.l[r] = ws.l[r] * alpha + sum;
-      ws.m[r] = m_new;
+    kv.offsets(k0, nk, off);
+    for (int64_t j = 0; j < nk; ++j) {
+      kc[j] = kv.k + off[j];
+      vc[j] = kv.v + off[j];
     }
+#if SHARDLM_HAVE_AVX2
+    if (simd && direct) {
+      attend_tile<Avx2>(rows, n, k0, nk, kc, vc, D, ws);
+      continue;
+    }
+    if (simd) {
+      convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+      attend_tile<Avx2>(rows, n, k0, nk, kf, vf, D, ws);
+      continue;
+    }
+#endif
+    convert_tile(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+    attend_tile<Portable>(rows, n, k0, nk, kf, vf, D, ws);
   }
   for (int64_t r = 0; r < n; ++r) {
     const float inv = ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f;  // no keys -> zeros
     for (int64_t i = 0; i < D; ++i) rows[r].out[i] = from_f<T>(ws.acc[r * D + i] * inv);
   }
 }
+
 
 // Below this many multiply-adds (query rows x visible keys x head_dim, for
 // q.k and p.v each) a call runs on the calling thread: waking the pool costs
@@ -347,7 +367,7 @@ void decode_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* ta
                  const int32_t* ctx_lens, float scale, const AttnDims& d) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t D = d.head_dim;
-  const TileOps ops{cpu::use_avx2()};
+  const bool simd = cpu::use_avx2();
   int64_t keys = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) keys += ctx_lens[b];
   const int64_t tasks = d.num_seqs * d.num_kv_heads;
@@ -366,7 +386,7 @@ void decode_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* ta
       }
       const PagedKV<T> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, g, D};
-      attend_rows(rows, group, kv, scale, ws, ops);
+      attend_rows(rows, group, kv, scale, ws, simd);
     }
   });
 }
@@ -376,7 +396,7 @@ void prefill_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* t
                   const int32_t* qsl, const int32_t* seq_lens, float scale, const AttnDims& d) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t D = d.head_dim;
-  const TileOps ops{cpu::use_avx2()};
+  const bool simd = cpu::use_avx2();
   // tile_start[b] = index of sequence b's first query tile (prefix sums), in
   // a reusable buffer of the calling thread. A named reference, because the
   // workers must read this thread's copy, not their own thread_local one.
@@ -417,7 +437,7 @@ void prefill_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* t
       }
       const PagedKV<T> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, g, D};
-      attend_rows(rows, n, kv, scale, ws, ops);
+      attend_rows(rows, n, kv, scale, ws, simd);
     }
   });
 }
