@@ -3,16 +3,18 @@
 //
 // Both are "a set of query rows of one sequence and one kv head, row r seeing
 // keys 0..pos[r]", run by attend_rows() flash-attention style: keys are
-// walked in tiles of kKeyTile tokens, each tile is converted to float once and
-// shared by all rows (the GQA group's heads, and for prefill a tile of query
-// tokens), with an online (running max / sum) softmax per row. Tasks are
+// walked in tiles of kKeyTile tokens shared by all rows (the GQA group's
+// heads, and for prefill a tile of query tokens), with an online (running
+// max / sum) softmax per row. Tasks are
 // (sequence, kv head[, query tile]) spread with at::parallel_for, or run on
 // the calling thread when the whole call is too small to pay for waking the
 // pool. Scratch memory is per thread and only ever grows, so the steady-state
 // decode loop allocates nothing.
 //
 // The per-tile steps (score, exponentiate, accumulate) have a portable
-// version and an AVX2 one (simd.h), picked once per call.
+// version, which reads a float copy of each tile, and an AVX2 one (simd.h),
+// picked once per call, which reads the cache rows in place when there are
+// few rows (decode) and a float copy otherwise.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -32,7 +34,7 @@ namespace {
 using cpu::from_f;
 using cpu::to_f;
 
-constexpr int64_t kKeyTile = 32;    // keys converted and scored per step
+constexpr int64_t kKeyTile = 32;    // keys scored per step
 constexpr int64_t kQueryTile = 16;  // prefill query tokens per task
 
 template <typename T>
@@ -337,10 +339,10 @@ void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<T>& kv, float scal
   }
 }
 
-
-// Below this many multiply-adds (query rows x visible keys x head_dim, for
-// q.k and p.v each) a call runs on the calling thread: waking the pool costs
-// more than it saves, and far more when the cores are shared.
+// Below this much work (query rows x keys they see x head_dim) a call runs on
+// the calling thread: waking the pool costs more than it saves there, and far
+// more when the cores are shared. 2^18 is one sequence of ~340 tokens with 12
+// heads of 64, about where two threads start to win.
 constexpr int64_t kMinParallelWork = 1 << 18;
 
 // at::parallel_for grain: everything in one chunk for a small call, else one
