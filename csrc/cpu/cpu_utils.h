@@ -6,8 +6,32 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "simd.h"
 
 namespace shardlm::cpu {
+
+// Whether to take the AVX2 paths (simd.h): the CPU and OS support AVX2, FMA
+// and F16C, and the environment does not set SHARDLM_CPU_SIMD=0 (which forces
+// the portable loops, to test or time them). Decided once per process.
+inline bool use_avx2() {
+  static const bool enabled = [] {
+#if SHARDLM_HAVE_AVX2
+    const char* env = std::getenv("SHARDLM_CPU_SIMD");
+    if (env != nullptr && std::strcmp(env, "0") == 0) {
+      return false;
+    }
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+  }();
+  return enabled;
+}
 
 template <typename T>
 inline float to_f(T v) {

@@ -17,6 +17,11 @@ namespace {
 using cpu::from_f;
 using cpu::to_f;
 
+// Each op has a portable row function and, on x86, an AVX2 one that does the
+// same float operations in the same order on 8 elements at a time (and hands
+// the last n % 8 elements to the portable one), so both paths give the same
+// bits; the one exception is the exp inside SiLU (see avx2::exp8).
+
 // HF LlamaRMSNorm: y = (x.float() * rsqrt(mean(x^2) + eps)).to(dtype);
 // out = weight * y, the product taken in the model dtype (i.e. rounded).
 template <typename T>
@@ -31,51 +36,136 @@ inline float inv_rms(float sum_sq, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
 }
 
+// HF: hidden = residual + hidden in the model dtype; the *rounded* sum is
+// what gets normalised and becomes the next residual.
+template <typename T>
+inline void add_row(T* x, T* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = from_f<T>(to_f(x[i]) + to_f(h[i]));
+}
+
+// HF LlamaMLP: act_fn(gate) * up with both ops in the model dtype, i.e. the
+// SiLU result is rounded before the multiply.
+template <typename T>
+inline void silu_row(T* o, const T* gate, const T* up, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = to_f(gate[i]);
+    const T act = from_f<T>(g / (1.0f + std::exp(-g)));
+    o[i] = from_f<T>(to_f(act) * to_f(up[i]));
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+namespace avx2 = cpu::avx2;
+
+// Same lanes and order as cpu::sum_squares: 8 partial sums (multiply, then
+// add: no FMA), then the tail, then the 8 partials one after another.
+template <typename T>
+SHARDLM_AVX2 float sum_squares_avx2(const T* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = avx2::load8(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  float s = 0.f;
+  for (; i < n; ++i) {
+    const float v = to_f(x[i]);
+    s += v * v;
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  for (int j = 0; j < 8; ++j) s += part[j];
+  return s;
+}
+
+template <typename T>
+SHARDLM_AVX2 void normalize_row_avx2(T* dst, const T* src, const T* w, int64_t n,
+                                     float inv_rms) {
+  const __m256 inv = _mm256_set1_ps(inv_rms);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = avx2::round_to<T>(_mm256_mul_ps(avx2::load8(src + i), inv));
+    avx2::store8(dst + i, _mm256_mul_ps(avx2::load8(w + i), y));
+  }
+  normalize_row(dst + i, src + i, w + i, n - i, inv_rms);
+}
+
+template <typename T>
+SHARDLM_AVX2 void add_row_avx2(T* x, T* h, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    avx2::store8(h + i, _mm256_add_ps(avx2::load8(x + i), avx2::load8(h + i)));
+  }
+  add_row(x + i, h + i, n - i);
+}
+
+template <typename T>
+SHARDLM_AVX2 void silu_row_avx2(T* o, const T* gate, const T* up, int64_t d) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 g = avx2::load8(gate + i);
+    const __m256 e = avx2::exp8(_mm256_xor_ps(g, sign));  // exp(-g)
+    const __m256 act = avx2::round_to<T>(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+    avx2::store8(o + i, _mm256_mul_ps(act, avx2::load8(up + i)));
+  }
+  silu_row(o + i, gate + i, up + i, d - i);
+}
+#endif
+
 template <typename T>
 void rms_norm_impl(T* out, const T* in, const T* w, int64_t rows, int64_t n, float eps) {
+  [[maybe_unused]] const bool simd = cpu::use_avx2();
   at::parallel_for(0, rows, cpu::grain_for(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* x = in + r * n;
+      T* y = out + r * n;
       // out may alias input: the second pass reads x[i] before writing out[i].
-      normalize_row(out + r * n, x, w, n, inv_rms(cpu::sum_squares(x, n), n, eps));
+#if SHARDLM_HAVE_AVX2
+      if (simd) {
+        normalize_row_avx2(y, x, w, n, inv_rms(sum_squares_avx2(x, n), n, eps));
+        continue;
+      }
+#endif
+      normalize_row(y, x, w, n, inv_rms(cpu::sum_squares(x, n), n, eps));
     }
   });
 }
 
 template <typename T>
 void fused_add_rms_norm_impl(T* in, T* res, const T* w, int64_t rows, int64_t n, float eps) {
+  [[maybe_unused]] const bool simd = cpu::use_avx2();
   at::parallel_for(0, rows, cpu::grain_for(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* x = in + r * n;
       T* h = res + r * n;
-      // HF: hidden = residual + hidden in the model dtype, then normalise the
-      // *rounded* sum (which also becomes the next residual).
-      float acc = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        const T s = from_f<T>(to_f(x[i]) + to_f(h[i]));
-        h[i] = s;
-        const float sf = to_f(s);
-        acc += sf * sf;
+#if SHARDLM_HAVE_AVX2
+      if (simd) {
+        add_row_avx2(x, h, n);
+        normalize_row_avx2(x, h, w, n, inv_rms(sum_squares_avx2(h, n), n, eps));
+        continue;
       }
-      normalize_row(x, h, w, n, inv_rms(acc, n, eps));
+#endif
+      add_row(x, h, n);
+      normalize_row(x, h, w, n, inv_rms(cpu::sum_squares(h, n), n, eps));
     }
   });
 }
 
-// HF LlamaMLP: act_fn(gate) * up with both ops in the model dtype, i.e. the
-// SiLU result is rounded before the multiply.
 template <typename T>
 void silu_and_mul_impl(T* out, const T* in, int64_t rows, int64_t d) {
+  [[maybe_unused]] const bool simd = cpu::use_avx2();
   at::parallel_for(0, rows, cpu::grain_for(d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * 2 * d;
-      const T* up = gate + d;
-      T* o = out + r * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const float g = to_f(gate[i]);
-        const T act = from_f<T>(g / (1.0f + std::exp(-g)));
-        o[i] = from_f<T>(to_f(act) * to_f(up[i]));
+#if SHARDLM_HAVE_AVX2
+      if (simd) {
+        silu_row_avx2(out + r * d, gate, gate + d, d);
+        continue;
       }
+#endif
+      silu_row(out + r * d, gate, gate + d, d);
     }
   });
 }

@@ -1,0 +1,140 @@
+// AVX2 building blocks for the CPU kernels, compiled without -mavx2.
+//
+// The extension must load on any x86-64 CPU (and build on other
+// architectures), so the translation units are compiled for the baseline ISA
+// and only the functions marked SHARDLM_AVX2 use AVX2 / FMA / F16C through
+// GCC's and Clang's per-function `target` attribute. Callers pick the AVX2
+// path at run time with cpu::use_avx2() (cpu_utils.h); every kernel keeps its
+// portable scalar loop as the fallback and for the tails.
+//
+// A SHARDLM_AVX2 function can only be inlined into another SHARDLM_AVX2
+// function, so the kernels dispatch once per row or per tile, never per
+// element.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define SHARDLM_HAVE_AVX2 1
+#include <immintrin.h>
+#define SHARDLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define SHARDLM_HAVE_AVX2 0
+#endif
+
+#if SHARDLM_HAVE_AVX2
+namespace shardlm::cpu::avx2 {
+
+// ---- 8 lanes of T <-> 8 floats ------------------------------------------------------
+// Conversions round to nearest even exactly like c10::BFloat16 / c10::Half, so
+// vector and scalar code produce the same bits.
+
+SHARDLM_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+SHARDLM_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  // bfloat16 is the upper half of a float32.
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+SHARDLM_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+SHARDLM_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// Rounds to bfloat16 like c10::round_to_nearest_even (bits + 0x7fff + lsb,
+// NaN -> 0x7fc0); the result sits in the upper 16 bits of each lane.
+SHARDLM_AVX2 inline __m256i bf16_round_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+SHARDLM_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(bf16_round_bits(v), 16);
+  // Values are < 2^16, so the unsigned-saturating pack is a plain narrowing.
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+SHARDLM_AVX2 inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Rounds to T and back, i.e. float(T(v)) for every lane, without a store.
+template <typename T>
+SHARDLM_AVX2 inline __m256 round_to(__m256 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(bf16_round_bits(v));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    return v;
+  }
+}
+
+// ---- reductions ------------------------------------------------------------------
+
+SHARDLM_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// {hsum(a), hsum(b), hsum(c), hsum(d)}
+SHARDLM_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b);  // per 128-bit lane: a01 a23 b01 b23
+  const __m256 cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per lane: a b c d (half sums)
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// ---- exp ---------------------------------------------------------------------------
+// Cephes-style expf: x = n ln2 + r with ln2 split in two for an exact
+// reduction, a degree-6 polynomial for e^r on |r| <= ln2/2, then scale by 2^n.
+// Relative error about 2 ulp of float32 (std::exp is within 1), far below the
+// tolerance of the float32 results and almost always invisible after a
+// bf16 / fp16 rounding. Like std::exp: +inf past ln(FLT_MAX), gradual
+// underflow to denormals and 0, NaN in, NaN out.
+SHARDLM_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.72283935546875f);  // ~ln(FLT_MAX)
+  const __m256 lo = _mm256_set1_ps(-104.0f);              // e^lo rounds to 0
+  __m256 xc = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  // n = round(x / ln2), in [-150, 128]
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  xc = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  xc = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), xc);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(xc, xc), _mm256_add_ps(xc, _mm256_set1_ps(1.f)));
+  // 2^n as 2^n1 * 2^n2 with n1 = floor(n/2): both halves are normal floats over
+  // the whole range of n, and the two products round (or overflow) once.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1);
+  const __m256i n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
+}
+
+}  // namespace shardlm::cpu::avx2
+#endif  // SHARDLM_HAVE_AVX2

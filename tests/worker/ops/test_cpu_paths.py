@@ -1,0 +1,122 @@
+"""The CPU kernels' AVX2 and portable paths agree.
+
+The compiled CPU ops pick AVX2 code at run time and fall back to portable loops
+on CPUs without it; SHARDLM_CPU_SIMD=0 forces the portable loops. The choice is
+made once per process, so each path runs in its own subprocess on the same
+inputs and the outputs are compared here. On a machine without AVX2 both runs
+take the portable path and the test is trivially true.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from worker import ops
+
+from .test_ops import TOL, make_paged_cache
+
+if ops.USE_REFERENCE:
+    pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
+
+# Runs every op on the inputs in argv[1] and saves the outputs to argv[2].
+_SCRIPT = """
+import sys, torch
+from worker import ops
+inp = torch.load(sys.argv[1])
+out = {}
+for name, a in inp.items():
+    if name.startswith("rms_norm"):
+        out[name] = ops.rms_norm(a["x"], a["w"], 1e-6)
+    elif name.startswith("fused"):
+        x, res = a["x"].clone(), a["res"].clone()
+        ops.fused_add_rms_norm(x, res, a["w"], 1e-6)
+        out[name] = (x, res)
+    elif name.startswith("silu"):
+        out[name] = ops.silu_and_mul(a["x"])
+    elif name.startswith("rotary"):
+        q, k = a["q"].clone(), a["k"].clone()
+        ops.rotary_embedding(a["pos"], q, k, a["q"].shape[-1], a["cache"])
+        out[name] = (q, k)
+    elif name.startswith("decode"):
+        out[name] = ops.paged_attention_decode(*a["args"])
+    elif name.startswith("prefill"):
+        out[name] = ops.paged_attention_prefill(*a["args"])
+torch.save(out, sys.argv[2])
+"""
+
+
+def _inputs(dtype):
+    torch.manual_seed(0)
+    inp = {}
+    # Widths with and without a tail past the last multiple of 8.
+    for n in (768, 1003):
+        x = torch.randn(9, n, dtype=dtype) * 3
+        w = torch.randn(n, dtype=dtype)
+        inp[f"rms_norm {n}"] = {"x": x, "w": w}
+        inp[f"fused {n}"] = {"x": x, "res": torch.randn(9, n, dtype=dtype), "w": w}
+        inp[f"silu {n}"] = {"x": torch.randn(9, 2 * n, dtype=dtype) * 4}
+    for head_dim in (64, 36):
+        inp[f"rotary {head_dim}"] = {
+            "q": torch.randn(7, 12, head_dim, dtype=dtype),
+            "k": torch.randn(7, 4, head_dim, dtype=dtype),
+            "pos": torch.randint(0, 4096, (7,)),
+            "cache": ops.compute_cos_sin_cache(head_dim, 4096, 10000.0),
+        }
+    # (heads, kv_heads, head_dim, block_size, context lengths)
+    for heads, kv_heads, head_dim, block_size, ctx in [
+        (12, 4, 64, 16, [1024, 1, 0, 77]),
+        (4, 1, 36, 3, [100, 9]),
+        (8, 2, 80, 16, [300]),
+    ]:
+        k_cache, v_cache, tables = make_paged_cache(
+            ctx, block_size, kv_heads, head_dim, dtype, "cpu"
+        )
+        q = torch.randn(len(ctx), heads, head_dim, dtype=dtype)
+        lens = torch.tensor(ctx, dtype=torch.int32)
+        scale = head_dim**-0.5
+        args = (q, k_cache, v_cache, tables, lens, scale, max(ctx))
+        inp[f"decode {heads}/{kv_heads}x{head_dim}"] = {"args": args}
+        # Prefill: the last q_len tokens of each sequence are new.
+        q_lens = [min(n, 40) for n in ctx]
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        pq = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype)
+        pargs = (pq, k_cache, v_cache, tables, qsl, lens, scale, max(q_lens), max(ctx))
+        inp[f"prefill {heads}/{kv_heads}x{head_dim}"] = {"args": pargs}
+    return inp
+
+
+def _run(tmp_path, inputs_file, simd: bool):
+    out_file = tmp_path / f"out_{int(simd)}.pt"
+    env = {
+        **os.environ,
+        "SHARDLM_CPU_SIMD": "1" if simd else "0",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # the same worker package
+    }
+    subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(inputs_file), str(out_file)],
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    return torch.load(out_file)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_avx2_and_portable_paths_agree(tmp_path, dtype):
+    inputs_file = tmp_path / "inputs.pt"
+    torch.save(_inputs(dtype), inputs_file)
+    simd, portable = _run(tmp_path, inputs_file, True), _run(tmp_path, inputs_file, False)
+    assert simd.keys() == portable.keys()
+    for name in simd:
+        # Same operations in the same order: equal bits. SiLU's exp and the
+        # attention sums differ in rounding only.
+        exact = name.split()[0] in ("rms_norm", "fused", "rotary")
+        tol = {"atol": 0.0, "rtol": 0.0} if exact else TOL[dtype]
+        torch.testing.assert_close(
+            simd[name], portable[name], **tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
