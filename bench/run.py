@@ -343,6 +343,9 @@ def print_report(results: list[dict], goals: list[dict]) -> None:
             print(f"{r['shape']:<14} floor: {roof['weight_bytes'] / 1e9:.3f} GB of weights at "
                   f"{roof['bandwidth_gb_s']:.1f} GB/s ({roof['method']}) = "
                   f"{roof['floor_ms_per_token']:.2f} ms/token, {roof['floor_tokens_per_s']:.1f} tok/s")
+            if "torch_gemv_gb_s" in roof:
+                print(f"{'':<14} (torch's batch-1 GEMV over the same weights: "
+                      f"{roof['torch_gemv_gb_s']:.1f} GB/s)")
             for impl, a in roof["achieved"].items():
                 print(f"{'':<14} {impl:<24} {a['ms_per_token']:.2f} ms/token, "
                       f"{a['achieved_gb_s']:.1f} GB/s, {a['pct_of_floor']:.0f}% of floor")

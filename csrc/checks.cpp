@@ -135,6 +135,36 @@ int64_t check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
   return d;
 }
 
+LinearDims check_skinny_linear(const at::Tensor& out, const at::Tensor& input,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "skinny_linear";
+  check_float(weight, "weight", op);
+  TORCH_CHECK(input.dim() == 2 && weight.dim() == 2, op,
+              ": input must be [M, K] and weight [N, K], got ", input.sizes(), " and ",
+              weight.sizes());
+  const LinearDims d{input.size(0), weight.size(0), weight.size(1)};
+  TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
+              " features but weight expects ", d.k);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == d.m && out.size(1) == d.n, op,
+              ": out must have shape [", d.m, ", ", d.n, "], got ", out.sizes());
+  for (const at::Tensor* t : {&input, &out}) {
+    TORCH_CHECK(t->scalar_type() == weight.scalar_type(), op, ": input, weight and out must "
+                "share a dtype, got ", t->scalar_type(), " and ", weight.scalar_type());
+  }
+  TORCH_CHECK(input.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), op,
+              ": input, weight and out must be contiguous");
+  check_same_device(weight, input, "input", op);
+  check_same_device(weight, out, "out", op);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == d.n && bias->is_contiguous(), op,
+                ": bias must be a contiguous [", d.n, "] tensor, got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), op, ": bias dtype ",
+                bias->scalar_type(), " != weight dtype ", weight.scalar_type());
+    check_same_device(weight, *bias, "bias", op);
+  }
+  return d;
+}
+
 namespace {
 // query/key for rotary: [T, heads*head_size] or [T, heads, head_size].
 void rope_layout(const at::Tensor& t, const char* name, int64_t num_tokens, int64_t head_size,

@@ -25,6 +25,8 @@ TORCH_LIBRARY(shardlm, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
       "Tensor cos_sin_cache) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  // CPU only: on a GPU, cuBLAS already streams skinny products at bandwidth.
+  m.def("skinny_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
@@ -43,6 +45,7 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("fused_add_rms_norm", &shardlm::fused_add_rms_norm_cpu);
   m.impl("rotary_embedding", &shardlm::rotary_embedding_cpu);
   m.impl("silu_and_mul", &shardlm::silu_and_mul_cpu);
+  m.impl("skinny_linear", &shardlm::skinny_linear_cpu);
   m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);
   m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
   m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);

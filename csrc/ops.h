@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace shardlm {
 
@@ -22,6 +23,13 @@ int64_t check_rms_norm(const at::Tensor& dst, const char* dst_name, const at::Te
 
 // silu_and_mul: returns d (input is [..., 2*d], out is [..., d]).
 int64_t check_silu_and_mul(const at::Tensor& out, const at::Tensor& input);
+
+// skinny_linear: out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N]).
+struct LinearDims {
+  int64_t m, n, k;
+};
+LinearDims check_skinny_linear(const at::Tensor& out, const at::Tensor& input,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 struct RopeDims {
   int64_t num_tokens;
@@ -66,6 +74,8 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                           int64_t head_size, const at::Tensor& cos_sin_cache);
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
+void skinny_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias);
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
 void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker import ops
 from worker.comm import Communicator
 from worker.errors import TensorParallelError
 from worker.loader import CheckpointReader
@@ -80,7 +81,7 @@ class ColumnParallelLinear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear:
@@ -112,7 +113,7 @@ class RowParallelLinear:
         return cls(weight, b, parallel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = ops.linear(x, self.weight)
         self.parallel.comm.all_reduce(y)
         if self.bias is not None:  # added once, after the sum, not once per rank
             y += self.bias
@@ -159,7 +160,7 @@ class ParallelLMHead:
         self.parallel = parallel
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight)
         if self.parallel.world_size > 1:
             logits = self.parallel.comm.all_gather(logits)
         return logits

@@ -70,6 +70,19 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    result = torch.nn.functional.linear(x, weight, bias)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 def reshape_and_cache(
     k: torch.Tensor,
     v: torch.Tensor,

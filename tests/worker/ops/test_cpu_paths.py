@@ -42,6 +42,8 @@ for name, a in inp.items():
         q, k = a["q"].clone(), a["k"].clone()
         ops.rotary_embedding(a["pos"], q, k, a["q"].shape[-1], a["cache"])
         out[name] = (q, k)
+    elif name.startswith("linear"):
+        out[name] = ops.skinny_linear(a["x"], a["w"], a["b"])
     elif name.startswith("decode"):
         out[name] = ops.paged_attention_decode(*a["args"])
     elif name.startswith("prefill"):
@@ -60,6 +62,9 @@ def _inputs(dtype):
         inp[f"rms_norm {n}"] = {"x": x, "w": w}
         inp[f"fused {n}"] = {"x": x, "res": torch.randn(9, n, dtype=dtype), "w": w}
         inp[f"silu {n}"] = {"x": torch.randn(9, 2 * n, dtype=dtype) * 4}
+        inp[f"linear {n}"] = {"x": torch.randn(5, n, dtype=dtype),
+                              "w": torch.randn(67, n, dtype=dtype) / n**0.5,
+                              "b": torch.randn(67, dtype=dtype)}
     for head_dim in (64, 36):
         inp[f"rotary {head_dim}"] = {
             "q": torch.randn(7, 12, head_dim, dtype=dtype),

@@ -308,11 +308,45 @@ def test_prefill_continuation_and_decode_agree(device):
         torch.testing.assert_close(dec[0], full[t], **TOL[torch.float32])
 
 
+# --------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("out_features,in_features", [(64, 48), (37, 1003), (1030, 13), (5, 0)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear(dtype, rows, out_features, in_features, bias):
+    """Odd sizes reach every tail: rows past the last pair, features past the last block of 4,
+    inputs past the last 8 lanes."""
+    x = torch.randn(rows, in_features, dtype=dtype)
+    w = torch.randn(out_features, in_features, dtype=dtype) / max(1, in_features) ** 0.5
+    b = torch.randn(out_features, dtype=dtype) if bias else None
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(ops.skinny_linear(x, w, b).float(), expected, **TOL[dtype])
+    torch.testing.assert_close(ref.skinny_linear(x, w, b).float(), expected, **TOL[dtype])
+
+
+def test_linear_routes_decode_rows_to_skinny_linear(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ops, "skinny_linear", lambda x, w, b=None: calls.append(x.shape) or x)
+    w = torch.randn(8, 8)
+    ops.linear(torch.randn(2, 8), w)
+    ops.linear(torch.randn(ops.SKINNY_MAX_ROWS[torch.float32] + 1, 8), w)  # BLAS's turn
+    ops.linear(torch.randn(8, 2).t(), w)  # not contiguous: torch handles it
+    assert calls == [(2, 8)]
+
+
 # --------------------------------------------------------------------------- errors
 
 
 def test_clear_errors():
     x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="input has 8 features but weight expects 6"):
+        ops.skinny_linear(x, torch.randn(4, 6))
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        ops.skinny_linear(x, torch.randn(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bias must be a contiguous \\[4\\] tensor"):
+        ops.skinny_linear(x, torch.randn(4, 8), torch.randn(5))
     with pytest.raises(RuntimeError, match="weight must be a contiguous"):
         ops.rms_norm(x, torch.ones(4), 1e-6)
     with pytest.raises(RuntimeError, match="must be float32, float16 or bfloat16"):
@@ -367,6 +401,7 @@ def _opcheck_cases():
             ops.compute_cos_sin_cache(d, 8, 10000.0),
         ),
         "silu_and_mul": (torch.empty(t, 8), x),
+        "skinny_linear": (torch.empty(t, 5), x, torch.randn(5, 16), torch.randn(5)),
         "reshape_and_cache": (
             torch.randn(t, kvh, d),
             torch.randn(t, kvh, d),

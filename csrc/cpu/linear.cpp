@@ -1,0 +1,160 @@
+// CPU: skinny_linear, out[M, N] = input[M, K] @ weight[N, K]^T (+ bias) for
+// the few rows of a decode step.
+//
+// With M of 1 to a few rows a linear layer is a matrix-vector product: every
+// weight is read once and used for M multiply-adds, so its speed is memory
+// bandwidth. The BLAS path torch takes for float32 runs such a product on one
+// thread (about half of what two cores can stream here), and bfloat16 is
+// converted in chunks. This kernel splits the output features over all
+// threads, streams each block of 4 weight rows (contiguous in memory) once,
+// and multiplies it with 2 input rows at a time held in float registers; later
+// pairs of input rows find the block in cache.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../dispatch.h"
+#include "../ops.h"
+#include "cpu_utils.h"
+
+namespace shardlm {
+namespace {
+
+using cpu::from_f;
+using cpu::to_f;
+
+constexpr int64_t kRowBlock = 4;   // weight rows (output features) per step
+constexpr int64_t kInputPair = 2;  // input rows per pass over a weight block
+
+// Input rows converted to float once per call; grows only (no allocation in a
+// steady decode loop).
+float* input_as_float(const void* input, at::ScalarType type, int64_t count) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  SHARDLM_DISPATCH_FLOAT_TYPES(type, "skinny_linear", [&] {
+    const auto* src = static_cast<const scalar_t*>(input);
+    for (int64_t i = 0; i < count; ++i) buffer[i] = to_f(src[i]);
+  });
+  return buffer.data();
+}
+
+// Portable path: one output at a time, eight partial sums.
+template <typename T>
+void rows_scalar(T* out, const float* x, const T* w, const T* bias, int64_t m_rows, int64_t n0,
+                 int64_t n1, int64_t k, int64_t n) {
+  for (int64_t j = n0; j < n1; ++j) {
+    const T* wr = w + j * k;
+    const float b = bias != nullptr ? to_f(bias[j]) : 0.f;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      out[m * n + j] = from_f<T>(cpu::dot_f(x + m * k, wr, k) + b);
+    }
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+// out[m][j..j+3] for input rows m0 and (when kTwo) m0+1.
+template <typename T, bool kTwo>
+SHARDLM_AVX2 void block_avx2(T* out, const float* x, const T* w, const T* bias, int64_t m0,
+                             int64_t j, int64_t k, int64_t n) {
+  constexpr bool two = kTwo;
+  using namespace cpu::avx2;
+  const T* w0 = w + j * k;
+  const T* w1 = w0 + k;
+  const T* w2 = w1 + k;
+  const T* w3 = w2 + k;
+  const float* xa = x + m0 * k;
+  const float* xb = two ? xa + k : xa;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 va = load8(xa + i);
+    const __m256 v0 = load8(w0 + i);
+    const __m256 v1 = load8(w1 + i);
+    const __m256 v2 = load8(w2 + i);
+    const __m256 v3 = load8(w3 + i);
+    a0 = _mm256_fmadd_ps(v0, va, a0);
+    a1 = _mm256_fmadd_ps(v1, va, a1);
+    a2 = _mm256_fmadd_ps(v2, va, a2);
+    a3 = _mm256_fmadd_ps(v3, va, a3);
+    if constexpr (kTwo) {
+      const __m256 vb = load8(xb + i);
+      b0 = _mm256_fmadd_ps(v0, vb, b0);
+      b1 = _mm256_fmadd_ps(v1, vb, b1);
+      b2 = _mm256_fmadd_ps(v2, vb, b2);
+      b3 = _mm256_fmadd_ps(v3, vb, b3);
+    }
+  }
+  alignas(16) float sa[4], sb[4];
+  _mm_store_ps(sa, hsum4(a0, a1, a2, a3));
+  _mm_store_ps(sb, hsum4(b0, b1, b2, b3));
+  const T* rows[4] = {w0, w1, w2, w3};
+  for (int r = 0; r < 4; ++r) {
+    for (int64_t t = i; t < k; ++t) {  // tail of k
+      sa[r] += xa[t] * to_f(rows[r][t]);
+      sb[r] += xb[t] * to_f(rows[r][t]);
+    }
+    const float b = bias != nullptr ? to_f(bias[j + r]) : 0.f;
+    out[m0 * n + j + r] = from_f<T>(sa[r] + b);
+    if (two) out[(m0 + 1) * n + j + r] = from_f<T>(sb[r] + b);
+  }
+}
+
+template <typename T>
+void rows_avx2(T* out, const float* x, const T* w, const T* bias, int64_t m_rows, int64_t n0,
+               int64_t n1, int64_t k, int64_t n) {
+  int64_t j = n0;
+  for (; j + kRowBlock <= n1; j += kRowBlock) {
+    int64_t m = 0;
+    for (; m + kInputPair <= m_rows; m += kInputPair) {
+      block_avx2<T, true>(out, x, w, bias, m, j, k, n);
+    }
+    if (m < m_rows) {
+      block_avx2<T, false>(out, x, w, bias, m, j, k, n);
+    }
+  }
+  rows_scalar(out, x, w, bias, m_rows, j, n1, k, n);  // fewer than 4 rows left
+}
+#endif
+
+template <typename T>
+void skinny_linear_impl(T* out, const float* x, const T* w, const T* bias, int64_t m_rows,
+                        int64_t n, int64_t k) {
+  // Tasks of whole 4-row blocks, each worth >= ~64 KiB of weights, so small
+  // layers stay on the calling thread.
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  const int64_t block_bytes = kRowBlock * k * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kRowBlock;
+    const int64_t n1 = std::min(n, end * kRowBlock);
+#if SHARDLM_HAVE_AVX2
+    if (cpu::use_avx2()) {
+      rows_avx2(out, x, w, bias, m_rows, n0, n1, k, n);
+      return;
+    }
+#endif
+    rows_scalar(out, x, w, bias, m_rows, n0, n1, k, n);
+  });
+}
+
+}  // namespace
+
+void skinny_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  const LinearDims d = check_skinny_linear(out, input, weight, bias);
+  if (d.m == 0 || d.n == 0) {
+    return;
+  }
+  const float* x = input.scalar_type() == at::kFloat
+                       ? input.const_data_ptr<float>()
+                       : input_as_float(input.const_data_ptr(), input.scalar_type(), d.m * d.k);
+  SHARDLM_DISPATCH_FLOAT_TYPES(weight.scalar_type(), "skinny_linear", [&] {
+    skinny_linear_impl(out.data_ptr<scalar_t>(), x, weight.const_data_ptr<scalar_t>(),
+                       bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr, d.m, d.n,
+                       d.k);
+  });
+}
+
+}  // namespace shardlm
