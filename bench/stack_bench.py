@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -107,9 +108,14 @@ def kv_cache_mb(shape_config: dict, dtype_bytes: int, sequences: int, tokens: in
 
 def measure(model_dir: Path, *, device: str, dtype: str, shape_config: dict, dtype_bytes: int,
             stream_counts: list[int], prompt_len: int, max_new_tokens: int,
-            repeats: int = 1, seed: int = 0) -> dict:
+            repeats: int = 1, seed: int = 0,
+            in_process: Callable[[], float] | None = None) -> dict:
     """Start the server, warm it up, run each stream count (best of `repeats` by total tokens/s;
-    one stream, cheap and the base of both stack ratios, gets at least 3)."""
+    one stream, cheap and the base of both stack ratios, gets at least 3).
+
+    `in_process()`, when given, times the in-process engine at batch 1 (tokens/s); it runs in
+    alternation with the single-stream rounds, so that the overhead ratio compares two runs made
+    under the same machine conditions (a shared machine's speed drifts over minutes)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -128,10 +134,15 @@ def measure(model_dir: Path, *, device: str, dtype: str, shape_config: dict, dty
         run_round(address, prompts[:most], 8)
         for n in stream_counts:
             best = None
+            engine_best = 0.0
             for _ in range(max(3, repeats) if n == 1 else max(1, repeats)):
                 row = summarize(n, run_round(address, prompts[:n], max_new_tokens))
                 if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                     best = row
+                if n == 1 and in_process is not None:
+                    engine_best = max(engine_best, in_process())
+            if engine_best:
+                best = dict(best, in_process_tokens_per_s=engine_best)
             rows.append(best)
     return {"startup_s": startup_s, "kv_cache_mb": budget, "prompt_len": prompt_len,
             "max_new_tokens": max_new_tokens, "repeats": repeats, "rows": rows}

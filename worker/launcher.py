@@ -132,9 +132,14 @@ class WorkerGroup:
                     handles.append(WorkerHandle(rank, address, "cuda:0", proc, tls))
             else:
                 threads = max(1, (os.cpu_count() or 1) // num_workers)
+                env = {"OMP_NUM_THREADS": str(threads)}
+                # The ranks share the cores with each other, the gateway and often the clients:
+                # OpenMP threads that spin between parallel regions would take cores the others
+                # need for every token. An operator's own setting wins.
+                if "OMP_WAIT_POLICY" not in os.environ:
+                    env["OMP_WAIT_POLICY"] = "PASSIVE"
                 for rank in range(num_workers):
-                    proc, address = _spawn(rank, {"OMP_NUM_THREADS": str(threads)}, host,
-                                           start_timeout_s, tls)
+                    proc, address = _spawn(rank, env, host, start_timeout_s, tls)
                     handles.append(WorkerHandle(rank, address, "cpu", proc, tls))
         except BaseException:
             cls(handles).close()

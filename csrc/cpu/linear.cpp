@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../dispatch.h"
@@ -36,6 +37,28 @@ float* input_as_float(const void* input, at::ScalarType type, int64_t count) {
     const auto* src = static_cast<const scalar_t*>(input);
     for (int64_t i = 0; i < count; ++i) buffer[i] = to_f(src[i]);
   });
+  return buffer.data();
+}
+
+// bfloat16 weights on the AVX2 path are widened 16 at a time without a
+// shuffle: in each 32-bit lane of a 256-bit load, `<< 16` yields the even
+// element as a float and `& 0xffff0000` the odd one. The input rows are laid
+// out to match once per call: per chunk of 16, the 8 even then the 8 odd
+// features (the k % 16 tail keeps the plain layout, read from `x`).
+float* input_deinterleaved(const float* x, int64_t rows, int64_t k) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < rows * k) buffer.resize(rows * k);
+  const int64_t k16 = k / 16 * 16;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * k;
+    float* dst = buffer.data() + r * k;
+    for (int64_t c = 0; c < k16; c += 16) {
+      for (int64_t i = 0; i < 8; ++i) {
+        dst[c + i] = src[c + 2 * i];
+        dst[c + 8 + i] = src[c + 2 * i + 1];
+      }
+    }
+  }
   return buffer.data();
 }
 
@@ -101,17 +124,70 @@ SHARDLM_AVX2 void block_avx2(T* out, const float* x, const T* w, const T* bias, 
   }
 }
 
+// The bfloat16 twin of block_avx2 (see input_deinterleaved): `xp` holds the
+// input rows de-interleaved, `x` the plain ones for the tail.
+template <bool kTwo>
+SHARDLM_AVX2 void block_bf16_avx2(c10::BFloat16* out, const float* x, const float* xp,
+                                  const c10::BFloat16* w, const c10::BFloat16* bias, int64_t m0,
+                                  int64_t j, int64_t k, int64_t n) {
+  using namespace cpu::avx2;
+  const c10::BFloat16* rows[4] = {w + j * k, w + (j + 1) * k, w + (j + 2) * k, w + (j + 3) * k};
+  const float* pa = xp + m0 * k;
+  const float* pb = kTwo ? pa + k : pa;
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+  const int64_t k16 = k / 16 * 16;
+  for (int64_t i = 0; i < k16; i += 16) {
+    const __m256 ae = _mm256_loadu_ps(pa + i), ao = _mm256_loadu_ps(pa + i + 8);
+    __m256 be = ae, bo = ao;
+    if constexpr (kTwo) {
+      be = _mm256_loadu_ps(pb + i);
+      bo = _mm256_loadu_ps(pb + i + 8);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + i));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
+      a[r] = _mm256_fmadd_ps(odd, ao, _mm256_fmadd_ps(even, ae, a[r]));
+      if constexpr (kTwo) b[r] = _mm256_fmadd_ps(odd, bo, _mm256_fmadd_ps(even, be, b[r]));
+    }
+  }
+  alignas(16) float sa[4], sb[4];
+  _mm_store_ps(sa, hsum4(a[0], a[1], a[2], a[3]));
+  _mm_store_ps(sb, hsum4(b[0], b[1], b[2], b[3]));
+  const float* xa = x + m0 * k;
+  const float* xb = kTwo ? xa + k : xa;
+  for (int r = 0; r < 4; ++r) {
+    for (int64_t t = k16; t < k; ++t) {
+      sa[r] += xa[t] * to_f(rows[r][t]);
+      sb[r] += xb[t] * to_f(rows[r][t]);
+    }
+    const float bv = bias != nullptr ? to_f(bias[j + r]) : 0.f;
+    out[m0 * n + j + r] = from_f<c10::BFloat16>(sa[r] + bv);
+    if (kTwo) out[(m0 + 1) * n + j + r] = from_f<c10::BFloat16>(sb[r] + bv);
+  }
+}
+
 template <typename T>
-void rows_avx2(T* out, const float* x, const T* w, const T* bias, int64_t m_rows, int64_t n0,
-               int64_t n1, int64_t k, int64_t n) {
+void rows_avx2(T* out, const float* x, const float* xp, const T* w, const T* bias,
+               int64_t m_rows, int64_t n0, int64_t n1, int64_t k, int64_t n) {
   int64_t j = n0;
   for (; j + kRowBlock <= n1; j += kRowBlock) {
     int64_t m = 0;
     for (; m + kInputPair <= m_rows; m += kInputPair) {
-      block_avx2<T, true>(out, x, w, bias, m, j, k, n);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        block_bf16_avx2<true>(out, x, xp, w, bias, m, j, k, n);
+      } else {
+        block_avx2<T, true>(out, x, w, bias, m, j, k, n);
+      }
     }
     if (m < m_rows) {
-      block_avx2<T, false>(out, x, w, bias, m, j, k, n);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        block_bf16_avx2<false>(out, x, xp, w, bias, m, j, k, n);
+      } else {
+        block_avx2<T, false>(out, x, w, bias, m, j, k, n);
+      }
     }
   }
   rows_scalar(out, x, w, bias, m_rows, j, n1, k, n);  // fewer than 4 rows left
@@ -121,6 +197,12 @@ void rows_avx2(T* out, const float* x, const T* w, const T* bias, int64_t m_rows
 template <typename T>
 void skinny_linear_impl(T* out, const float* x, const T* w, const T* bias, int64_t m_rows,
                         int64_t n, int64_t k) {
+  const float* xp = nullptr;
+#if SHARDLM_HAVE_AVX2
+  if (std::is_same_v<T, c10::BFloat16> && cpu::use_avx2()) {
+    xp = input_deinterleaved(x, m_rows, k);
+  }
+#endif
   // Tasks of whole 4-row blocks, each worth >= ~64 KiB of weights, so small
   // layers stay on the calling thread.
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
@@ -131,7 +213,7 @@ void skinny_linear_impl(T* out, const float* x, const T* w, const T* bias, int64
     const int64_t n1 = std::min(n, end * kRowBlock);
 #if SHARDLM_HAVE_AVX2
     if (cpu::use_avx2()) {
-      rows_avx2(out, x, w, bias, m_rows, n0, n1, k, n);
+      rows_avx2(out, x, xp, w, bias, m_rows, n0, n1, k, n);
       return;
     }
 #endif
