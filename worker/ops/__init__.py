@@ -21,9 +21,11 @@ from . import reference
 
 __all__ = [
     "CUDA_BUILT",
+    "SKINNY_MAX_ROWS",
     "USE_REFERENCE",
     "compute_cos_sin_cache",
     "fused_add_rms_norm",
+    "linear",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reshape_and_cache",
