@@ -109,7 +109,9 @@ class StepBuffers:
         staged[SLOTS, live] = slots
         staged[CONTEXT, live] = [p + 1 for p in positions]
         if self.inputs is not self.host:
-            self.inputs[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
+            # The whole buffer (a few KiB): a column slice would not be contiguous, and a
+            # non-contiguous pinned source is staged through pageable memory, which blocks.
+            self.inputs.copy_(self.host, non_blocking=True)
 
     def stage_padding(self, rows: int) -> None:
         self.stage(rows, [], None, [], [])
