@@ -142,38 +142,60 @@ class StepBuffers:
 
 
 class DecodeGraphs:
-    """One CUDA graph per bucket of `forward(rows)`, sharing one memory pool (captured largest
-    first, so the smaller graphs reuse its activations)."""
+    """One CUDA graph per (batch bucket, context bucket) of `forward(rows, context)`, sharing one
+    memory pool (captured largest first, so the smaller graphs reuse its activations).
 
-    def __init__(self, forward: Callable[[int], torch.Tensor], buckets: list[int]) -> None:
+    The context bucket sizes the decode attention's grid (one block per 512 tokens of context
+    per head and row): a graph sized for the longest context would launch, at every step, blocks
+    that find nothing to do for short sequences, so short contexts get graphs of their own."""
+
+    def __init__(self, forward: Callable[[int, int], torch.Tensor], buckets: list[int],
+                 contexts: list[int]) -> None:
         self.buckets = sorted(buckets)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self.contexts = sorted(contexts)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
         pool = None
-        for rows in reversed(self.buckets):
+        for key in sorted(((r, c) for r in self.buckets for c in self.contexts), reverse=True):
             # Warm up on a side stream first, as torch's capture rules ask: lazy initialisation
             # (cuBLAS handles, workspaces) must not happen inside the capture.
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    forward(rows)
+                    forward(*key)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a health probe asking for memory figures from another thread while
             # the load thread captures must neither fail nor invalidate the capture.
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._logits[rows] = forward(rows)
+                self._logits[key] = forward(*key)
             pool = graph.pool()
-            self._graphs[rows] = graph
+            self._graphs[key] = graph
         torch.cuda.synchronize()
 
-    def bucket_for(self, rows: int) -> int | None:
-        return next((b for b in self.buckets if b >= rows), None)
+    def bucket_for(self, rows: int, context: int) -> tuple[int, int] | None:
+        """The smallest captured (rows, context) that holds this step, if any."""
+        return pick_bucket(self.buckets, self.contexts, rows, context)
 
-    def replay(self, rows: int) -> torch.Tensor:
-        self._graphs[rows].replay()
-        return self._logits[rows]
+    def replay(self, key: tuple[int, int]) -> torch.Tensor:
+        self._graphs[key].replay()
+        return self._logits[key]
+
+
+def pick_bucket(buckets: list[int], contexts: list[int], rows: int,
+                context: int) -> tuple[int, int] | None:
+    row_bucket = next((b for b in buckets if b >= rows), None)
+    ctx_bucket = next((c for c in contexts if c >= context), None)
+    if row_bucket is None or ctx_bucket is None:
+        return None
+    return row_bucket, ctx_bucket
+
+
+def context_buckets(max_context: int) -> list[int]:
+    """Captured context sizes: 1024 and 4096 tokens (2 and 8 attention blocks per head and row),
+    and the largest context graphs serve."""
+    return sorted({c for c in (1024, 4096) if c < max_context} | {max_context})
 
 
 class DecodeCall:
@@ -184,7 +206,7 @@ class DecodeCall:
         self.runner = runner
         self.buffers = buffers
         self.rows = rows  # rows computed per step: the bucket, or the batch itself when eager
-        self.max_context = max_context
+        self.max_context = max_context  # the context bucket when a graph runs the step
         self.graphs = graphs
 
     @property
@@ -194,7 +216,7 @@ class DecodeCall:
     def run(self, taps: Taps | None = None) -> torch.Tensor:
         """Logits of the staged step: [rows, vocab] (float32)."""
         if self.graphs is not None and self.runner.replay_graphs:
-            return self.graphs.replay(self.rows)
+            return self.graphs.replay((self.rows, self.max_context))
         return self.buffers.forward(self.runner.model, self.runner.kv_caches, self.rows,
                                     self.max_context, taps)
 
@@ -228,12 +250,13 @@ class DecodeRunner:
         max_context = min(c.max_context, self.model.cfg.max_position_embeddings)
         blocks = -(-max_context // self.block_size)
         buffers = StepBuffers(c.max_batch, blocks, self.device)
-        buckets = batch_buckets(c.max_batch)
+        buckets, contexts = batch_buckets(c.max_batch), context_buckets(max_context)
         self.graphs = DecodeGraphs(
-            lambda rows: buffers.forward(self.model, self.kv_caches, rows, max_context), buckets)
+            lambda rows, context: buffers.forward(self.model, self.kv_caches, rows, context),
+            buckets, contexts)
         self._graph_buffers = buffers
         self._graph_context = max_context
-        log.info("captured CUDA graphs for decode batches %s (context <= %d)", buckets, max_context)
+        log.info("captured CUDA graphs for decode batches %s x contexts %s", buckets, contexts)
 
     def begin(self, tables: list[list[int]], max_context: int, eager: bool = False) -> DecodeCall:
         """Buffers for a call over len(tables) rows whose contexts stay <= max_context."""
@@ -241,11 +264,10 @@ class DecodeRunner:
         width = max(len(t) for t in tables)
         if (not eager and self.graphs is not None and self._graph_buffers is not None
                 and max_context <= self._graph_context and self._graph_buffers.fits(rows, width)):
-            bucket = self.graphs.bucket_for(rows)
+            bucket = self.graphs.bucket_for(rows, max_context)
             if bucket is not None:
                 self._graph_buffers.set_block_tables(tables)
-                return DecodeCall(self, self._graph_buffers, bucket, self._graph_context,
-                                  self.graphs)
+                return DecodeCall(self, self._graph_buffers, *bucket, self.graphs)
         if self._eager is None or not self._eager.fits(rows, width):
             grown_rows = max(rows, self._eager.rows if self._eager else 0)
             grown_blocks = max(width, self._eager.blocks if self._eager else 0)

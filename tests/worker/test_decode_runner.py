@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from worker import decode_runner
-from worker.decode_runner import GraphConfig, StepBuffers, batch_buckets
+from worker.decode_runner import (
+    GraphConfig,
+    StepBuffers,
+    batch_buckets,
+    context_buckets,
+    pick_bucket,
+)
 from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from worker.kv_cache import CacheConfig
 from worker.sampling import SamplingParams
@@ -60,6 +66,17 @@ def test_buckets_cover_every_batch_size():
         assert buckets == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == top
         assert all(any(b >= n for b in buckets) for n in range(1, top + 1))
     assert batch_buckets(128)[:5] == [1, 2, 4, 8, 16]
+
+
+def test_a_step_takes_the_smallest_graph_that_holds_it():
+    assert context_buckets(16384) == [1024, 4096, 16384]
+    assert context_buckets(2048) == [1024, 2048] and context_buckets(256) == [256]
+    rows, contexts = batch_buckets(128), context_buckets(16384)
+    assert pick_bucket(rows, contexts, 3, 70) == (4, 1024)
+    assert pick_bucket(rows, contexts, 65, 1025) == (80, 4096)
+    assert pick_bucket(rows, contexts, 128, 16384) == (128, 16384)
+    assert pick_bucket(rows, contexts, 129, 10) is None  # larger batches run eagerly
+    assert pick_bucket(rows, contexts, 1, 16385) is None  # and so do longer contexts
 
 
 def test_padding_rows_change_neither_logits_nor_cache(engine):
