@@ -216,8 +216,7 @@ def stack_section(folder: Path, args, shape, dtype, device, engine=None) -> dict
         prompts = eb.random_prompts(1, args.prompt_len, shape.config["vocab_size"])
 
         def in_process() -> float:
-            full, prefill = eb.engine_decode_runs(engine, prompts, args.new_tokens, device, 1)
-            seconds = eb.decode_seconds(lambda _i: (full, prefill), attempts=1)
+            seconds = eb.engine_decode_seconds(engine, prompts, args.new_tokens, device, 1)
             return (args.new_tokens - 1) / seconds
 
     return stack_bench.measure(

@@ -19,9 +19,14 @@ class Batch:
     meta: AttentionMetadata
 
 
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """Cache slot of `position` in a sequence with this block table."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 def slots_for(table: list[int], start: int, count: int, block_size: int) -> list[int]:
     """Cache slots of positions start .. start+count-1 of a sequence with this block table."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+    return [slot_of(table, p, block_size) for p in range(start, start + count)]
 
 
 def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -209,10 +209,6 @@ class DecodeCall:
         self.max_context = max_context  # the context bucket when a graph runs the step
         self.graphs = graphs
 
-    @property
-    def uses_graph(self) -> bool:
-        return self.graphs is not None
-
     def run(self, taps: Taps | None = None) -> torch.Tensor:
         """Logits of the staged step: [rows, vocab] (float32)."""
         if self.graphs is not None and self.runner.replay_graphs:
@@ -255,7 +251,6 @@ class DecodeRunner:
             lambda rows, context: buffers.forward(self.model, self.kv_caches, rows, context),
             buckets, contexts)
         self._graph_buffers = buffers
-        self._graph_context = max_context
         log.info("captured CUDA graphs for decode batches %s x contexts %s", buckets, contexts)
 
     def begin(self, tables: list[list[int]], max_context: int, eager: bool = False) -> DecodeCall:
@@ -263,7 +258,7 @@ class DecodeRunner:
         rows = len(tables)
         width = max(len(t) for t in tables)
         if (not eager and self.graphs is not None and self._graph_buffers is not None
-                and max_context <= self._graph_context and self._graph_buffers.fits(rows, width)):
+                and self._graph_buffers.fits(rows, width)):
             bucket = self.graphs.bucket_for(rows, max_context)
             if bucket is not None:
                 self._graph_buffers.set_block_tables(tables)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from worker.batch import build_prefill_batch
+from worker.batch import build_prefill_batch, slot_of
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig, load_config
 from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
@@ -25,12 +24,8 @@ from worker.layers import Parallel
 from worker.loader import CheckpointReader
 from worker.model import TransformerModel, tap_names
 from worker.sampling import (
-    DeviceSample,
     SampledToken,
-    SamplingRow,
     TokenHistory,
-    record_outputs,
-    sample_on_device,
 )
 from worker.sequence import (  # noqa: F401 - the engine's API types, re-exported
     DecodeItem,
@@ -41,6 +36,7 @@ from worker.sequence import (  # noqa: F401 - the engine's API types, re-exporte
     StopParams,
     TokenOutput,
 )
+from worker.step_sampler import PendingSample, StepSampler
 from worker.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -69,6 +65,7 @@ class Engine:
         self.graph_config = graph_config or GraphConfig.from_env()
         self.cache = self._allocate(cache_config)
         self.runner = self._decode_runner()
+        self.sampler = StepSampler(self.comm, self.device)
         self._tap_names = frozenset(tap_names(self.cfg.num_layers))
 
     # ----------------------------------------------------------------- loading and the cache
@@ -189,7 +186,7 @@ class Engine:
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
         picked = [sequences[r] for r in rows]
-        tokens = self._collect(self._launch_sample(logits, picked, rows))
+        tokens = self.sampler.collect(self.sampler.launch(logits, picked, rows))
         return StepOutput(self._advance(picked, tokens), tap_values or {})
 
     def decode(
@@ -224,7 +221,7 @@ class Engine:
         step = 0
         try:
             while pending is not None:
-                tokens = self._collect(pending)
+                tokens = self.sampler.collect(pending)
                 for i in live:  # the fed token's K/V is now cached
                     seqs[i].tokens.append(seqs[i].pending)  # type: ignore[arg-type]
                 outputs = self._advance([seqs[i] for i in live], tokens)
@@ -241,11 +238,10 @@ class Engine:
 
     # ----------------------------------------------------------------- step internals
     def _launch_decode(self, call: DecodeCall, seqs: list[Sequence], live: list[int],
-                       previous: _PendingSample | None, taps: dict | None = None) -> _PendingSample:
+                       previous: PendingSample | None, taps: dict | None = None) -> PendingSample:
         """Queue one decode step of rows `live` (and the sampling of its tokens)."""
-        bs = self.cache.block_size
         positions = [seqs[i].num_cached for i in live]
-        slots = [seqs[i].block_table[p // bs] * bs + p % bs
+        slots = [slot_of(seqs[i].block_table, p, self.cache.block_size)
                  for i, p in zip(live, positions, strict=True)]
         if previous is None:
             call.buffers.stage(call.rows, live, [seqs[i].pending for i in live],  # type: ignore[misc]
@@ -256,43 +252,7 @@ class Engine:
         logits = call.run(taps)
         if live != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(live, torch.int64, self.device))
-        return self._launch_sample(logits, [seqs[i] for i in live], live)
-
-    def _launch_sample(self, logits: torch.Tensor, seqs: list[Sequence],
-                       rows: list[int]) -> _PendingSample:
-        """Sample one token per row of `logits` on rank 0 and share the ids with every rank,
-        without waiting for the device."""
-        chosen: DeviceSample | None = None
-        if self.comm.rank == 0:
-            chosen = sample_on_device(logits, self._sampling_rows(seqs))
-        if self.comm.world_size > 1:
-            ids = (chosen.ids if chosen is not None
-                   else torch.zeros(len(seqs), dtype=torch.int64, device=self.device))
-            self.comm.broadcast(ids, src=0)
-            chosen = chosen or DeviceSample(ids)
-        assert chosen is not None
-        done = None
-        host = chosen.to_host()
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return _PendingSample(seqs, rows, chosen, host, done)
-
-    def _collect(self, pending: _PendingSample) -> list[SampledToken]:
-        """Wait for a launched sampling, record it in the penalty histories, return its tokens."""
-        if self.comm.world_size > 1:
-            self.comm.synchronize()  # bounded wait: a dead peer raises instead of hanging here
-        elif pending.done is not None:
-            pending.done.synchronize()
-        if self.comm.rank != 0:
-            return [SampledToken(t) for t in pending.host.ids.tolist()]
-        sampling_rows = self._sampling_rows(pending.seqs)
-        record_outputs(pending.ids, sampling_rows)
-        return pending.host.tokens(sampling_rows)
-
-    @staticmethod
-    def _sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
-        return [SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
+        return self.sampler.launch(logits, [seqs[i] for i in live], live)
 
     # ----------------------------------------------------------------- internals
     def _check_unique(self, ids: list[int]) -> None:
@@ -414,21 +374,6 @@ class Engine:
         if seq.num_cached >= self.cfg.max_position_embeddings:
             return FinishReason.CONTEXT_LENGTH  # no position left to feed the new token
         return None
-
-
-@dataclass
-class _PendingSample:
-    """A sampling queued on the device: `ids` there, `host` its copy once `done` has fired."""
-
-    seqs: list[Sequence]
-    rows: list[int]  # the step-buffer row of each sampled sequence
-    chosen: DeviceSample
-    host: DeviceSample
-    done: torch.cuda.Event | None
-
-    @property
-    def ids(self) -> torch.Tensor:
-        return self.chosen.ids
 
 
 class _SizeOnly(SingleRankCommunicator):

@@ -1,0 +1,73 @@
+"""Sampling of one step's tokens across a tensor-parallel group, split in two halves so a step
+can be queued before the previous one's tokens are read: `launch` samples on rank 0 and shares
+the ids with every rank without waiting for the device; `collect` waits, records the tokens in
+the penalty histories and returns them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.comm import Communicator
+from worker.sampling import (
+    DeviceSample,
+    SampledToken,
+    SamplingRow,
+    record_outputs,
+    sample_on_device,
+)
+from worker.sequence import Sequence
+
+
+@dataclass
+class PendingSample:
+    """A sampling queued on the device: `chosen` there, `host` its copy once `done` has fired."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # the step-buffer row (or logits row) of each sampled sequence
+    sampling_rows: list[SamplingRow]  # empty on ranks other than 0, which do not sample
+    chosen: DeviceSample
+    host: DeviceSample
+    done: torch.cuda.Event | None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.chosen.ids
+
+
+class StepSampler:
+    def __init__(self, comm: Communicator, device: torch.device) -> None:
+        self.comm = comm
+        self.device = device
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> PendingSample:
+        """Sample one token per row of `logits` on rank 0 and share the ids with every rank."""
+        chosen: DeviceSample | None = None
+        sampling_rows: list[SamplingRow] = []
+        if self.comm.rank == 0:
+            sampling_rows = [SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
+            chosen = sample_on_device(logits, sampling_rows)
+        if self.comm.world_size > 1:
+            ids = (chosen.ids if chosen is not None
+                   else torch.zeros(len(seqs), dtype=torch.int64, device=self.device))
+            self.comm.broadcast(ids, src=0)
+            chosen = chosen or DeviceSample(ids)
+        assert chosen is not None
+        host = chosen.to_host()
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return PendingSample(seqs, rows, sampling_rows, chosen, host, done)
+
+    def collect(self, pending: PendingSample) -> list[SampledToken]:
+        """Wait for a launched sampling, record it in the penalty histories, return its tokens."""
+        if self.comm.world_size > 1:
+            self.comm.synchronize()  # bounded wait: a dead peer raises instead of hanging here
+        elif pending.done is not None:
+            pending.done.synchronize()
+        if self.comm.rank != 0:
+            return [SampledToken(t) for t in pending.host.ids.tolist()]
+        record_outputs(pending.ids, pending.sampling_rows)
+        return pending.host.tokens(pending.sampling_rows)
