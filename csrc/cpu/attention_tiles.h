@@ -1,0 +1,328 @@
+// The tile machinery of the CPU paged attention (attention.cpp): a set of query
+// rows of one sequence and one kv head, row r seeing keys 0..pos[r], run by
+// attend_rows() flash-attention style over tiles of kKeyTile keys shared by all
+// rows, with an online (running max / sum) softmax per row. The per-tile steps
+// have a portable version and an AVX2 one (simd.h), picked once per call.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_utils.h"
+
+namespace shardlm::cpu::attn {
+
+using cpu::from_f;
+using cpu::to_f;
+
+constexpr int64_t kKeyTile = 32;    // keys scored per step
+constexpr int64_t kQueryTile = 16;  // prefill query tokens per task
+
+template <typename T>
+struct PagedKV {
+  const T* k;
+  const T* v;
+  const int32_t* block_row;  // this sequence's block table row
+  int64_t block_size;
+  int64_t token_stride;  // kv_heads * head_dim
+  int64_t kv_head;
+  int64_t head_dim;
+
+  // off[j] = element offset of token t0 + j's head row, for j < n. Walks the
+  // block table instead of dividing per token: a 64-bit division costs about
+  // as much as converting the token's row.
+  void offsets(int64_t t0, int64_t n, int64_t* off) const {
+    int64_t block = t0 / block_size;
+    int64_t slot = t0 % block_size;
+    for (int64_t j = 0; j < n; ++j) {
+      off[j] = (block_row[block] * block_size + slot) * token_stride + kv_head * head_dim;
+      if (++slot == block_size) {
+        slot = 0;
+        ++block;
+      }
+    }
+  }
+};
+
+template <typename T>
+struct Row {
+  const T* q;
+  T* out;
+  int64_t pos;  // last visible key; < 0 means no keys (zero output)
+};
+
+// Float scratch for up to `max_rows` rows: q, acc [rows][D]; k, v [kKeyTile][D];
+// scores [kKeyTile]; running max / sum [rows]. Views into a thread_local
+// buffer that grows to the largest shape seen and is then reused.
+struct Workspace {
+  float *q, *acc, *k, *v, *s, *m, *l;
+  Workspace(int64_t max_rows, int64_t d) {
+    thread_local std::vector<float> buf;
+    const size_t need =
+        static_cast<size_t>(2 * max_rows * d + 2 * kKeyTile * d + kKeyTile + 2 * max_rows);
+    if (buf.size() < need) {
+      buf.resize(need);
+    }
+    q = buf.data();
+    acc = q + max_rows * d;
+    k = acc + max_rows * d;
+    v = k + kKeyTile * d;
+    s = v + kKeyTile * d;
+    m = s + kKeyTile;
+    l = m + max_rows;
+  }
+};
+
+// The calling thread's row descriptors, grown like the workspace.
+template <typename T>
+Row<T>* thread_rows(int64_t n) {
+  thread_local std::vector<Row<T>> rows;
+  if (rows.size() < static_cast<size_t>(n)) {
+    rows.resize(n);
+  }
+  return rows.data();
+}
+
+
+// ---- tile steps --------------------------------------------------------------------
+// A tile's key and value rows are passed as pointers to D elements of S: a
+// float copy of the tile, or (AVX2 only) the cache rows themselves, S = T.
+
+// Converts the tile's rows to float into kt / vt ([nk][D] each) and points
+// kr / vr at the copies.
+template <typename T>
+void convert_tile(float* kt, float* vt, const T* const* k, const T* const* v, int64_t nk,
+                  int64_t D, const float** kr, const float** vr) {
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t i = 0; i < D; ++i) {
+      kt[j * D + i] = to_f(k[j][i]);
+      vt[j * D + i] = to_f(v[j][i]);
+    }
+    kr[j] = kt + j * D;
+    vr[j] = vt + j * D;
+  }
+}
+
+// Portable steps; with float rows they do exactly what the kernel did before
+// it had an AVX2 path.
+struct Portable {
+  // s[j] = q . k[j] for j < nk.
+  static void scores(float* s, const float* q, const float* const* k, int64_t nk, int64_t D) {
+    for (int64_t j = 0; j < nk; ++j) s[j] = cpu::dot_f(q, k[j], D);
+  }
+  // s[j] = exp(s[j] - m); returns the sum.
+  static float exp(float* s, int64_t n, float m) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    return sum;
+  }
+  // acc = alpha * acc + sum_j p[j] * v[j].
+  static void accumulate(float* acc, float alpha, const float* p, const float* const* v,
+                         int64_t nk, int64_t D) {
+    for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
+    for (int64_t j = 0; j < nk; ++j) cpu::axpy_f(acc, p[j], v[j], D);
+  }
+};
+
+#if SHARDLM_HAVE_AVX2
+// Same maths with 8-wide FMAs, so float32 sums round differently (well within
+// the tolerance), and avx2::exp8 instead of std::exp. Rows of bf16 / fp16 are
+// converted as they are read.
+namespace avx2 = cpu::avx2;
+
+template <typename T>
+SHARDLM_AVX2 void convert_tile_avx2(float* kt, float* vt, const T* const* k, const T* const* v,
+                                    int64_t nk, int64_t D, const float** kr, const float** vr) {
+  for (int64_t j = 0; j < nk; ++j) {
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+      avx2::store8(kt + j * D + i, avx2::load8(k[j] + i));
+      avx2::store8(vt + j * D + i, avx2::load8(v[j] + i));
+    }
+    for (; i < D; ++i) {
+      kt[j * D + i] = to_f(k[j][i]);
+      vt[j * D + i] = to_f(v[j][i]);
+    }
+    kr[j] = kt + j * D;
+    vr[j] = vt + j * D;
+  }
+}
+
+// Eight keys at a time: eight independent FMA chains keep the FMA units busy
+// (one dot product alone is a single latency-bound chain), and q is loaded
+// once per eight keys.
+template <typename S>
+SHARDLM_AVX2 void scores_avx2(float* s, const float* q, const S* const* k, int64_t nk,
+                              int64_t D) {
+  const int64_t D8 = D & ~int64_t{7};
+  int64_t j = 0;
+  for (; j + 8 <= nk; j += 8) {
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D8; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, avx2::load8(k[j + u] + i), a[u]);
+    }
+    _mm_storeu_ps(s + j, avx2::hsum4(a[0], a[1], a[2], a[3]));
+    _mm_storeu_ps(s + j + 4, avx2::hsum4(a[4], a[5], a[6], a[7]));
+    for (int64_t i = D8; i < D; ++i) {
+      for (int u = 0; u < 8; ++u) s[j + u] += q[i] * to_f(k[j + u][i]);
+    }
+  }
+  for (; j < nk; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D8; i += 8) {
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), avx2::load8(k[j] + i), a);
+    }
+    float dot = avx2::hsum(a);
+    for (int64_t i = D8; i < D; ++i) dot += q[i] * to_f(k[j][i]);
+    s[j] = dot;
+  }
+}
+
+SHARDLM_AVX2 inline float exp_avx2(float* s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  if (j < n) {
+    // Pad the tail with -inf: exp(-inf) = 0 adds nothing to the sum.
+    alignas(32) float tail[8];
+    std::fill(tail, tail + 8, -std::numeric_limits<float>::infinity());
+    std::copy(s + j, s + n, tail);
+    const __m256 p = avx2::exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv));
+    _mm256_store_ps(tail, p);
+    std::copy(tail, tail + (n - j), s + j);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return avx2::hsum(sum);
+}
+
+// Columns [c, c + 8*NV) of one row's accumulator, kept in NV registers
+// across all nk keys.
+template <int NV, typename S>
+SHARDLM_AVX2 inline void accumulate_cols(float* acc, float alpha, const float* p,
+                                         const S* const* v, int64_t nk, int64_t c) {
+  __m256 a[NV];
+  const __m256 al = _mm256_set1_ps(alpha);
+  for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8 * u), al);
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(pj, avx2::load8(v[j] + c + 8 * u), a[u]);
+  }
+  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + c + 8 * u, a[u]);
+}
+
+template <typename S>
+SHARDLM_AVX2 void accumulate_avx2(float* acc, float alpha, const float* p, const S* const* v,
+                                  int64_t nk, int64_t D) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) accumulate_cols<8>(acc, alpha, p, v, nk, c);
+  for (; c + 32 <= D; c += 32) accumulate_cols<4>(acc, alpha, p, v, nk, c);
+  for (; c + 8 <= D; c += 8) accumulate_cols<1>(acc, alpha, p, v, nk, c);
+  for (; c < D; ++c) {
+    float a = acc[c] * alpha;
+    for (int64_t j = 0; j < nk; ++j) a += p[j] * to_f(v[j][c]);
+    acc[c] = a;
+  }
+}
+
+struct Avx2 {
+  template <typename S>
+  static void scores(float* s, const float* q, const S* const* k, int64_t nk, int64_t D) {
+    scores_avx2(s, q, k, nk, D);
+  }
+  static float exp(float* s, int64_t n, float m) { return exp_avx2(s, n, m); }
+  template <typename S>
+  static void accumulate(float* acc, float alpha, const float* p, const S* const* v,
+                         int64_t nk, int64_t D) {
+    accumulate_avx2(acc, alpha, p, v, nk, D);
+  }
+};
+#endif  // SHARDLM_HAVE_AVX2
+
+// One tile for every row that sees part of it: scores, online softmax
+// update, accumulation. Ops is Portable or Avx2; S is float or T.
+template <typename Ops, typename T, typename S>
+void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S* const* kr,
+                 const S* const* vr, int64_t D, const Workspace& ws) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t visible = std::min(nk, rows[r].pos - k0 + 1);  // causal mask
+    if (visible <= 0) continue;
+    Ops::scores(ws.s, ws.q + r * D, kr, visible, D);
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, ws.s[j]);
+    // visible > 0 makes m_new finite, so exp(-inf - m_new) = 0 on the
+    // first tile and no NaN can appear.
+    const float m_new = std::max(ws.m[r], tile_max);
+    const float alpha = std::exp(ws.m[r] - m_new);
+    const float sum = Ops::exp(ws.s, visible, m_new);  // scores -> probabilities
+    Ops::accumulate(ws.acc + r * D, alpha, ws.s, vr, visible, D);
+    ws.l[r] = ws.l[r] * alpha + sum;
+    ws.m[r] = m_new;
+  }
+}
+
+// Up to this many rows, the AVX2 path reads bf16 / fp16 rows straight from
+// the cache, converting as it goes; more rows (prefill) share one float copy
+// of the tile. float32 rows are always read in place.
+constexpr int64_t kMaxDirectRows = 8;
+
+template <typename T>
+void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<T>& kv, float scale,
+                 const Workspace& ws, bool simd) {
+  const int64_t D = kv.head_dim;
+  int64_t last = -1;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < D; ++i) ws.q[r * D + i] = to_f(rows[r].q[i]) * scale;
+    std::fill(ws.acc + r * D, ws.acc + (r + 1) * D, 0.f);
+    ws.m[r] = -std::numeric_limits<float>::infinity();
+    ws.l[r] = 0.f;
+    last = std::max(last, rows[r].pos);
+  }
+  [[maybe_unused]] const bool direct = std::is_same_v<T, float> || n <= kMaxDirectRows;
+  int64_t off[kKeyTile];
+  const T* kc[kKeyTile];  // the tile's rows in the cache
+  const T* vc[kKeyTile];
+  const float* kf[kKeyTile];  // ... or in the float copy
+  const float* vf[kKeyTile];
+  for (int64_t k0 = 0; k0 <= last; k0 += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, last + 1 - k0);
+    kv.offsets(k0, nk, off);
+    for (int64_t j = 0; j < nk; ++j) {
+      kc[j] = kv.k + off[j];
+      vc[j] = kv.v + off[j];
+    }
+#if SHARDLM_HAVE_AVX2
+    if (simd && direct) {
+      attend_tile<Avx2>(rows, n, k0, nk, kc, vc, D, ws);
+      continue;
+    }
+    if (simd) {
+      convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+      attend_tile<Avx2>(rows, n, k0, nk, kf, vf, D, ws);
+      continue;
+    }
+#endif
+    convert_tile(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+    attend_tile<Portable>(rows, n, k0, nk, kf, vf, D, ws);
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const float inv = ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f;  // no keys -> zeros
+    for (int64_t i = 0; i < D; ++i) rows[r].out[i] = from_f<T>(ws.acc[r * D + i] * inv);
+  }
+}
+
+}  // namespace shardlm::cpu::attn
