@@ -1,0 +1,15 @@
+"""Values that the SDK, the gateway and the workers must agree on, in one place.
+
+Both server halves import this module (it pulls in nothing else), so neither has to import the
+other to learn a port or a message-size limit.
+"""
+
+from __future__ import annotations
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_GATEWAY_PORT = 50051
+DEFAULT_GATEWAY_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_GATEWAY_PORT}"
+# Gateway <-> worker messages: debug taps of large models are big.
+MAX_WORKER_MESSAGE_BYTES = 256 << 20
+# A client's request to the gateway: a prompt is at most a few MiB of text or token ids.
+MAX_REQUEST_BYTES = 8 << 20
