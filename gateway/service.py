@@ -120,14 +120,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             if session is not None:
                 self._check_free(model, seq)
-            history = [] if session is None else session.messages + session.pending_reply()
+            history = [] if session is None else session.chat_history()
             tokens = await asyncio.to_thread(self._encode, model, request, new_session, history)
-            if request.WhichOneof("prompt") == "messages":
+            chat = request.WhichOneof("prompt") == "messages"
+            length = len(tokens) if chat else len(seq.tokens) + len(tokens)
+            if length + 1 > model.max_context:  # checked before the session's history changes
+                raise prompt_too_long(length, 1, model.max_context)
+            if chat:
                 scheduler.replace_history(seq, tokens)  # the whole conversation, re-rendered
             else:
                 scheduler.extend_history(seq, tokens)
-            if len(seq.tokens) + 1 > model.max_context:
-                raise prompt_too_long(len(seq.tokens), 1, model.max_context)
             if request.HasField("sampling") and not new_session:
                 scheduler.set_sampling(seq, request.sampling)
             cached = seq.cached
@@ -135,12 +137,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if new_session:
                 session = model.sessions.create(seq, owner)
                 session.busy = True
-            if request.WhichOneof("prompt") == "messages":
-                session.messages = history + _messages(request)
-                session.reply_parts.clear()
+            if chat:
+                session.begin_chat_turn(history + _messages(request))
             event = await self._one_event(model, seq)
             text = model.tokenizer.decode([event.token_id])
-            session.reply_parts.append(text)
+            session.add_reply_text(text)
             self.rt.metrics.prompt_tokens.inc(len(seq.tokens) - 1)
             self.rt.metrics.cached_prompt_tokens.inc(cached)
             timings = common_pb2.Timings(total_seconds=time.monotonic() - started,
@@ -199,7 +200,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     yield message
             finally:
-                session.reply_parts.append(stream.text)
+                session.add_reply_text(stream.text)
                 if not finished:  # the client left: keep only what it was sent
                     scheduler.cancel(seq, keep_generated=stream.count)
         finally:

@@ -128,3 +128,14 @@ def test_empty_reset_cache_says_what_is_missing(stub):
     both = rpc_error(lambda: stub.ResetCache(gateway_pb2.ResetCacheRequest(
         session_ids=["x"], all=True)))
     assert "not both" in both.field_violations[0].description
+
+
+def test_a_turn_refused_as_too_long_leaves_the_session_as_it_was(stub):
+    first = stub.Prefill(gateway_pb2.PrefillRequest(token_ids=prompt(10)))
+    error = rpc_error(lambda: stub.Prefill(gateway_pb2.PrefillRequest(
+        session_id=first.session_id, token_ids=prompt(CONTEXT))))
+    assert error.reason == "PROMPT_TOO_LONG"
+    again = stub.Prefill(gateway_pb2.PrefillRequest(
+        session_id=first.session_id, token_ids=gateway_pb2.TokenIds(token_ids=[7, 8])))
+    assert again.usage.prompt_tokens == 10 + 1 + 2  # the refused turn is not in the history
+    stub.ResetCache(gateway_pb2.ResetCacheRequest(session_ids=[first.session_id]))
