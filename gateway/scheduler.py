@@ -84,18 +84,22 @@ class Scheduler:
         """A call still runs on the sequence (or is winding down after its client left)."""
         return seq.phase in (Phase.WAITING, Phase.RUNNING)
 
-    # Between calls only (the session is held busy by its handler):
-    @staticmethod
-    def extend_history(seq: Sequence, tokens: list[int]) -> None:
+    # Changes between calls (a session's handler holds it busy; no step may be using it):
+    def extend_history(self, seq: Sequence, tokens: list[int]) -> None:
+        self._between_calls(seq)
         seq.extend_history(tokens)
 
-    @staticmethod
-    def replace_history(seq: Sequence, tokens: list[int]) -> None:
+    def replace_history(self, seq: Sequence, tokens: list[int]) -> None:
+        self._between_calls(seq)
         seq.replace_history(tokens)
 
-    @staticmethod
-    def set_sampling(seq: Sequence, sampling: common_pb2.SamplingParams) -> None:
+    def set_sampling(self, seq: Sequence, sampling: common_pb2.SamplingParams) -> None:
+        self._between_calls(seq)
         seq.set_sampling(sampling)
+
+    def _between_calls(self, seq: Sequence) -> None:
+        if self.is_busy(seq):
+            raise RuntimeError(f"sequence {seq.seq_id} is in a call; its state is the loop's")
 
     def submit(self, seq: Sequence, limits: CallLimits, *, prefill_only: bool) -> None:
         """Start a call on `seq`: prefill what is not cached (or all, for prefill_only) and then
