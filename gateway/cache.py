@@ -4,15 +4,16 @@ Every way a sequence loses its cache (released, evicted, preempted, expired, fai
 operation, `drop`: its blocks go back to the allocator, the sequence is marked uncached (it is
 rebuilt from its history if used again) and its id is queued for the workers' next ResetCache,
 which the scheduler sends before its next step. Under pressure, `make_room` evicts idle
-sessions' caches, least recently used first.
+sessions' caches, least recently used first; sessions idle past their timeout are removed.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from gateway.allocator import BlockAllocator
-from gateway.sequence import Sequence
+from gateway.sequence import Phase, Sequence
 from gateway.sessions import SessionStore
 
 log = logging.getLogger("shardlm.gateway")
@@ -23,6 +24,7 @@ class SequenceCaches:
         self.allocator = allocator
         self.sessions = sessions
         self._resets: list[int] = []
+        self._next_expiry_check = 0.0
 
     def drop(self, seq: Sequence) -> None:
         """Free the sequence's blocks and have the workers forget it."""
@@ -44,6 +46,18 @@ class SequenceCaches:
                 log.info("evicting idle session %s to free KV blocks", session.session_id)
                 self.drop(session.seq)
         return self.allocator.free_blocks >= blocks
+
+    def expire_idle_sessions(self) -> None:
+        """Remove the sessions idle past their timeout, and their caches. A scan of every
+        session: at most once a second, not at every step."""
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + 1.0
+        for session in self.sessions.expired(now):
+            self.sessions.remove(session.session_id)
+            self.drop(session.seq)
+            session.seq.phase = Phase.DONE
 
     def take_resets(self) -> list[int]:
         """The sequence ids the workers must forget, once."""

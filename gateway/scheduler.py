@@ -70,7 +70,6 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._to_free: list[Sequence] = []
         self._wake = asyncio.Event()
-        self._next_expiry_check = 0.0
         self._task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- API for the service
@@ -85,13 +84,20 @@ class Scheduler:
         return seq.phase in (Phase.WAITING, Phase.RUNNING)
 
     # Changes between calls (a session's handler holds it busy; no step may be using it):
-    def extend_history(self, seq: Sequence, tokens: list[int]) -> None:
+    def start_turn(self, seq: Sequence, tokens: list[int], limits: CallLimits, *,
+                   rerendered: bool, sampling: common_pb2.SamplingParams | None = None) -> None:
+        """A Prefill: add a turn's tokens to the history (or, `rerendered`, replace it with the
+        whole re-rendered conversation), take new sampling parameters if given, and prefill.
+        Refused (queue full) before anything changes."""
+        self._check_queue()
         self._between_calls(seq)
-        seq.extend_history(tokens)
-
-    def replace_history(self, seq: Sequence, tokens: list[int]) -> None:
-        self._between_calls(seq)
-        seq.replace_history(tokens)
+        if sampling is not None:
+            seq.set_sampling(sampling)
+        if rerendered:
+            seq.replace_history(tokens)
+        else:
+            seq.extend_history(tokens)
+        self.submit(seq, limits, prefill_only=True)
 
     def set_sampling(self, seq: Sequence, sampling: common_pb2.SamplingParams) -> None:
         self._between_calls(seq)
@@ -104,10 +110,7 @@ class Scheduler:
     def submit(self, seq: Sequence, limits: CallLimits, *, prefill_only: bool) -> None:
         """Start a call on `seq`: prefill what is not cached (or all, for prefill_only) and then
         decode until `limits`; events arrive on `seq.events`."""
-        if len(self._waiting) >= self.max_waiting:
-            raise ResourceExhaustedError(
-                f"the request queue is full ({self.max_waiting} waiting)", reason="QUEUE_FULL",
-                retry_after_s=1.0, metadata={"waiting": len(self._waiting)})
+        self._check_queue()
         seq.start_call(limits, prefill_only)
         if seq.needs_prefill:
             seq.phase = Phase.WAITING
@@ -117,6 +120,12 @@ class Scheduler:
             seq.admitted_at = time.monotonic()
             self._running.append(seq)
         self._wake.set()
+
+    def _check_queue(self) -> None:
+        if len(self._waiting) >= self.max_waiting:
+            raise ResourceExhaustedError(
+                f"the request queue is full ({self.max_waiting} waiting)", reason="QUEUE_FULL",
+                retry_after_s=1.0, metadata={"waiting": len(self._waiting)})
 
     def cancel(self, seq: Sequence, *, keep_generated: int | None = None) -> None:
         """End the sequence's call before its next step. `keep_generated`: the call's history
@@ -208,14 +217,7 @@ class Scheduler:
             seq.phase = Phase.DONE
         freed = {id(s) for s in self._to_free}
         self._to_free.clear()
-        now = time.monotonic()
-        expired = self.sessions.expired(now) if now >= self._next_expiry_check else []
-        if now >= self._next_expiry_check:  # a scan of every session: once a second, not per step
-            self._next_expiry_check = now + 1.0
-        for session in expired:
-            self.sessions.remove(session.session_id)
-            self.caches.drop(session.seq)
-            session.seq.phase = Phase.DONE
+        self.caches.expire_idle_sessions()
         keep = deque()
         for seq in self._waiting:
             if id(seq) in freed or seq.phase is Phase.DONE:

@@ -126,14 +126,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             length = len(tokens) if chat else len(seq.tokens) + len(tokens)
             if length + 1 > model.max_context:  # checked before the session's history changes
                 raise prompt_too_long(length, 1, model.max_context)
-            if chat:
-                scheduler.replace_history(seq, tokens)  # the whole conversation, re-rendered
-            else:
-                scheduler.extend_history(seq, tokens)
-            if request.HasField("sampling") and not new_session:
-                scheduler.set_sampling(seq, request.sampling)
-            cached = seq.cached
-            scheduler.submit(seq, prefill_limits(model.max_context), prefill_only=True)
+            new_sampling = request.sampling if request.HasField("sampling") and not new_session \
+                else None
+            scheduler.start_turn(seq, tokens, prefill_limits(model.max_context), rerendered=chat,
+                                 sampling=new_sampling)
+            cached = seq.cached  # the cache kept for the new history
             if new_session:
                 session = model.sessions.create(seq, owner)
                 session.busy = True

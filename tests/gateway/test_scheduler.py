@@ -9,7 +9,7 @@ import time
 
 import pytest
 from shardlm.common.v1 import common_pb2
-from shardlm.errors import UnavailableError
+from shardlm.errors import ResourceExhaustedError, UnavailableError
 
 from gateway.allocator import BlockAllocator
 from gateway.finish import CallLimits, prefill_limits
@@ -43,9 +43,9 @@ class Harness:
         return seq
 
     def session(self, prompt: list[int]) -> Sequence:
-        seq = self.scheduler.new_sequence(prompt, common_pb2.SamplingParams())
+        seq = self.scheduler.new_sequence([], common_pb2.SamplingParams())
         self.sessions.create(seq)
-        self.scheduler.submit(seq, prefill_limits(CONTEXT), prefill_only=True)
+        self.scheduler.start_turn(seq, prompt, prefill_limits(CONTEXT), rerendered=False)
         return seq
 
 
@@ -123,6 +123,18 @@ def test_queue_limit_refuses_beyond_max_waiting():
     asyncio.run(test(h))
 
 
+def test_a_turn_refused_for_a_full_queue_changes_nothing():
+    async def test(h):
+        session = h.scheduler.new_sequence(PROMPT, common_pb2.SamplingParams())
+        h.generate([1, 2], limits(2))  # the queue is full
+        with pytest.raises(ResourceExhaustedError):
+            h.scheduler.start_turn(session, [7, 8], prefill_limits(CONTEXT), rerendered=False,
+                                   sampling=common_pb2.SamplingParams(temperature=1.0))
+        assert session.tokens == PROMPT and not session.sampling_changed
+        assert session.phase is Phase.IDLE
+    asyncio.run(test(Harness(max_waiting=1)))  # never started: the first request stays queued
+
+
 def test_long_prompt_is_prefilled_in_chunks():
     prompt = [1] + [(5 * j) % 90 + 3 for j in range(39)]
 
@@ -133,6 +145,22 @@ def test_long_prompt_is_prefilled_in_chunks():
                   for r in h.pool.prefills for s in r.sequences]
         assert chunks == [(0, 16, False), (16, 16, False), (32, 8, True)]
     run(test, prefill_token_budget=16)
+
+
+def test_rerendered_conversation_reuses_the_cache_up_to_the_first_difference():
+    async def test(h):
+        history = list(range(1, 21))
+        session = h.session(history)
+        first, _ = await drain(session, 1)
+        await until(lambda: session.phase is Phase.IDLE)
+        rendered = history[:12] + [99, 98, 97]  # differs from token 12 on
+        h.scheduler.start_turn(session, rendered, prefill_limits(CONTEXT), rerendered=True)
+        assert session.cached == 12
+        reply, _ = await drain(session, 1)
+        last = h.pool.prefills[-1].sequences[0]
+        assert (last.start_position, list(last.token_ids)) == (12, [99, 98, 97])
+        assert reply == greedy(rendered, 1)
+    run(test)
 
 
 # ----------------------------------------------------------------------------- memory pressure
