@@ -154,7 +154,7 @@ def engine_decode_runs(engine: Engine, prompts: torch.Tensor, new_tokens: int,
     batch, length = prompts.shape
     per_seq = blocks_per_sequence(engine, length + new_tokens)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    stop = StopParams(max_new_tokens=new_tokens, ignore_eos=True)
+    stop = StopParams(max_new_tokens=new_tokens)
     rows = prompts.tolist()
 
     def run(n: int) -> None:

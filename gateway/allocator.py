@@ -116,17 +116,19 @@ class BlockAllocator:
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
 
-    def free(self, sequence_id: int) -> None:
+    def free(self, sequence_id: int) -> bool:
+        """Return all the sequence's blocks; whether it held any table at all."""
         table = self._tables.pop(sequence_id, None)
         if table is None:
-            return
+            return False
         if self.static_slot_blocks and table.blocks:
             for b in table.blocks:
                 self._refs[b] = 0
             self._free_slots.append(table.blocks[0] // self.static_slot_blocks)
-            return
+            return True
         for block in table.blocks:
             self._release(block)
+        return True
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1

@@ -62,7 +62,9 @@ class Model:
 
     @property
     def eos_ids(self) -> frozenset[int]:
-        return frozenset(self.info.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        """The model's end-of-sequence ids: the set the workers gathered from the checkpoint
+        once and reported in ModelInfo (the only EOS list the finish policy uses)."""
+        return frozenset(self.info.eos_token_ids)
 
 
 def not_loaded() -> FailedPreconditionError:

@@ -8,6 +8,9 @@ waiting for the batch to finish. When blocks run out, idle sessions give up thei
 (least recently used), then the newest running sequence is preempted and later recomputed.
 
 Only this loop talks to the workers' Prefill/Decode, so all ranks see one ordered stream of steps.
+The scheduler owns every sequence's state: handlers and the stream writer change a sequence (its
+history, sampling, where its call ends) through the methods below, never by its fields. Why a
+call ends is decided by the finish policy (gateway/finish.py) on each token as it arrives.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from shardlm.errors import ResourceExhaustedError, ShardLMError
 from shardlm.worker.v1 import worker_pb2
 
 from gateway.allocator import BlockAllocator
+from gateway.cache import SequenceCaches
+from gateway.finish import UNFINISHED, CallLimits
 from gateway.metrics import Metrics
-from gateway.sequence import ErrorEvent, FinishEvent, Limits, Phase, Sequence, TokenEvent
+from gateway.sequence import ErrorEvent, FinishEvent, Phase, Sequence, TokenEvent
 from gateway.sessions import SessionStore
 from gateway.workers import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
-FINISHED_BY_WORKER = common_pb2.FINISH_REASON_UNSPECIFIED
 # Sequence ids are unique for the life of the process: sessions outlive a scheduler (a worker
 # restart builds a new one) and their ids must never collide with new sequences.
 _SEQUENCE_IDS = itertools.count(1)
@@ -54,6 +58,7 @@ class Scheduler:
         self.pool = pool
         self.allocator = allocator
         self.sessions = sessions
+        self.caches = SequenceCaches(allocator, sessions)
         self.metrics = metrics
         self.prefill_token_budget = prefill_token_budget
         self.max_decode_steps = max_decode_steps
@@ -64,22 +69,48 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._to_free: list[Sequence] = []
-        self._resets: list[int] = []
         self._wake = asyncio.Event()
-        self._next_expiry_check = 0.0
         self._task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- API for the service
-    def new_sequence(self, tokens: list[int], sampling: common_pb2.SamplingParams) -> Sequence:
-        return Sequence(next(_SEQUENCE_IDS), list(tokens), sampling)
+    def new_sequence(self, tokens: list[int], sampling: common_pb2.SamplingParams, *,
+                     ephemeral: bool = False) -> Sequence:
+        """A sequence of `tokens`; `ephemeral` (a Generate's) is freed when its call ends."""
+        return Sequence(next(_SEQUENCE_IDS), list(tokens), sampling, ephemeral=ephemeral)
 
-    def submit(self, seq: Sequence, limits: Limits, *, prefill_only: bool) -> None:
+    @staticmethod
+    def is_busy(seq: Sequence) -> bool:
+        """A call still runs on the sequence (or is winding down after its client left)."""
+        return seq.phase in (Phase.WAITING, Phase.RUNNING)
+
+    # Changes between calls (a session's handler holds it busy; no step may be using it):
+    def start_turn(self, seq: Sequence, tokens: list[int], limits: CallLimits, *,
+                   rerendered: bool, sampling: common_pb2.SamplingParams | None = None) -> None:
+        """A Prefill: add a turn's tokens to the history (or, `rerendered`, replace it with the
+        whole re-rendered conversation), take new sampling parameters if given, and prefill.
+        Refused (queue full) before anything changes."""
+        self._check_queue()
+        self._between_calls(seq)
+        if sampling is not None:
+            seq.set_sampling(sampling)
+        if rerendered:
+            seq.replace_history(tokens)
+        else:
+            seq.extend_history(tokens)
+        self.submit(seq, limits, prefill_only=True)
+
+    def set_sampling(self, seq: Sequence, sampling: common_pb2.SamplingParams) -> None:
+        self._between_calls(seq)
+        seq.set_sampling(sampling)
+
+    def _between_calls(self, seq: Sequence) -> None:
+        if self.is_busy(seq):
+            raise RuntimeError(f"sequence {seq.seq_id} is in a call; its state is the loop's")
+
+    def submit(self, seq: Sequence, limits: CallLimits, *, prefill_only: bool) -> None:
         """Start a call on `seq`: prefill what is not cached (or all, for prefill_only) and then
         decode until `limits`; events arrive on `seq.events`."""
-        if len(self._waiting) >= self.max_waiting:
-            raise ResourceExhaustedError(
-                f"the request queue is full ({self.max_waiting} waiting)", reason="QUEUE_FULL",
-                retry_after_s=1.0, metadata={"waiting": len(self._waiting)})
+        self._check_queue()
         seq.start_call(limits, prefill_only)
         if seq.needs_prefill:
             seq.phase = Phase.WAITING
@@ -90,7 +121,18 @@ class Scheduler:
             self._running.append(seq)
         self._wake.set()
 
-    def cancel(self, seq: Sequence) -> None:
+    def _check_queue(self) -> None:
+        if len(self._waiting) >= self.max_waiting:
+            raise ResourceExhaustedError(
+                f"the request queue is full ({self.max_waiting} waiting)", reason="QUEUE_FULL",
+                retry_after_s=1.0, metadata={"waiting": len(self._waiting)})
+
+    def cancel(self, seq: Sequence, *, keep_generated: int | None = None) -> None:
+        """End the sequence's call before its next step. `keep_generated`: the call's history
+        keeps only that many of its generated tokens (what its client was sent), as when a stop
+        sequence matched or the client left; the others are forgotten."""
+        if keep_generated is not None:
+            seq.finish_after = keep_generated
         seq.cancelled = True
         self._wake.set()
 
@@ -98,18 +140,11 @@ class Scheduler:
         """The sequence is gone for good (Generate ended, session reset): free its cache."""
         seq.cancelled = True
         if seq.phase in (Phase.IDLE, Phase.DONE):  # in no step: free now, so callers see it
-            self.allocator.free(seq.seq_id)
-            self._resets.append(seq.seq_id)
+            self.caches.drop(seq)
             seq.phase = Phase.DONE
         else:
             self._to_free.append(seq)
         self._wake.set()
-
-    def evict(self, seq: Sequence) -> None:
-        """Drop an idle sequence's cache; it is rebuilt from its history when next used."""
-        self.allocator.free(seq.seq_id)
-        self._resets.append(seq.seq_id)
-        seq.cached, seq.in_sync = 0, False
 
     @property
     def waiting(self) -> int:
@@ -138,10 +173,7 @@ class Scheduler:
             self._park_or_free(seq)
         self._waiting.clear()
         self._running.clear()
-        for session in self.sessions.all():
-            self.allocator.free(session.seq.seq_id)
-            session.seq.cached, session.seq.in_sync = 0, False
-        self._resets.clear()
+        self.caches.lose_all()
 
     # ----------------------------------------------------------------- the loop
     async def _loop(self) -> None:
@@ -167,9 +199,9 @@ class Scheduler:
 
     async def _iteration(self) -> None:
         self._reap()
-        if self._resets:
-            ids, self._resets = self._resets, []
-            await self.pool.reset(worker_pb2.ResetCacheRequest(sequence_ids=ids))
+        resets = self.caches.take_resets()
+        if resets:
+            await self.pool.reset(worker_pb2.ResetCacheRequest(sequence_ids=resets))
         batch = self._admit()
         if batch:
             await self._prefill(batch)
@@ -181,19 +213,11 @@ class Scheduler:
         for seq in self._to_free:
             if seq.phase in (Phase.WAITING, Phase.RUNNING):  # a call still streams from it
                 seq.events.put_nowait(FinishEvent(common_pb2.FINISH_REASON_CANCELLED))
-            self.allocator.free(seq.seq_id)
-            self._resets.append(seq.seq_id)
+            self.caches.drop(seq)
             seq.phase = Phase.DONE
         freed = {id(s) for s in self._to_free}
         self._to_free.clear()
-        now = time.monotonic()
-        expired = self.sessions.expired(now) if now >= self._next_expiry_check else []
-        if now >= self._next_expiry_check:  # a scan of every session: once a second, not per step
-            self._next_expiry_check = now + 1.0
-        for session in expired:
-            self.sessions.remove(session.session_id)
-            self.allocator.free(session.seq.seq_id)
-            self._resets.append(session.seq.seq_id)
+        self.caches.expire_idle_sessions()
         keep = deque()
         for seq in self._waiting:
             if id(seq) in freed or seq.phase is Phase.DONE:
@@ -213,37 +237,17 @@ class Scheduler:
                 running.append(seq)
         self._running = running
 
-    def _truncate_after_stop(self, seq: Sequence) -> None:
-        """A stop sequence matched: forget tokens generated after it (text never sent)."""
-        if seq.finish_after is None:
-            return
-        extra = seq.generated - seq.finish_after
-        if extra > 0:
-            del seq.tokens[-extra:]
-            seq.cached = min(seq.cached, len(seq.tokens) - 1)
-            seq.in_sync = False  # the workers hold the longer history: rebuild from `cached`
-            seq.generated = seq.finish_after
-
     def _park_or_free(self, seq: Sequence) -> None:
-        self._truncate_after_stop(seq)
+        """The call is over: a session's sequence keeps its cache, a Generate's is freed."""
+        seq.drop_unsent()
         if seq.ephemeral:
-            self.allocator.free(seq.seq_id)
-            self._resets.append(seq.seq_id)
+            self.caches.drop(seq)
             seq.phase = Phase.DONE
         else:
-            self.allocator.shrink(seq.seq_id, seq.cached + 1)
+            self.caches.trim(seq)
             seq.phase = Phase.IDLE
 
     # ----------------------------------------------------------------- prefill
-    def _make_room(self, blocks: int, protect: Sequence | None = None) -> bool:
-        """Free blocks by evicting idle sessions' caches (least recently used first)."""
-        for session in self.sessions.eviction_candidates():
-            if self.allocator.free_blocks >= blocks:
-                break
-            if session.seq is not protect:
-                log.info("evicting idle session %s to free KV blocks", session.session_id)
-                self.evict(session.seq)
-        return self.allocator.free_blocks >= blocks
 
     def _admit(self) -> list[tuple[Sequence, int, list[int], bool]]:
         budget = self.prefill_token_budget
@@ -255,7 +259,7 @@ class Scheduler:
             seq.in_sync = False
             chunk = seq.uncached[:budget]
             need = self.allocator.extra_blocks_needed(seq.seq_id, seq.cached + len(chunk))
-            if need > self.allocator.free_blocks and not self._make_room(need, seq):
+            if need > self.allocator.free_blocks and not self.caches.make_room(need, seq):
                 if not self._running and not batch:  # nothing will ever free enough blocks
                     self._waiting.popleft()
                     seq.events.put_nowait(ErrorEvent(ResourceExhaustedError(
@@ -311,10 +315,10 @@ class Scheduler:
         k = self.busy_decode_steps if self._waiting else self.max_decode_steps
         plan: dict[int, int] = {}
         for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
-            steps = max(1, min(k, seq.limits.max_new_tokens - seq.generated))
+            steps = max(1, min(k, seq.budget))
             need = self.allocator.extra_blocks_needed(seq.seq_id, seq.cached + steps)
             if need > self.allocator.free_blocks:
-                self._make_room(need, seq)
+                self.caches.make_room(need, seq)
             while steps > 1 and not self.allocator.can_grow(seq.seq_id, seq.cached + steps):
                 steps -= 1
             if not self.allocator.can_grow(seq.seq_id, seq.cached + steps):
@@ -329,8 +333,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         log.info("preempting sequence %d (recompute later): KV cache full", seq.seq_id)
         self.metrics.preemptions.inc()
-        self.allocator.free(seq.seq_id)
-        seq.cached, seq.in_sync, seq.phase = 0, False, Phase.WAITING
+        self.caches.drop(seq)
+        seq.phase = Phase.WAITING
         self._running.remove(seq)
         self._waiting.appendleft(seq)
 
@@ -363,18 +367,18 @@ class Scheduler:
             raise
         for seq in by_id.values():
             if seq.phase is not Phase.DONE:
-                self.allocator.shrink(seq.seq_id, seq.cached + 1)
+                self.caches.trim(seq)
 
     def _accept_token(self, seq: Sequence, token: worker_pb2.SequenceToken, counts: bool) -> None:
+        """Add a sampled token to the history and, for a generation call, stream it with the
+        finish policy's verdict (the worker's own finish_reason only told it to stop)."""
         seq.tokens.append(token.token_id)
         if not counts:
             return
         seq.generated += 1
-        reason = token.finish_reason
-        if reason == FINISHED_BY_WORKER and seq.generated >= seq.limits.max_new_tokens:
-            reason = common_pb2.FINISH_REASON_LENGTH
+        reason = seq.limits.finish_reason(token.token_id, len(seq.tokens), seq.generated)
         seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token), reason))
-        if reason != FINISHED_BY_WORKER:
+        if reason != UNFINISHED:
             seq.finish_reason = reason
             self._park_or_free(seq)
             if seq in self._running:
@@ -383,12 +387,10 @@ class Scheduler:
     def _fail_step(self, seqs: list[Sequence], error: ShardLMError) -> None:
         for seq in seqs:
             seq.events.put_nowait(ErrorEvent(error))
-            self.allocator.free(seq.seq_id)
-            seq.cached, seq.in_sync = 0, False
+            self.caches.drop(seq)
             seq.phase = Phase.DONE if seq.ephemeral else Phase.IDLE
             if seq in self._running:
                 self._running.remove(seq)
-        self._resets.extend(s.seq_id for s in seqs)
 
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self._waiting))

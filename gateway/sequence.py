@@ -4,6 +4,9 @@ A sequence's full token history lives here, so its KV cache can always be rebuil
 preemption, a worker restart) by prefilling `tokens[cached:]`. `cached` counts the tokens whose
 K/V the workers hold; `in_sync` says the workers also hold its last token as the pending one, so
 a decode step can feed it directly.
+
+The scheduler owns this state: handlers and the stream writer change a sequence only through the
+scheduler's methods, which call the ones here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from shardlm.common.v1 import common_pb2
+
+from gateway.finish import CallLimits
 
 
 class Phase(StrEnum):
@@ -45,15 +50,6 @@ class FinishEvent:
 
 
 @dataclass
-class Limits:
-    """The stop conditions of the current generation call, as the gateway enforces them."""
-
-    max_new_tokens: int
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass
 class Sequence:
     seq_id: int
     tokens: list[int]
@@ -65,7 +61,7 @@ class Sequence:
     sampling_changed: bool = False  # the workers must be sent `sampling` with the next decode
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     # The current call (Prefill, Decode or Generate):
-    limits: Limits = field(default_factory=lambda: Limits(0))
+    limits: CallLimits = field(default_factory=lambda: CallLimits(0, 0))
     generated: int = 0
     prefill_only: bool = False  # a Prefill RPC: one token, then park
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -78,7 +74,19 @@ class Sequence:
     def uncached(self) -> list[int]:
         return self.tokens[self.cached:]
 
-    def start_call(self, limits: Limits, prefill_only: bool) -> None:
+    @property
+    def needs_prefill(self) -> bool:
+        return self.prefill_only or not self.in_sync
+
+    @property
+    def budget(self) -> int:
+        """Tokens the current call may still generate."""
+        return self.limits.budget(len(self.tokens), self.generated)
+
+    def worker_stop(self) -> common_pb2.StopConditions:
+        return self.limits.worker_stop(len(self.tokens), self.generated)
+
+    def start_call(self, limits: CallLimits, prefill_only: bool) -> None:
         self.limits = limits
         self.generated = 0
         self.prefill_only = prefill_only
@@ -89,12 +97,36 @@ class Sequence:
         self.enqueued_at = time.monotonic()
         self.admitted_at = None
 
-    @property
-    def needs_prefill(self) -> bool:
-        return self.prefill_only or not self.in_sync
+    def forget_cache(self) -> None:
+        """The workers no longer hold this sequence: rebuild it from its history when used."""
+        self.cached, self.in_sync = 0, False
 
-    def worker_stop(self) -> common_pb2.StopConditions:
-        remaining = max(self.limits.max_new_tokens - self.generated, 1)
-        return common_pb2.StopConditions(max_new_tokens=remaining,
-                                         stop_token_ids=self.limits.stop_token_ids,
-                                         ignore_eos=self.limits.ignore_eos)
+    def extend_history(self, tokens: list[int]) -> None:
+        """A new turn: append to the history; the cache stays valid."""
+        self.tokens = self.tokens + list(tokens)
+
+    def replace_history(self, tokens: list[int]) -> None:
+        """A re-rendered conversation: the cache is good up to the first token where the new
+        history differs from the old one."""
+        keep = 0
+        for old, new in zip(self.tokens, tokens, strict=False):
+            if old != new:
+                break
+            keep += 1
+        self.tokens = list(tokens)
+        self.cached, self.in_sync = min(self.cached, keep), False
+
+    def set_sampling(self, sampling: common_pb2.SamplingParams) -> None:
+        self.sampling, self.sampling_changed = sampling, True
+
+    def drop_unsent(self) -> None:
+        """The call ended after `finish_after` generated tokens (a stop sequence matched, or the
+        client left): forget the tokens generated after them, which no client saw."""
+        if self.finish_after is None:
+            return
+        extra = self.generated - self.finish_after
+        if extra > 0:
+            del self.tokens[-extra:]
+            self.cached = min(self.cached, len(self.tokens) - 1)
+            self.in_sync = False  # the workers hold the longer history: rebuild from `cached`
+            self.generated = self.finish_after

@@ -11,18 +11,20 @@ import time
 from collections.abc import AsyncIterator
 
 from shardlm.common.v1 import common_pb2
-from shardlm.errors import (
-    FailedPreconditionError,
-    FieldViolation,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-)
+from shardlm.errors import FailedPreconditionError, FieldViolation, InvalidArgumentError
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway import __version__
 from gateway.auth import current_identity, require_admin
+from gateway.finish import (
+    CallLimits,
+    call_limits,
+    max_new_tokens_limit,
+    prefill_limits,
+    prompt_too_long,
+)
 from gateway.runtime import Model, Runtime
-from gateway.sequence import ErrorEvent, Limits, Phase, Sequence
+from gateway.sequence import ErrorEvent, Sequence
 from gateway.sessions import Session
 from gateway.streaming import TokenStream
 from gateway.tokenizer import ChatMessage
@@ -35,26 +37,8 @@ from gateway.validation import (
 )
 
 
-def _too_long(prompt: int, max_new: int, context: int) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"prompt of {prompt} tokens plus max_new_tokens {max_new} exceeds the context of "
-        f"{context} tokens", reason="PROMPT_TOO_LONG",
-        field_violations=[FieldViolation("prompt", f"{prompt} + {max_new} > {context}")],
-        metadata={"prompt_tokens": prompt, "max_new_tokens": max_new,
-                  "max_context_length": context})
-
-
 def _messages(request) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in request.messages.messages]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -65,23 +49,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def _identity(self, context) -> str:
         return current_identity.get().name
 
-    def _limits(self, model: Model, stop: common_pb2.StopConditions, prompt_len: int,
-                *, clamp: bool) -> Limits:
-        max_new = stop.max_new_tokens or min(self.rt.limits.default_max_new_tokens,
-                                            max(model.max_context - prompt_len, 1))
-        if prompt_len + max_new > model.max_context:
-            if not clamp:
-                raise _too_long(prompt_len, max_new, model.max_context)
-            max_new = model.max_context - prompt_len
-        if model.allocator.blocks_for(prompt_len + max_new) > model.allocator.num_blocks:
-            raise ResourceExhaustedError(
-                "the KV cache is too small for this request; lower max_new_tokens",
-                reason="KV_CACHE_FULL", metadata={
-                    "required_blocks": model.allocator.blocks_for(prompt_len + max_new),
-                    "total_blocks": model.allocator.num_blocks})
-        extra_eos = () if stop.ignore_eos else tuple(
-            sorted(model.eos_ids - set(model.info.eos_token_ids)))
-        return Limits(max_new, tuple(stop.stop_token_ids) + extra_eos, stop.ignore_eos)
+    def _max_new_limit(self, model: Model) -> int:
+        return max_new_tokens_limit(self.rt.limits.max_new_tokens, model.max_context)
+
+    def _limits(self, model: Model, stop: common_pb2.StopConditions, history: int,
+                *, strict: bool) -> CallLimits:
+        return call_limits(stop, history=history, max_context=model.max_context,
+                           default_max_new_tokens=self.rt.limits.default_max_new_tokens,
+                           eos_ids=model.eos_ids, allocator=model.allocator, strict=strict)
 
     def _encode(self, model: Model, request, first_turn: bool, history: list[dict]) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -104,8 +79,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise event.error
         return event
 
-    def _check_free(self, seq: Sequence) -> None:
-        if seq.phase in (Phase.WAITING, Phase.RUNNING):  # the last call is still winding down
+    def _check_free(self, model: Model, seq: Sequence) -> None:
+        if model.scheduler.is_busy(seq):  # the last call is still winding down
             raise FailedPreconditionError("the session's previous call is still ending; retry",
                                           reason="SESSION_BUSY")
 
@@ -130,7 +105,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.monotonic()
         model = self.rt.require()
         v = Violations()
-        check_session_id(request.session_id, v)
+        check_session_id(request.session_id, v, required=False)
         check_prompt(request, v, vocab_size=model.info.vocab_size)
         if request.HasField("sampling"):
             check_sampling(request.sampling, v)
@@ -140,35 +115,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.session_id:
             session = model.sessions.acquire(request.session_id, owner)
         new_session = session is None
-        seq = model.scheduler.new_sequence([], request.sampling) if session is None else session.seq
+        scheduler = model.scheduler
+        seq = scheduler.new_sequence([], request.sampling) if session is None else session.seq
         try:
             if session is not None:
-                self._check_free(seq)
-            history = [] if session is None else session.messages + session.pending_reply()
+                self._check_free(model, seq)
+            history = [] if session is None else session.chat_history()
             tokens = await asyncio.to_thread(self._encode, model, request, new_session, history)
-            if request.WhichOneof("prompt") == "messages":
-                # The whole conversation is re-rendered; the cache is good up to the first
-                # token where the new rendering differs from the history.
-                keep = _common_prefix(seq.tokens, tokens)
-                seq.tokens = tokens
-                seq.cached, seq.in_sync = min(seq.cached, keep), False
-            else:
-                seq.tokens = seq.tokens + tokens
-            if len(seq.tokens) + 1 > model.max_context:
-                raise _too_long(len(seq.tokens), 1, model.max_context)
-            if request.HasField("sampling") and not new_session:
-                seq.sampling, seq.sampling_changed = request.sampling, True
-            cached = seq.cached
-            model.scheduler.submit(seq, Limits(1), prefill_only=True)
+            chat = request.WhichOneof("prompt") == "messages"
+            length = len(tokens) if chat else len(seq.tokens) + len(tokens)
+            if length + 1 > model.max_context:  # checked before the session's history changes
+                raise prompt_too_long(length, 1, model.max_context)
+            new_sampling = request.sampling if request.HasField("sampling") and not new_session \
+                else None
+            scheduler.start_turn(seq, tokens, prefill_limits(model.max_context), rerendered=chat,
+                                 sampling=new_sampling)
+            cached = seq.cached  # the cache kept for the new history
             if new_session:
                 session = model.sessions.create(seq, owner)
                 session.busy = True
-            if request.WhichOneof("prompt") == "messages":
-                session.messages = history + _messages(request)
-                session.reply_parts.clear()
+            if chat:
+                session.begin_chat_turn(history + _messages(request))
             event = await self._one_event(model, seq)
             text = model.tokenizer.decode([event.token_id])
-            session.reply_parts.append(text)
+            session.add_reply_text(text)
             self.rt.metrics.prompt_tokens.inc(len(seq.tokens) - 1)
             self.rt.metrics.cached_prompt_tokens.inc(cached)
             timings = common_pb2.Timings(total_seconds=time.monotonic() - started,
@@ -186,7 +156,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if new_session:  # a session that never got its first token does not exist
                 if session is not None:
                     model.sessions.remove(session.session_id)
-                model.scheduler.release(seq)
+                scheduler.release(seq)
             raise
         finally:
             if session is not None:
@@ -196,28 +166,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.monotonic()
         model = self.rt.require()
         v = Violations()
-        check_session_id(request.session_id, v)
-        check_stop(request.stop, v, max_new_tokens_limit=self.rt.limits.max_new_tokens,
+        check_session_id(request.session_id, v, required=True)
+        check_stop(request.stop, v, max_new_tokens_limit=self._max_new_limit(model),
                    vocab_size=model.info.vocab_size)
         if request.HasField("sampling"):
             check_sampling(request.sampling, v)
         v.raise_if_any()
         session = model.sessions.acquire(request.session_id, self._identity(context))
+        scheduler = model.scheduler
         try:
             seq = session.seq
-            self._check_free(seq)
+            self._check_free(model, seq)
             if request.HasField("sampling"):
-                seq.sampling, seq.sampling_changed = request.sampling, True
-            limits = self._limits(model, request.stop, len(seq.tokens), clamp=True)
+                scheduler.set_sampling(seq, request.sampling)
+            limits = self._limits(model, request.stop, len(seq.tokens), strict=False)
             usage = common_pb2.Usage(prompt_tokens=len(seq.tokens), cached_tokens=seq.cached)
-            if limits.max_new_tokens <= 0:
+            if limits.budget(len(seq.tokens), 0) <= 0:  # the context is already full
                 yield gateway_pb2.DecodeResponse(
                     finish_reason=common_pb2.FINISH_REASON_CONTEXT_LENGTH, usage=usage)
                 return
-            stream = TokenStream(model.tokenizer, seq, stop_sequences=list(request.stop.stop_sequences),
-                                 eos_ids=model.eos_ids, usage=usage, metrics=self.rt.metrics,
-                                 started_at=started)
-            model.scheduler.submit(seq, limits, prefill_only=False)
+            stream = TokenStream(model.tokenizer, seq, scheduler,
+                                 stop_sequences=list(request.stop.stop_sequences),
+                                 usage=usage, metrics=self.rt.metrics, started_at=started)
+            scheduler.submit(seq, limits, prefill_only=False)
             finished = False
             try:
                 async for chunk in stream.chunks():
@@ -226,10 +197,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     yield message
             finally:
-                session.reply_parts.append(stream.text)
+                session.add_reply_text(stream.text)
                 if not finished:  # the client left: keep only what it was sent
-                    seq.finish_after = stream.count
-                    model.scheduler.cancel(seq)
+                    scheduler.cancel(seq, keep_generated=stream.count)
         finally:
             model.sessions.release_busy(session)
 
@@ -239,17 +209,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         v = Violations()
         check_prompt(request, v, vocab_size=model.info.vocab_size)
         check_sampling(request.sampling, v)
-        check_stop(request.stop, v, max_new_tokens_limit=self.rt.limits.max_new_tokens,
+        check_stop(request.stop, v, max_new_tokens_limit=self._max_new_limit(model),
                    vocab_size=model.info.vocab_size)
         v.raise_if_any()
         tokens = await asyncio.to_thread(self._encode, model, request, True, [])
-        limits = self._limits(model, request.stop, len(tokens), clamp=False)
-        seq = model.scheduler.new_sequence(tokens, request.sampling)
-        seq.ephemeral = True
+        limits = self._limits(model, request.stop, len(tokens), strict=True)
+        seq = model.scheduler.new_sequence(tokens, request.sampling, ephemeral=True)
         usage = common_pb2.Usage(prompt_tokens=len(tokens))
-        stream = TokenStream(model.tokenizer, seq, stop_sequences=list(request.stop.stop_sequences),
-                             eos_ids=model.eos_ids, usage=usage, metrics=self.rt.metrics,
-                             started_at=started)
+        stream = TokenStream(model.tokenizer, seq, model.scheduler,
+                             stop_sequences=list(request.stop.stop_sequences), usage=usage,
+                             metrics=self.rt.metrics, started_at=started)
         model.scheduler.submit(seq, limits, prefill_only=False)
         self.rt.metrics.prompt_tokens.inc(len(tokens))
         try:
@@ -263,9 +232,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def ResetCache(self, request, context) -> gateway_pb2.ResetCacheResponse:
         model = self.rt.require()
         if bool(request.session_ids) == request.all:
+            problem = "or all, not both" if request.all else "name sessions, or set all"
             raise InvalidArgumentError("set exactly one of session_ids or all",
                                        reason="INVALID_FIELD", field_violations=[
-                                           FieldViolation("session_ids", "or all, not both")])
+                                           FieldViolation("session_ids", problem)])
         if request.HasField("kv_cache") and not request.all:
             raise InvalidArgumentError("kv_cache may only be changed together with all",
                                        reason="INVALID_FIELD",
@@ -304,11 +274,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.TokenizeResponse(token_ids=ids, tokens=model.tokenizer.token_strings(ids))
 
     async def GetModelInfo(self, request, context) -> gateway_pb2.GetModelInfoResponse:
+        model = self.rt.model
         reply = gateway_pb2.GetModelInfoResponse(
-            loaded=self.rt.model is not None, server_version=__version__,
-            max_new_tokens_limit=self.rt.limits.max_new_tokens)
-        if self.rt.model is not None:
-            reply.model.CopyFrom(self.rt.model.info)
-            reply.capacity.CopyFrom(self.rt.model.capacity)
-            reply.max_context_length = self.rt.model.max_context
+            loaded=model is not None, server_version=__version__,
+            max_new_tokens_limit=(self.rt.limits.max_new_tokens if model is None
+                                  else self._max_new_limit(model)))
+        if model is not None:
+            reply.model.CopyFrom(model.info)
+            reply.capacity.CopyFrom(model.capacity)
+            reply.max_context_length = model.max_context
         return reply

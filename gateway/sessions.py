@@ -34,6 +34,18 @@ class Session:
         text = "".join(self.reply_parts)
         return [{"role": "assistant", "content": text}] if text else []
 
+    def chat_history(self) -> list[dict[str, str]]:
+        """The conversation so far, the reply being generated included."""
+        return self.messages + self.pending_reply()
+
+    def begin_chat_turn(self, messages: list[dict[str, str]]) -> None:
+        """A chat Prefill re-rendered the conversation as `messages`; a new reply starts."""
+        self.messages = list(messages)
+        self.reply_parts.clear()
+
+    def add_reply_text(self, text: str) -> None:
+        self.reply_parts.append(text)
+
     def touch(self) -> None:
         self.last_used = time.monotonic()
 

@@ -2,7 +2,9 @@
 
 Text is detokenized incrementally (never half a character) and passed through the stop-sequence
 matcher (never text at or past a stop). Each chunk carries the token ids it covers; the final
-chunk also carries the finish reason, usage and timings.
+chunk also carries the finish reason, usage and timings. The reason is the scheduler's (its
+finish policy judged each token), except that a stop sequence found in the text ends the call
+with FINISH_REASON_STOP_SEQUENCE; the scheduler is then told to end it there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from shardlm.common.v1 import common_pb2
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
+from gateway.scheduler import Scheduler
 from gateway.sequence import ErrorEvent, FinishEvent, Sequence, TokenEvent
 from gateway.stop import StopSequenceMatcher
 from gateway.tokenizer import Tokenizer
@@ -42,14 +45,14 @@ class Chunk:
 
 
 class TokenStream:
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence, *, stop_sequences: list[str],
-                 eos_ids: frozenset[int], usage: common_pb2.Usage, metrics: Metrics,
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence, scheduler: Scheduler, *,
+                 stop_sequences: list[str], usage: common_pb2.Usage, metrics: Metrics,
                  started_at: float) -> None:
         self.tokenizer = tokenizer
         self.seq = seq
+        self.scheduler = scheduler
         self.detok = IncrementalDetokenizer(tokenizer, seq.tokens[-8:])
         self.stops = StopSequenceMatcher(stop_sequences)
-        self.eos_ids = eos_ids
         self.usage = usage
         self.metrics = metrics
         self.started_at = started_at
@@ -83,9 +86,7 @@ class TokenStream:
             finish = event.finish_reason
             if stopped:
                 finish = common_pb2.FINISH_REASON_STOP_SEQUENCE
-                self.seq.finish_after = len(self.token_times)
-            elif finish == common_pb2.FINISH_REASON_STOP_TOKEN and event.token_id in self.eos_ids:
-                finish = common_pb2.FINISH_REASON_EOS  # an EOS id the gateway passed as stop id
+                self.scheduler.cancel(self.seq, keep_generated=self.count)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 if not stopped:
                     tail, stopped_late = self.stops.push(self.detok.flush())

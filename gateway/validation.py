@@ -59,8 +59,12 @@ def _finite(x: float) -> bool:
     return not (math.isnan(x) or math.isinf(x))
 
 
-def check_session_id(session_id: str, v: Violations) -> None:
-    if len(session_id) > 128:
+def check_session_id(session_id: str, v: Violations, *, required: bool) -> None:
+    """`required`: the call needs an existing session (Decode); otherwise an empty id asks for
+    a new one (Prefill)."""
+    if required and not session_id:
+        v.add("session_id", "must name a session (ids are issued by Prefill)")
+    elif len(session_id) > 128:
         v.add("session_id", "at most 128 characters (ids are issued by Prefill)")
 
 

@@ -81,7 +81,7 @@ def reference():
 
 def engine_greedy(engine: Engine, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     engine.reset()
-    stop = StopParams(max_new_tokens=n, ignore_eos=True)
+    stop = StopParams(max_new_tokens=n)
     first = engine.prefill([PrefillItem(0, ids, 0, TABLE, stop=stop)])
     tokens = [first.tokens[0].token.token_id]
     for step in engine.decode([DecodeItem(0, TABLE, n - 1)], n - 1):

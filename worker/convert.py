@@ -29,7 +29,6 @@ DTYPE_ENUMS = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.bfloat16: common_p
                torch.float16: common_pb2.DTYPE_FLOAT16}
 FINISH_ENUMS = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
     FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
     FinishReason.CONTEXT_LENGTH: common_pb2.FINISH_REASON_CONTEXT_LENGTH,
 }
@@ -53,8 +52,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def stop_from_proto(p: common_pb2.StopConditions) -> StopParams:
-    return StopParams(max_new_tokens=p.max_new_tokens, stop_token_ids=tuple(p.stop_token_ids),
-                      ignore_eos=p.ignore_eos)
+    """Workers apply the budget and the stop ids only (see worker.proto's PrefillSequence.stop)."""
+    return StopParams(max_new_tokens=p.max_new_tokens, stop_token_ids=tuple(p.stop_token_ids))
 
 
 def cache_config_from_proto(p: common_pb2.KvCacheConfig) -> CacheConfig:

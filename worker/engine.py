@@ -3,11 +3,14 @@ and execute exactly the prefill / decode batches it is sent. Free of gRPC types.
 
 Every rank of a tensor-parallel group runs the same calls in lock-step; rank 0 samples and
 broadcasts the chosen ids so that all ranks feed the same next token.
+
+A sequence stops only on what it was sent: its stop ids (the gateway includes the model's EOS
+ids there unless the caller ignores them), its token budget, and the end of the position table.
+The engine's `eos_token_ids` are reported in ModelInfo, never consulted when stepping.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from worker.batch import build_prefill_batch, slot_of
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig, load_config
 from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
+from worker.eos import checkpoint_eos_ids
 from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from worker.layers import Parallel
@@ -60,7 +64,7 @@ class Engine:
         self.device = model.device
         self.dtype = dtype
         self.model_dir = model_dir
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = eos_token_ids  # reported in ModelInfo; see the module docstring
         self.sequences: dict[int, Sequence] = {}
         self.graph_config = graph_config or GraphConfig.from_env()
         self.cache = self._allocate(cache_config)
@@ -102,7 +106,7 @@ class Engine:
         parallel = Parallel(comm)
         with CheckpointReader(model_dir, device, torch_dtype) as reader:
             model = TransformerModel(cfg, parallel, reader, device, progress)
-        eos = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos(model_dir)))
+        eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)
         return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos, graph_config)
 
     def _allocate(self, config: CacheConfig) -> KVCache:
@@ -365,8 +369,7 @@ class Engine:
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        if not seq.stop.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.EOS
+        """Whether the sequence leaves the batch after `token_id`: only what it was sent counts."""
         if token_id in seq.stop.stop_token_ids:
             return FinishReason.STOP_TOKEN
         if seq.stop.max_new_tokens and seq.generated >= seq.stop.max_new_tokens:
@@ -394,17 +397,3 @@ def _resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: to
     if device.type == "cuda" and cfg.torch_dtype in ("bfloat16", "float16"):
         return DTYPES[cfg.torch_dtype]
     return torch.float32
-
-
-def _generation_eos(model_dir: Path) -> tuple[int, ...]:
-    """generation_config.json may list more end-of-turn ids than config.json (chat models)."""
-    try:
-        raw = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ()
-    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, list):
-        return tuple(v for v in value if isinstance(v, int))
-    return ()

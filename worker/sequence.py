@@ -11,17 +11,20 @@ from worker.sampling import SampledToken, SamplingParams, TokenHistory
 
 
 class FinishReason(StrEnum):
-    LENGTH = "length"
-    EOS = "eos"
-    STOP_TOKEN = "stop_token"
-    CONTEXT_LENGTH = "context_length"
+    """Why a sequence left the batch. The reason clients see is the gateway's to decide."""
+
+    LENGTH = "length"  # its max_new_tokens budget is used up
+    STOP_TOKEN = "stop_token"  # it generated one of its stop ids
+    CONTEXT_LENGTH = "context_length"  # no position left to feed the new token
 
 
 @dataclass(frozen=True)
 class StopParams:
+    """When a sequence stops. There is no EOS rule: whoever wants the sequence to stop on the
+    model's EOS ids includes them in stop_token_ids."""
+
     max_new_tokens: int = 0  # 0 = bounded only by the context
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
 
 @dataclass

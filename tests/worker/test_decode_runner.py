@@ -46,7 +46,7 @@ def generate(engine: Engine, ids: list[list[int]], steps: int, chunk: int | None
              sampling: SamplingParams | None = None) -> list[list[int]]:
     """Prefill every prompt, then decode `steps` tokens in calls of `chunk` steps."""
     engine.reset()
-    stop = StopParams(max_new_tokens=steps + 1, ignore_eos=True)
+    stop = StopParams(max_new_tokens=steps + 1)
     params = sampling or SamplingParams()
     first = engine.prefill([PrefillItem(i, p, 0, table(i), sampling=params, stop=stop)
                             for i, p in enumerate(ids)])
@@ -123,7 +123,7 @@ def test_abandoned_decode_keeps_the_engine_consistent(engine):
     ids = prompts(2, engine.cfg.vocab_size)
     expected = generate(engine, ids, 6)
     engine.reset()
-    stop = StopParams(max_new_tokens=10, ignore_eos=True)
+    stop = StopParams(max_new_tokens=10)
     first = engine.prefill([PrefillItem(i, p, 0, table(i), stop=stop) for i, p in enumerate(ids)])
     out = [[t.token.token_id] for t in first.tokens]
     steps = engine.decode([DecodeItem(i, table(i), 5) for i in range(2)], 5)
@@ -141,7 +141,7 @@ def test_rows_leave_the_batch_at_their_own_budget(engine):
     ids = prompts(3, engine.cfg.vocab_size)
     whole = generate(engine, ids, 8)
     engine.reset()
-    stop = StopParams(max_new_tokens=20, ignore_eos=True)
+    stop = StopParams(max_new_tokens=20)
     engine.prefill([PrefillItem(i, p, 0, table(i), stop=stop) for i, p in enumerate(ids)])
     budgets = [2, 8, 5]
     seen = [0, 0, 0]

@@ -50,7 +50,7 @@ def test_prefill_and_decode_logits_match(pair):
     engine, reference = pair
     ids = prompt(37, engine.cfg.vocab_size, 1)
     out = engine.prefill(
-        [PrefillItem(0, ids, 0, table(0), stop=StopParams(ignore_eos=True))], taps=["logits"]
+        [PrefillItem(0, ids, 0, table(0), stop=StopParams())], taps=["logits"]
     )
     expected = ref_logits(reference, ids)
     torch.testing.assert_close(out.taps["logits"][0], expected[-1], atol=1e-4, rtol=0)
@@ -62,7 +62,7 @@ def test_prefill_and_decode_logits_match(pair):
 
 
 def greedy_tokens(engine: Engine, seq: int, ids: list[int], n: int) -> list[int]:
-    stop = StopParams(max_new_tokens=n, ignore_eos=True)
+    stop = StopParams(max_new_tokens=n)
     first = engine.prefill([PrefillItem(seq, ids, 0, table(seq), stop=stop)])
     tokens = [first.tokens[0].token.token_id]
     for step in engine.decode([DecodeItem(seq, table(seq), n)], n):
@@ -89,7 +89,7 @@ def test_batch_of_different_lengths_equals_each_alone(pair):
     for p in prompts:
         alone.append(greedy_tokens(engine, 0, p, 12))
         engine.reset()
-    stop = StopParams(max_new_tokens=12, ignore_eos=True)
+    stop = StopParams(max_new_tokens=12)
     first = engine.prefill(
         [PrefillItem(i, p, 0, table(i), stop=stop) for i, p in enumerate(prompts)]
     )
@@ -122,7 +122,7 @@ def test_stop_conditions_end_sequences(pair):
     free = greedy_tokens(engine, 0, ids, 10)
     engine.reset()
     k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
-    stop = StopParams(max_new_tokens=10, stop_token_ids=(free[k],), ignore_eos=True)
+    stop = StopParams(max_new_tokens=10, stop_token_ids=(free[k],))
     engine.prefill([PrefillItem(0, ids, 0, table(0), stop=stop)])
     steps = list(engine.decode([DecodeItem(0, table(0), 10)], 10))
     last = steps[-1].tokens[0]
@@ -138,7 +138,7 @@ def test_seeded_sampling_is_reproducible(pair):
                             frequency_penalty=0.2, seed=1234)
 
     def run(seq: int, p: SamplingParams, neighbour: bool) -> list[int]:
-        stop = StopParams(max_new_tokens=20, ignore_eos=True)
+        stop = StopParams(max_new_tokens=20)
         items = [PrefillItem(seq, ids, 0, table(seq), sampling=p, stop=stop)]
         if neighbour:  # another request in the batch must not change this one's draws
             items.append(PrefillItem(seq + 1, ids[:5], 0, table(seq + 1),

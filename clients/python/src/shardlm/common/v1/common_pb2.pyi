@@ -98,16 +98,20 @@ class _FinishReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._E
     FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
     """Not finished: set on every streamed chunk except the last one."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 1
-    """StopConditions.max_new_tokens tokens were generated."""
+    """StopConditions.max_new_tokens tokens (or the server's default number)
+    were generated.
+    """
     FINISH_REASON_EOS: _FinishReason.ValueType  # 2
-    """The model generated one of its end-of-sequence tokens."""
+    """The model generated one of its end-of-sequence tokens
+    (`ModelInfo.eos_token_ids`), and StopConditions.ignore_eos was false.
+    """
     FINISH_REASON_STOP_TOKEN: _FinishReason.ValueType  # 3
     """One of `StopConditions.stop_token_ids` was generated."""
     FINISH_REASON_STOP_SEQUENCE: _FinishReason.ValueType  # 4
     """One of `StopConditions.stop_sequences` appeared in the text."""
     FINISH_REASON_CONTEXT_LENGTH: _FinishReason.ValueType  # 5
-    """The sequence filled the model's context (max_position_embeddings or the
-    server's max_context_length).
+    """The sequence filled the context (`GetModelInfoResponse.max_context_length`)
+    before max_new_tokens tokens were generated.
     """
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 6
     """Generation was cancelled, for example because the session was reset."""
@@ -126,16 +130,20 @@ class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
 """Not finished: set on every streamed chunk except the last one."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 1
-"""StopConditions.max_new_tokens tokens were generated."""
+"""StopConditions.max_new_tokens tokens (or the server's default number)
+were generated.
+"""
 FINISH_REASON_EOS: FinishReason.ValueType  # 2
-"""The model generated one of its end-of-sequence tokens."""
+"""The model generated one of its end-of-sequence tokens
+(`ModelInfo.eos_token_ids`), and StopConditions.ignore_eos was false.
+"""
 FINISH_REASON_STOP_TOKEN: FinishReason.ValueType  # 3
 """One of `StopConditions.stop_token_ids` was generated."""
 FINISH_REASON_STOP_SEQUENCE: FinishReason.ValueType  # 4
 """One of `StopConditions.stop_sequences` appeared in the text."""
 FINISH_REASON_CONTEXT_LENGTH: FinishReason.ValueType  # 5
-"""The sequence filled the model's context (max_position_embeddings or the
-server's max_context_length).
+"""The sequence filled the context (`GetModelInfoResponse.max_context_length`)
+before max_new_tokens tokens were generated.
 """
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 6
 """Generation was cancelled, for example because the session was reset."""
@@ -194,9 +202,9 @@ class _ErrorReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._En
     listing every violation. Metadata: "field" (the first invalid field).
     """
     ERROR_REASON_PROMPT_TOO_LONG: _ErrorReason.ValueType  # 2
-    """The prompt (plus the session's context and max_new_tokens where they
-    apply) exceeds the context length. INVALID_ARGUMENT. Metadata:
-    "prompt_tokens", "max_context_length".
+    """The prompt (plus the session's context, and a Generate's explicit
+    max_new_tokens) exceeds the context length. INVALID_ARGUMENT. Metadata:
+    "prompt_tokens", "max_new_tokens", "max_context_length".
     """
     ERROR_REASON_EMPTY_PROMPT: _ErrorReason.ValueType  # 3
     """The prompt is empty (no text, messages or token ids, and no special
@@ -291,9 +299,9 @@ ERROR_REASON_INVALID_FIELD: ErrorReason.ValueType  # 1
 listing every violation. Metadata: "field" (the first invalid field).
 """
 ERROR_REASON_PROMPT_TOO_LONG: ErrorReason.ValueType  # 2
-"""The prompt (plus the session's context and max_new_tokens where they
-apply) exceeds the context length. INVALID_ARGUMENT. Metadata:
-"prompt_tokens", "max_context_length".
+"""The prompt (plus the session's context, and a Generate's explicit
+max_new_tokens) exceeds the context length. INVALID_ARGUMENT. Metadata:
+"prompt_tokens", "max_new_tokens", "max_context_length".
 """
 ERROR_REASON_EMPTY_PROMPT: ErrorReason.ValueType  # 3
 """The prompt is empty (no text, messages or token ids, and no special
@@ -470,7 +478,8 @@ global___SamplingParams = SamplingParams
 @typing.final
 class StopConditions(google.protobuf.message.Message):
     """When generation stops. The first condition met wins and is reported as the
-    `FinishReason`.
+    `FinishReason`; for one token the order is EOS, stop token, max_new_tokens,
+    context (and a stop sequence found in the text ends the call at that text).
     """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
@@ -481,14 +490,20 @@ class StopConditions(google.protobuf.message.Message):
     IGNORE_EOS_FIELD_NUMBER: builtins.int
     max_new_tokens: builtins.int
     """Maximum number of tokens to generate (see each request for what is
-    counted). 0 means the server's default; values above the server's limit
-    (`GetModelInfoResponse.max_new_tokens_limit`) are rejected with
-    INVALID_ARGUMENT. Generation also stops when the model's context is full
-    (FINISH_REASON_CONTEXT_LENGTH).
+    counted). 0 means the server's default. Values above
+    `GetModelInfoResponse.max_new_tokens_limit` (the server's cap, never more
+    than the context can hold after a one-token prompt) are rejected with
+    INVALID_ARGUMENT (INVALID_FIELD on stop.max_new_tokens). Generation also
+    stops when the sequence fills the context: a Decode, or a call using the
+    default, then ends with FINISH_REASON_CONTEXT_LENGTH; a Generate whose
+    prompt plus an explicit max_new_tokens exceeds the context is rejected
+    up front with PROMPT_TOO_LONG.
     """
     ignore_eos: builtins.bool
     """Do not stop on the model's end-of-sequence tokens (`ModelInfo.eos_token_ids`);
-    they are generated like any other token.
+    they are generated like any other token. Applied by the gateway: it leaves
+    the EOS ids out of the stop ids it sends the workers, which ignore this
+    field.
     """
     @property
     def stop_sequences(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
@@ -790,7 +805,10 @@ class ModelInfo(google.protobuf.message.Message):
     """Beginning-of-sequence token id, if the model has one."""
     @property
     def eos_token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
-        """Token ids that end a sequence (FINISH_REASON_EOS)."""
+        """Token ids that end a sequence (FINISH_REASON_EOS): gathered once by the
+        workers from the checkpoint (config.json, generation_config.json and the
+        tokenizer's eos_token). The only EOS set the server uses.
+        """
 
     def __init__(
         self,

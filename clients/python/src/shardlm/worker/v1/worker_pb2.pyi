@@ -262,9 +262,12 @@ class PrefillSequence(google.protobuf.message.Message):
     @property
     def stop(self) -> shardlm.common.v1.common_pb2.StopConditions:
         """Stop conditions: the worker applies max_new_tokens (counting every token
-        sampled for the sequence, this one included; 0 means no limit),
-        stop_token_ids and ignore_eos. Read when `sample` is true and kept for the
-        sequence's Decode steps.
+        sampled for the sequence, this one included; 0 means no limit) and
+        stop_token_ids, which is the complete set to stop on: the gateway includes
+        the model's EOS ids there unless the caller set ignore_eos. Workers never
+        consult an EOS list of their own, and ignore ignore_eos and
+        stop_sequences. Read when `sample` is true and kept for the sequence's
+        Decode steps.
         """
 
     def __init__(
@@ -327,8 +330,11 @@ class SequenceToken(google.protobuf.message.Message):
     """The sampled token id."""
     finish_reason: shardlm.common.v1.common_pb2.FinishReason.ValueType
     """FINISH_REASON_UNSPECIFIED while the sequence continues; otherwise why it
-    stopped with this token (LENGTH, EOS, STOP_TOKEN or CONTEXT_LENGTH). A
-    finished sequence keeps its cache until ResetCache drops it.
+    stopped with this token: LENGTH (max_new_tokens used), STOP_TOKEN (one of
+    stop_token_ids) or CONTEXT_LENGTH (no position left); never EOS. It tells
+    the gateway the sequence left the batch; the reason clients see is the
+    gateway's to decide. A finished sequence keeps its cache until ResetCache
+    drops it.
     """
     @property
     def logprobs(self) -> shardlm.common.v1.common_pb2.Logprobs:
@@ -411,9 +417,11 @@ class DecodeSequence(google.protobuf.message.Message):
 
     @property
     def stop(self) -> shardlm.common.v1.common_pb2.StopConditions:
-        """When set, the stop conditions of a new generation call: the sequence's
-        count of generated tokens restarts at 0 for max_new_tokens, and a sequence
-        that had finished may continue. Unset: the conditions from Prefill apply.
+        """When set, the stop conditions from this call on, read as in
+        PrefillSequence.stop: the sequence's count of generated tokens restarts at
+        0 for max_new_tokens, and a sequence that had finished may continue. The
+        gateway sends them with every Decode (the remaining budget of the
+        generation call). Unset: the conditions from Prefill apply.
         """
 
     def __init__(

@@ -1,0 +1,72 @@
+"""Which sequences hold KV blocks on the workers, and which ones the workers must forget.
+
+Every way a sequence loses its cache (released, evicted, preempted, expired, failed) is one
+operation, `drop`: its blocks go back to the allocator, the sequence is marked uncached (it is
+rebuilt from its history if used again) and its id is queued for the workers' next ResetCache,
+which the scheduler sends before its next step. Under pressure, `make_room` evicts idle
+sessions' caches, least recently used first; sessions idle past their timeout are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gateway.allocator import BlockAllocator
+from gateway.sequence import Phase, Sequence
+from gateway.sessions import SessionStore
+
+log = logging.getLogger("shardlm.gateway")
+
+
+class SequenceCaches:
+    def __init__(self, allocator: BlockAllocator, sessions: SessionStore) -> None:
+        self.allocator = allocator
+        self.sessions = sessions
+        self._resets: list[int] = []
+        self._next_expiry_check = 0.0
+
+    def drop(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and have the workers forget it."""
+        if self.allocator.free(seq.seq_id):
+            self._resets.append(seq.seq_id)
+        seq.forget_cache()
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks pre-allocated beyond what the sequence now holds (its cached tokens
+        and the pending one)."""
+        self.allocator.shrink(seq.seq_id, seq.cached + 1)
+
+    def make_room(self, blocks: int, protect: Sequence | None = None) -> bool:
+        """Evict idle sessions' caches until `blocks` blocks are free; whether they are."""
+        for session in self.sessions.eviction_candidates():
+            if self.allocator.free_blocks >= blocks:
+                break
+            if session.seq is not protect:
+                log.info("evicting idle session %s to free KV blocks", session.session_id)
+                self.drop(session.seq)
+        return self.allocator.free_blocks >= blocks
+
+    def expire_idle_sessions(self) -> None:
+        """Remove the sessions idle past their timeout, and their caches. A scan of every
+        session: at most once a second, not at every step."""
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + 1.0
+        for session in self.sessions.expired(now):
+            self.sessions.remove(session.session_id)
+            self.drop(session.seq)
+            session.seq.phase = Phase.DONE
+
+    def take_resets(self) -> list[int]:
+        """The sequence ids the workers must forget, once."""
+        ids, self._resets = self._resets, []
+        return ids
+
+    def lose_all(self) -> None:
+        """The workers lost every cache (they failed or were reconfigured): every session is
+        rebuilt from its history when next used, and there is nothing left to reset."""
+        for session in self.sessions.all():
+            self.drop(session.seq)
+        self._resets.clear()

@@ -1,0 +1,126 @@
+"""A worker pool without processes, for scheduler tests: it keeps each sequence's cached tokens
+as a worker does, checks what the scheduler sends (start positions, block tables) and "samples"
+a token that is a fixed function of the history, so a sequence rebuilt after eviction or
+preemption must continue exactly as it would have."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shardlm.common.v1 import common_pb2
+from shardlm.errors import ShardLMError
+from shardlm.worker.v1 import worker_pb2
+
+
+def next_token(history: list[int]) -> int:
+    """The fake model: deterministic, and different for different histories."""
+    return (history[-1] * 7 + len(history) * 3) % 97 + 3
+
+
+def greedy(prompt: list[int], n: int) -> list[int]:
+    """The n tokens the fake model generates after `prompt`."""
+    history = list(prompt)
+    for _ in range(n):
+        history.append(next_token(history))
+    return history[len(prompt):]
+
+
+@dataclass
+class FakeSequence:
+    cached: list[int]
+    pending: int | None = None
+    generated: int = 0
+    stop: common_pb2.StopConditions = field(default_factory=common_pb2.StopConditions)
+    finished: bool = False
+
+
+class FakeWorkerPool:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.sequences: dict[int, FakeSequence] = {}
+        self.prefills: list[worker_pb2.PrefillRequest] = []
+        self.decodes: list[worker_pb2.DecodeRequest] = []
+        self.resets: list[int] = []
+        self.fail_next_decode: ShardLMError | None = None
+        self.step_delay_s = 0.0  # a decode step's duration, for tests that act mid-call
+
+    def _check_table(self, table, tokens: int) -> None:
+        assert len(table) * self.block_size >= tokens, (list(table), tokens)
+        assert len(set(table)) == len(table)
+
+    def _sample(self, seq: FakeSequence) -> worker_pb2.SequenceToken:
+        token = next_token(seq.cached)
+        seq.pending = token
+        seq.generated += 1
+        if token in seq.stop.stop_token_ids:
+            reason = common_pb2.FINISH_REASON_STOP_TOKEN
+        elif seq.stop.max_new_tokens and seq.generated >= seq.stop.max_new_tokens:
+            reason = common_pb2.FINISH_REASON_LENGTH
+        else:
+            reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        seq.finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        return worker_pb2.SequenceToken(token_id=token, finish_reason=reason)
+
+    async def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        self.prefills.append(request)
+        reply = worker_pb2.PrefillResponse()
+        for item in request.sequences:
+            known = self.sequences.get(item.sequence_id)
+            if item.start_position:
+                assert known is not None and len(known.cached) >= item.start_position, \
+                    "prefill from a position the worker does not hold"
+            prefix = known.cached[:item.start_position] if known else []
+            seq = FakeSequence(prefix + list(item.token_ids), stop=item.stop)
+            self._check_table(item.block_table, len(seq.cached))
+            self.sequences[item.sequence_id] = seq
+            if item.sample:
+                token = self._sample(seq)
+                token.sequence_id = item.sequence_id
+                reply.tokens.append(token)
+        return reply
+
+    async def decode(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        self.decodes.append(request)
+        if self.fail_next_decode is not None:
+            error, self.fail_next_decode = self.fail_next_decode, None
+            raise error
+        plan = []
+        for item in request.sequences:
+            seq = self.sequences[item.sequence_id]
+            assert seq.pending is not None, "decode of a sequence with no pending token"
+            if item.HasField("stop"):
+                seq.stop, seq.generated, seq.finished = item.stop, 0, False
+            assert not seq.finished, "decode of a finished sequence"
+            steps = min(request.num_steps, item.max_steps or request.num_steps)
+            self._check_table(item.block_table, len(seq.cached) + steps)
+            plan.append((item.sequence_id, seq, steps))
+        for step in range(request.num_steps):
+            reply = worker_pb2.DecodeResponse(step=step)
+            for sid, seq, steps in plan:
+                if seq.finished or step >= steps:
+                    continue
+                seq.cached.append(seq.pending)
+                token = self._sample(seq)
+                token.sequence_id = sid
+                reply.tokens.append(token)
+            if not reply.tokens:
+                return
+            await asyncio.sleep(self.step_delay_s)
+            yield reply
+
+    async def reset(self, request: worker_pb2.ResetCacheRequest) -> worker_pb2.ResetCacheResponse:
+        for sid in request.sequence_ids:
+            self.sequences.pop(sid, None)
+            self.resets.append(sid)
+        return worker_pb2.ResetCacheResponse()
+
+    def stop_ids_sent(self, sequence_id: int) -> set[int]:
+        """Every stop id the scheduler sent this sequence, in any step."""
+        sent = set()
+        for request in self.prefills + self.decodes:
+            for item in request.sequences:
+                if item.sequence_id == sequence_id:
+                    sent.update(item.stop.stop_token_ids)
+        return sent
