@@ -50,7 +50,9 @@ def _validate_load(request: worker_pb2.LoadRequest) -> torch.device:
             violations.append(FieldViolation("device", "CUDA is not available on this worker"))
     except (RuntimeError, ValueError):
         violations.append(FieldViolation("device", "must be 'cpu', 'cuda' or 'cuda:N'"))
-    if request.world_size > 1 and request.comm.backend == worker_pb2.COMM_BACKEND_GLOO and not request.comm.init_address:
+    if request.world_size > 1 and request.comm.backend not in BACKENDS:
+        violations.append(FieldViolation("comm.backend", "must be GLOO or NCCL when world_size > 1"))
+    elif request.world_size > 1 and request.comm.backend == worker_pb2.COMM_BACKEND_GLOO and not request.comm.init_address:
         violations.append(FieldViolation("comm.init_address", "gloo needs rank 0's host:port"))
     if violations:
         raise InvalidArgumentError(violations[0].description, reason="INVALID_FIELD",
@@ -87,7 +89,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             self._device = device
-            backend = BACKENDS.get(request.comm.backend, "nccl" if device.type == "cuda" else "gloo")
+            # world_size 1 runs without a communicator whatever the backend says.
+            backend = BACKENDS.get(request.comm.backend, "single")
             unique_id = request.comm.nccl_unique_id
             if request.world_size > 1 and backend == "nccl" and request.rank == 0 and not unique_id:
                 unique_id = new_nccl_unique_id()
