@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -33,14 +34,17 @@ def test_pyproject_is_read_without_warnings(pyproject):
 
 
 def test_sdk_wheel_builds_quietly(tmp_path):
+    source = tmp_path / "sdk"  # a copy: the build leaves build/ and *.egg-info beside its input
+    shutil.copytree(ROOT / "clients" / "python", source,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT / "clients" / "python")],
+         "-w", str(tmp_path / "dist"), str(source)],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
     assert not re.search(r"warning|deprecat", output, re.IGNORECASE), output
-    assert list(tmp_path.glob("shardlm_client-*.whl"))
+    assert list((tmp_path / "dist").glob("shardlm_client-*.whl"))
 
 
 def _pip_installs(script: Path) -> list[list[str]]:
