@@ -144,7 +144,6 @@ class Tokenizer:
         self._special_ids = frozenset(special)
         byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
         self._byte_ids = frozenset(i for i in byte_ids if i is not None)
-        self._chat_template_text = chat_template
         self._template = None
         if chat_template is not None:
             try:
