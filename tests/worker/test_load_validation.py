@@ -7,7 +7,7 @@ import pytest
 from shardlm.errors import InvalidArgumentError
 from shardlm.worker.v1 import worker_pb2
 
-from worker.service import _validate_load
+from worker.service import _validate_comm, _validate_load
 
 
 def _request(world_size: int, backend: int, **comm) -> worker_pb2.LoadRequest:
@@ -18,17 +18,19 @@ def _request(world_size: int, backend: int, **comm) -> worker_pb2.LoadRequest:
 
 def test_multi_rank_load_without_a_backend_is_rejected():
     with pytest.raises(InvalidArgumentError) as err:
-        _validate_load(_request(2, worker_pb2.COMM_BACKEND_UNSPECIFIED))
+        _validate_comm(_request(2, worker_pb2.COMM_BACKEND_UNSPECIFIED))
     assert err.value.reason == "INVALID_FIELD"
     assert [v.field for v in err.value.field_violations] == ["comm.backend"]
 
 
 def test_single_rank_load_needs_no_backend():
-    assert _validate_load(_request(1, worker_pb2.COMM_BACKEND_UNSPECIFIED)).type == "cpu"
+    request = _request(1, worker_pb2.COMM_BACKEND_UNSPECIFIED)
+    assert _validate_load(request).type == "cpu"
+    _validate_comm(request)
 
 
 def test_gloo_still_needs_the_rendezvous_address():
     with pytest.raises(InvalidArgumentError) as err:
-        _validate_load(_request(2, worker_pb2.COMM_BACKEND_GLOO))
+        _validate_comm(_request(2, worker_pb2.COMM_BACKEND_GLOO))
     assert [v.field for v in err.value.field_violations] == ["comm.init_address"]
-    assert _validate_load(_request(2, worker_pb2.COMM_BACKEND_GLOO, init_address="h:1"))
+    _validate_comm(_request(2, worker_pb2.COMM_BACKEND_GLOO, init_address="h:1"))
