@@ -16,8 +16,6 @@ class OutOfBlocks(Exception):
 
     def __init__(self, needed: int, free: int) -> None:
         super().__init__(f"needs {needed} KV blocks, {free} free")
-        self.needed = needed
-        self.free = free
 
 
 @dataclass
