@@ -50,7 +50,7 @@ RUN set -eux; \
 # that torch (no build isolation).
 RUN python3 -m venv /opt/shardlm
 ENV PATH=/opt/shardlm/bin:$PATH
-RUN pip install --upgrade pip setuptools wheel ninja
+RUN pip install --upgrade pip "setuptools>=77" wheel ninja numpy
 RUN if [ -n "$TORCH_INDEX" ]; then \
       pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; \
     else \

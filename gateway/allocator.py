@@ -16,8 +16,6 @@ class OutOfBlocks(Exception):
 
     def __init__(self, needed: int, free: int) -> None:
         super().__init__(f"needs {needed} KV blocks, {free} free")
-        self.needed = needed
-        self.free = free
 
 
 @dataclass
@@ -80,8 +78,8 @@ class BlockAllocator:
         return self.extra_blocks_needed(sequence_id, tokens) <= len(self._free)
 
     # ----------------------------------------------------------------- changes
-    def grow(self, sequence_id: int, tokens: int) -> list[int]:
-        """Make the sequence able to hold `tokens` tokens; returns its whole table."""
+    def grow(self, sequence_id: int, tokens: int) -> None:
+        """Make the sequence able to hold `tokens` tokens."""
         table = self._tables.setdefault(sequence_id, BlockTable([]))
         if self.static_slot_blocks:
             if tokens > self.static_slot_blocks * self.block_size:
@@ -95,7 +93,7 @@ class BlockAllocator:
                                           (slot + 1) * self.static_slot_blocks))
                 for b in table.blocks:
                     self._refs[b] = 1
-            return list(table.blocks)
+            return
         needed = self.blocks_for(tokens) - len(table.blocks)
         if needed > len(self._free):
             if not table.blocks:
@@ -105,7 +103,6 @@ class BlockAllocator:
             block = self._free.pop()
             self._refs[block] = 1
             table.blocks.append(block)
-        return list(table.blocks)
 
     def shrink(self, sequence_id: int, tokens: int) -> None:
         """Return blocks beyond what `tokens` tokens need (unused pre-allocation)."""

@@ -50,6 +50,11 @@ class Metrics:
         self.worker_restarts = Counter("shardlm_worker_restarts_total",
                                        "Worker group restarts by the supervisor.", registry=r)
 
+    def observe_kv_cache(self, used_blocks: int, total_blocks: int) -> None:
+        """Publish the KV block gauges: when a cache is built or dropped, and after each step."""
+        self.kv_blocks_used.set(used_blocks)
+        self.kv_blocks_total.set(total_blocks)
+
     def serve_http(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 

@@ -127,7 +127,8 @@ class Runtime:
                 metadata={"tensor_parallel_size": tp_size, "workers": world})
         model_path = check_model_path(model_path, self.model_root)
         if self._load_lock.locked():
-            raise FailedPreconditionError("another Load is in progress", reason="MODEL_NOT_LOADED")
+            raise FailedPreconditionError("another Load is in progress; retry when it has finished",
+                                          reason="LOAD_IN_PROGRESS")
         async with self._load_lock:
             await self.unload(UnavailableError("the model is being replaced",
                                                reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
@@ -167,6 +168,7 @@ class Runtime:
             max_decode_steps=self.limits.max_decode_steps, max_waiting=self.limits.max_waiting,
             max_running=max_running, on_worker_failure=self._worker_failed)
         scheduler.start()
+        self.metrics.observe_kv_cache(allocator.used_blocks, allocator.num_blocks)
         return Model(complete.model, capacity, tokenizer, scheduler, sessions, allocator)
 
     def _worker_failed(self, error: ShardLMError) -> None:
@@ -183,6 +185,7 @@ class Runtime:
         if model is not None:
             await model.scheduler.stop()
             model.scheduler.fail_all(error)
+        self.metrics.observe_kv_cache(0, 0)
 
     async def replace_group(self, group: WorkerGroup) -> None:
         """Talk to a new worker group (after a restart) from now on."""

@@ -271,7 +271,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = await asyncio.to_thread(model.tokenizer.encode, request.text,
                                           add_special_tokens=special)
-        return gateway_pb2.TokenizeResponse(token_ids=ids, tokens=model.tokenizer.token_strings(ids))
+        return gateway_pb2.TokenizeResponse(token_ids=ids, tokens=model.tokenizer.token_strings(ids),
+                                            token_bytes=model.tokenizer.token_bytes(ids))
 
     async def GetModelInfo(self, request, context) -> gateway_pb2.GetModelInfoResponse:
         model = self.rt.model

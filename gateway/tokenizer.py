@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.token_bytes import TokenBytes
 
 ALLOWED_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -141,7 +144,6 @@ class Tokenizer:
         self._special_ids = frozenset(special)
         byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
         self._byte_ids = frozenset(i for i in byte_ids if i is not None)
-        self._chat_template_text = chat_template
         self._template = None
         if chat_template is not None:
             try:
@@ -238,6 +240,14 @@ class Tokenizer:
     def token_strings(self, ids: Iterable[int]) -> list[str]:
         """Vocabulary strings of `ids` ("" for ids outside the vocabulary)."""
         return [self.id_to_token(i) or "" for i in ids]
+
+    def token_bytes(self, ids: Iterable[int]) -> list[bytes]:
+        """The bytes each of `ids` stands for in decoded text (see gateway.token_bytes)."""
+        return self._token_bytes.of(ids)
+
+    @cached_property
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self._backend)
 
     def apply_chat_template(self, messages: Sequence[ChatMessage | Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str:

@@ -41,7 +41,6 @@ class WorkerPool:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.addresses = addresses
         self.channels = [grpc.aio.secure_channel(a, credentials, options) if credentials
                          else grpc.aio.insecure_channel(a, options=options) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self.channels]

@@ -16,8 +16,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
-# Build requirements first: the extension is built against the torch of this environment.
-$PIP install -q --upgrade pip setuptools wheel ninja
+# Build requirements first: the extension is built against the torch of this environment, and
+# numpy must be there before torch is imported by the build (else torch warns "Failed to
+# initialize NumPy"). setuptools 77 reads `license` as an SPDX string.
+$PIP install -q --upgrade pip "setuptools>=77" wheel ninja numpy
 $PIP install -q torch
 $PIP install -q -e ./clients/python
 $PIP install -q --no-build-isolation -e '.[test]'

@@ -74,7 +74,7 @@ class Engine:
 
     # ----------------------------------------------------------------- loading and the cache
     @staticmethod
-    def check_parallel(model_dir: str | Path, world_size: int) -> ModelConfig:
+    def check_parallel(model_dir: str | Path, world_size: int) -> None:
         """Fail fast, before any rendezvous, if the model cannot be split `world_size` ways."""
         cfg = load_config(model_dir)
         if world_size > 1:
@@ -84,7 +84,6 @@ class Engine:
                                (cfg.intermediate_size, "intermediate_size"),
                                (cfg.vocab_size, "vocab_size")):
                 check.split(size, what)
-        return cfg
 
     @classmethod
     def load(

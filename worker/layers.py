@@ -124,7 +124,7 @@ class VocabParallelEmbedding:
     """Embedding whose vocabulary rows are split over ranks; ids outside a rank's range give zero
     rows there, so the all-reduce yields each id's row exactly once."""
 
-    def __init__(self, weight: torch.Tensor, parallel: Parallel, vocab_size: int) -> None:
+    def __init__(self, weight: torch.Tensor, parallel: Parallel) -> None:
         self.weight = weight
         self.parallel = parallel
         self.start = parallel.rank * weight.shape[0]
@@ -139,7 +139,7 @@ class VocabParallelEmbedding:
             name, (vocab_size, hidden), shard_dim=0, rank=parallel.rank,
             world_size=parallel.world_size,
         )
-        return cls(weight, parallel, vocab_size)
+        return cls(weight, parallel)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:

@@ -47,8 +47,6 @@ class DecoderLayer:
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
-        inter = parallel.split(cfg.intermediate_size, "intermediate_size")
-        self.inter = inter
         hidden = cfg.hidden_size
         self.input_norm = reader.read(f"{prefix}.input_layernorm.weight", (hidden,))
         self.post_norm = reader.read(f"{prefix}.post_attention_layernorm.weight", (hidden,))

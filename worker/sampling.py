@@ -158,13 +158,6 @@ def record_outputs(ids: torch.Tensor, rows: list[SamplingRow]) -> None:
             row.history.add_output(ids[i])
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    """Choose one token per row, update the histories and return the tokens (waits on the device)."""
-    chosen = sample_on_device(logits, rows)
-    record_outputs(chosen.ids, rows)
-    return chosen.to_host().tokens(rows)
-
-
 @dataclass
 class DeviceSample:
     """The result of one sampling call, on the device until `to_host` copies it (asynchronously on a

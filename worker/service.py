@@ -50,14 +50,27 @@ def _validate_load(request: worker_pb2.LoadRequest) -> torch.device:
             violations.append(FieldViolation("device", "CUDA is not available on this worker"))
     except (RuntimeError, ValueError):
         violations.append(FieldViolation("device", "must be 'cpu', 'cuda' or 'cuda:N'"))
-    if request.world_size > 1 and request.comm.backend == worker_pb2.COMM_BACKEND_GLOO and not request.comm.init_address:
-        violations.append(FieldViolation("comm.init_address", "gloo needs rank 0's host:port"))
+    _raise_if_any(violations)
+    assert device is not None
+    return device
+
+
+def _validate_comm(request: worker_pb2.LoadRequest) -> None:
+    """How a multi-rank load joins its peers; checked after the model is known to split
+    world_size ways (a model that cannot is the more useful error)."""
+    if request.world_size <= 1:
+        return
+    if request.comm.backend not in BACKENDS:
+        _raise_if_any([FieldViolation("comm.backend", "must be GLOO or NCCL when world_size > 1")])
+    if request.comm.backend == worker_pb2.COMM_BACKEND_GLOO and not request.comm.init_address:
+        _raise_if_any([FieldViolation("comm.init_address", "gloo needs rank 0's host:port")])
+
+
+def _raise_if_any(violations: list[FieldViolation]) -> None:
     if violations:
         raise InvalidArgumentError(violations[0].description, reason="INVALID_FIELD",
                                    field_violations=violations,
                                    metadata={"field": violations[0].field})
-    assert device is not None
-    return device
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -82,12 +95,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Load(self, request, context) -> Iterator[worker_pb2.LoadResponse]:
         device = _validate_load(request)
         Engine.check_parallel(request.model_path, request.world_size)
+        _validate_comm(request)
         with self._lock:
             self._unload()
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             self._device = device
-            backend = BACKENDS.get(request.comm.backend, "nccl" if device.type == "cuda" else "gloo")
+            # world_size 1 runs without a communicator whatever the backend says.
+            backend = BACKENDS.get(request.comm.backend, "single")
             unique_id = request.comm.nccl_unique_id
             if request.world_size > 1 and backend == "nccl" and request.rank == 0 and not unique_id:
                 unique_id = new_nccl_unique_id()

@@ -24,7 +24,6 @@ from worker.sequence import Sequence
 class PendingSample:
     """A sampling queued on the device: `chosen` there, `host` its copy once `done` has fired."""
 
-    seqs: list[Sequence]
     rows: list[int]  # the step-buffer row (or logits row) of each sampled sequence
     sampling_rows: list[SamplingRow]  # empty on ranks other than 0, which do not sample
     chosen: DeviceSample
@@ -59,7 +58,7 @@ class StepSampler:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingSample(seqs, rows, sampling_rows, chosen, host, done)
+        return PendingSample(rows, sampling_rows, chosen, host, done)
 
     def collect(self, pending: PendingSample) -> list[SampledToken]:
         """Wait for a launched sampling, record it in the penalty histories, return its tokens."""

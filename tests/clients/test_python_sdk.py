@@ -158,6 +158,13 @@ def test_logprobs_tokenize_and_model_info(client, loaded):
     assert info.max_context_length > 0 and info.max_new_tokens_limit > 0 and info.server_version
 
 
+def test_tokenize_gives_each_tokens_bytes(client, loaded):
+    text = "héllo, wörld"
+    tokens = client.tokenize(text, add_special_tokens=False)
+    assert len(tokens.token_bytes) == len(tokens) == len(tokens.texts)
+    assert b"".join(tokens.token_bytes).decode() == text
+
+
 def test_chat_messages_are_accepted_as_dicts_or_dataclasses():
     request = _common.tokenize_request(
         [ChatMessage("system", "be brief"), {"role": "user", "content": "hi"}], None)

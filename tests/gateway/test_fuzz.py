@@ -80,6 +80,7 @@ REASON_CODES = {
     "PERMISSION_DENIED": {C.PERMISSION_DENIED},
     "DRAINING": {C.UNAVAILABLE},
     "INTERNAL": {C.INTERNAL},
+    "LOAD_IN_PROGRESS": {C.FAILED_PRECONDITION},
 }
 assert set(REASON_CODES) == {
     v.name.removeprefix("ERROR_REASON_") for v in common_pb2.ErrorReason.DESCRIPTOR.values

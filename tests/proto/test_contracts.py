@@ -299,6 +299,7 @@ def test_error_reasons_are_stable():
         "PERMISSION_DENIED",
         "DRAINING",
         "INTERNAL",
+        "LOAD_IN_PROGRESS",
     ]
 
 

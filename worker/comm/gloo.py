@@ -95,7 +95,6 @@ class GlooCommunicator(Communicator):
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=self.timeout_s)
-        self._address = init_address
         self._failure: str | None = None
         self._closed = False
         self._store: dist.Store | None = None

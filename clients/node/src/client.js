@@ -242,7 +242,8 @@ class ShardLMClient {
 
   /**
    * Tokenize: `input` is a string or an array of {role, content}; resolves with
-   * {tokenIds, tokens}.
+   * {tokenIds, tokens, tokenBytes}: per token its vocabulary string and the bytes (a Buffer) it
+   * stands for in decoded text.
    */
   tokenize(input, { addSpecialTokens, ...options } = {}) {
     const request = typeof input === 'string' ? { text: input } : { messages: { messages: input } };

@@ -99,6 +99,14 @@ test('gateway', live, async (t) => {
     assert.ok(info.maxNewTokensLimit >= 16);
   });
 
+  await t.test('tokenize gives each token its bytes', async () => {
+    const text = 'h\u00e9llo, w\u00f6rld';
+    const out = await client.tokenize(text, { addSpecialTokens: false });
+    assert.equal(out.tokenBytes.length, out.tokenIds.length);
+    assert.ok(out.tokenBytes.every((b) => Buffer.isBuffer(b)));
+    assert.equal(Buffer.concat(out.tokenBytes).toString('utf8'), text);
+  });
+
   await t.test('Generate streams 16 greedy tokens and a final chunk', async () => {
     const chunks = [];
     for await (const chunk of client.generate({

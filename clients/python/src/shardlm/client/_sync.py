@@ -241,10 +241,11 @@ class Client:
 
     def tokenize(self, text: str | Sequence[c.Message], *,
                  add_special_tokens: bool | None = None) -> Tokens:
-        """Token ids of text or chat messages (a `list[int]`; `.tokens` holds their strings)."""
+        """Token ids of text or chat messages (a `list[int]`; `.tokens` and `.token_bytes`
+        hold each one's vocabulary string and bytes)."""
         request = c.tokenize_request(text, add_special_tokens)
         response = self._unary(self._stub.Tokenize, request, c.Safety.IDEMPOTENT)
-        return Tokens(response.token_ids, response.tokens)
+        return Tokens(response.token_ids, response.tokens, response.token_bytes)
 
     def health(self, service: str = "") -> bool:
         """Whether the server reports SERVING over grpc.health.v1 (False before a model is

@@ -148,11 +148,20 @@ class ServerInfo:
 
 
 class Tokens(list[int]):
-    """Token ids (a plain `list[int]`) that also carry the tokenizer's string form of each id."""
+    """Token ids (a plain `list[int]`) that also carry, per id, the tokenizer's vocabulary string
+    (`tokens`, its internal form: "Ġhello", "ð") and the bytes it stands for in decoded text
+    (`token_bytes`; a character split over several tokens is split over their bytes too)."""
 
-    def __init__(self, ids: Iterable[int], tokens: Iterable[str]) -> None:
+    def __init__(self, ids: Iterable[int], tokens: Iterable[str],
+                 token_bytes: Iterable[bytes] = ()) -> None:
         super().__init__(ids)
         self.tokens: list[str] = list(tokens)
+        self.token_bytes: list[bytes] = list(token_bytes)
+
+    @property
+    def texts(self) -> list[str]:
+        """Each token's bytes as text; bytes of a character split over tokens read as U+FFFD."""
+        return [b.decode("utf-8", errors="replace") for b in self.token_bytes]
 
 
 # ---------------------------------------------------------------------------- result conversion

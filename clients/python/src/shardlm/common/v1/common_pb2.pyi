@@ -223,10 +223,14 @@ class _ErrorReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._En
     Metadata: "session_id".
     """
     ERROR_REASON_MODEL_NOT_LOADED: _ErrorReason.ValueType  # 7
-    """No model is loaded, or a load is in progress. FAILED_PRECONDITION."""
+    """No model is loaded. A Load unloads the previous model first, so requests
+    made while a Load runs fail with this too. FAILED_PRECONDITION.
+    """
     ERROR_REASON_MODEL_LOAD_FAILED: _ErrorReason.ValueType  # 8
-    """Loading failed for a reason not covered by a more specific reason.
-    FAILED_PRECONDITION. Metadata: "rank" where one rank failed.
+    """Reserved for a load failure not covered by a more specific reason; no
+    current server raises it (a load fails with CHECKPOINT_INVALID,
+    UNSUPPORTED_ARCHITECTURE, TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY,
+    KV_CACHE_FULL, PEER_FAILED or WORKER_UNAVAILABLE). FAILED_PRECONDITION.
     """
     ERROR_REASON_UNSUPPORTED_ARCHITECTURE: _ErrorReason.ValueType  # 9
     """The checkpoint's architecture is not implemented. FAILED_PRECONDITION.
@@ -265,7 +269,9 @@ class _ErrorReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._En
     ERROR_REASON_SEQUENCE_NOT_CACHED: _ErrorReason.ValueType  # 17
     """A worker was asked to extend or decode a sequence id it holds no KV state
     for. NOT_FOUND, with a ResourceInfo (resource_type "shardlm.sequence").
-    Metadata: "sequence_id".
+    Metadata: "sequence_id". Worker API only: the gateway tracks what every
+    worker holds, so it never sends such a request (a worker restart fails the
+    sequences that were running), and does not retry on this reason.
     """
     ERROR_REASON_PATH_NOT_ALLOWED: _ErrorReason.ValueType  # 18
     """model_path is outside the directories the server may load from.
@@ -283,6 +289,10 @@ class _ErrorReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._En
     """
     ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 22
     """An unexpected internal failure (a bug). INTERNAL."""
+    ERROR_REASON_LOAD_IN_PROGRESS: _ErrorReason.ValueType  # 23
+    """Another Load is running; the server serves one Load at a time.
+    FAILED_PRECONDITION: retry once that Load has finished.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The stable error reasons of ShardLM. `google.rpc.ErrorInfo.reason` is the
@@ -320,10 +330,14 @@ ERROR_REASON_SESSION_BUSY: ErrorReason.ValueType  # 6
 Metadata: "session_id".
 """
 ERROR_REASON_MODEL_NOT_LOADED: ErrorReason.ValueType  # 7
-"""No model is loaded, or a load is in progress. FAILED_PRECONDITION."""
+"""No model is loaded. A Load unloads the previous model first, so requests
+made while a Load runs fail with this too. FAILED_PRECONDITION.
+"""
 ERROR_REASON_MODEL_LOAD_FAILED: ErrorReason.ValueType  # 8
-"""Loading failed for a reason not covered by a more specific reason.
-FAILED_PRECONDITION. Metadata: "rank" where one rank failed.
+"""Reserved for a load failure not covered by a more specific reason; no
+current server raises it (a load fails with CHECKPOINT_INVALID,
+UNSUPPORTED_ARCHITECTURE, TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY,
+KV_CACHE_FULL, PEER_FAILED or WORKER_UNAVAILABLE). FAILED_PRECONDITION.
 """
 ERROR_REASON_UNSUPPORTED_ARCHITECTURE: ErrorReason.ValueType  # 9
 """The checkpoint's architecture is not implemented. FAILED_PRECONDITION.
@@ -362,7 +376,9 @@ Metadata: "rank" (the peer), "backend".
 ERROR_REASON_SEQUENCE_NOT_CACHED: ErrorReason.ValueType  # 17
 """A worker was asked to extend or decode a sequence id it holds no KV state
 for. NOT_FOUND, with a ResourceInfo (resource_type "shardlm.sequence").
-Metadata: "sequence_id".
+Metadata: "sequence_id". Worker API only: the gateway tracks what every
+worker holds, so it never sends such a request (a worker restart fails the
+sequences that were running), and does not retry on this reason.
 """
 ERROR_REASON_PATH_NOT_ALLOWED: ErrorReason.ValueType  # 18
 """model_path is outside the directories the server may load from.
@@ -380,6 +396,10 @@ RetryInfo.
 """
 ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 22
 """An unexpected internal failure (a bug). INTERNAL."""
+ERROR_REASON_LOAD_IN_PROGRESS: ErrorReason.ValueType  # 23
+"""Another Load is running; the server serves one Load at a time.
+FAILED_PRECONDITION: retry once that Load has finished.
+"""
 global___ErrorReason = ErrorReason
 
 @typing.final
@@ -660,7 +680,7 @@ global___Timings = Timings
 @typing.final
 class KvCacheConfig(google.protobuf.message.Message):
     """KV cache configuration requested at load time or on reset. Zero values mean
-    "server default".
+    "server default", except where a field says otherwise.
     """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
@@ -678,25 +698,26 @@ class KvCacheConfig(google.protobuf.message.Message):
     """Tokens per block. 0 means the default, 16."""
     memory_bytes: builtins.int
     """Memory budget for the cache in bytes, per rank. 0 means the default: on
-    GPU, derived from gpu_memory_fraction; on CPU, a server-configured size.
+    GPU, derived from gpu_memory_fraction; on CPU, 1 GiB.
     """
     gpu_memory_fraction: builtins.float
-    """Fraction of the device's total memory that weights, activations and the
-    cache may use together; the cache takes what remains after loading the
-    weights. 0 means the default, 0.9. Ignored on CPU and when memory_bytes is
-    set. Valid range [0, 1].
+    """Fraction of the device's free memory, measured after the weights are
+    loaded, that the cache takes. 0 means the default, 0.9. Ignored on CPU and
+    when memory_bytes or num_blocks is set. Valid range [0, 1).
     """
     num_blocks: builtins.int
     """Explicit number of blocks, overriding memory_bytes and
     gpu_memory_fraction. 0 means "derive from the memory budget".
     """
     static_max_sequences: builtins.int
-    """KV_CACHE_MODE_STATIC only: number of sequence slots. 0 means the default:
-    as many slots of static_max_sequence_length as the budget allows.
+    """KV_CACHE_MODE_STATIC only, and required there (0 is rejected with
+    INVALID_FIELD): number of sequence slots. The cache holds exactly this many
+    slots; memory_bytes, gpu_memory_fraction and num_blocks are ignored.
     """
     static_max_sequence_length: builtins.int
-    """KV_CACHE_MODE_STATIC only: tokens per sequence slot, rounded up to a whole
-    number of blocks. 0 means the model's maximum context length.
+    """KV_CACHE_MODE_STATIC only, and required there (0 is rejected with
+    INVALID_FIELD): tokens per sequence slot, capped at the model's maximum
+    context length and rounded up to a whole number of blocks.
     """
     def __init__(
         self,

@@ -616,14 +616,26 @@ class TokenizeResponse(google.protobuf.message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: builtins.int
     TOKENS_FIELD_NUMBER: builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: builtins.int
     @property
     def token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Token ids."""
 
     @property
     def tokens(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
-        """The tokenizer's string form of each token id (for example "▁Hello"), one
-        per token_ids entry.
+        """The tokenizer's vocabulary string of each token id, one per token_ids
+        entry: its internal form (for example "▁Hello", or "Ġhello" and "ð" for
+        byte-level BPE, whose vocabulary maps each byte to a printable glyph).
+        """
+
+    @property
+    def token_bytes(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.bytes]:
+        """The bytes each token stands for in decoded text, one per token_ids entry:
+        UTF-8, with the byte-level or "<0xNN>" byte-fallback mapping undone and a
+        sentencepiece "▁" read as a space. A character spread over several tokens
+        has its bytes spread the same way, so one entry may not be valid UTF-8 on
+        its own; the concatenation of all entries is. Special tokens give their
+        text (for example "<|endoftext|>").
         """
 
     def __init__(
@@ -631,8 +643,9 @@ class TokenizeResponse(google.protobuf.message.Message):
         *,
         token_ids: collections.abc.Iterable[builtins.int] | None = ...,
         tokens: collections.abc.Iterable[builtins.str] | None = ...,
+        token_bytes: collections.abc.Iterable[builtins.bytes] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["token_ids", b"token_ids", "tokens", b"tokens"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["token_bytes", b"token_bytes", "token_ids", b"token_ids", "tokens", b"tokens"]) -> None: ...
 
 global___TokenizeResponse = TokenizeResponse
 

@@ -59,9 +59,10 @@ class GatewayServiceServicer(object):
     def Load(self, request, context):
         """Loads a model, replacing the loaded one (all sessions are released). Streams
         progress events and ends with the model's description. Fails with
-        PATH_NOT_ALLOWED, CHECKPOINT_INVALID, UNSUPPORTED_ARCHITECTURE,
-        TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY, WORKER_UNAVAILABLE or
-        MODEL_LOAD_FAILED.
+        INVALID_FIELD, PATH_NOT_ALLOWED, CHECKPOINT_INVALID,
+        UNSUPPORTED_ARCHITECTURE, TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY,
+        KV_CACHE_FULL, PEER_FAILED or WORKER_UNAVAILABLE, and with
+        LOAD_IN_PROGRESS while another Load runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,9 +42,10 @@ class GatewayServiceStub:
     ]
     """Loads a model, replacing the loaded one (all sessions are released). Streams
     progress events and ends with the model's description. Fails with
-    PATH_NOT_ALLOWED, CHECKPOINT_INVALID, UNSUPPORTED_ARCHITECTURE,
-    TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY, WORKER_UNAVAILABLE or
-    MODEL_LOAD_FAILED.
+    INVALID_FIELD, PATH_NOT_ALLOWED, CHECKPOINT_INVALID,
+    UNSUPPORTED_ARCHITECTURE, TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY,
+    KV_CACHE_FULL, PEER_FAILED or WORKER_UNAVAILABLE, and with
+    LOAD_IN_PROGRESS while another Load runs.
     """
 
     Prefill: grpc.UnaryUnaryMultiCallable[
@@ -100,9 +101,10 @@ class GatewayServiceAsyncStub:
     ]
     """Loads a model, replacing the loaded one (all sessions are released). Streams
     progress events and ends with the model's description. Fails with
-    PATH_NOT_ALLOWED, CHECKPOINT_INVALID, UNSUPPORTED_ARCHITECTURE,
-    TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY, WORKER_UNAVAILABLE or
-    MODEL_LOAD_FAILED.
+    INVALID_FIELD, PATH_NOT_ALLOWED, CHECKPOINT_INVALID,
+    UNSUPPORTED_ARCHITECTURE, TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY,
+    KV_CACHE_FULL, PEER_FAILED or WORKER_UNAVAILABLE, and with
+    LOAD_IN_PROGRESS while another Load runs.
     """
 
     Prefill: grpc.aio.UnaryUnaryMultiCallable[
@@ -160,9 +162,10 @@ class GatewayServiceServicer(metaclass=abc.ABCMeta):
     ) -> typing.Union[collections.abc.Iterator[shardlm.gateway.v1.gateway_pb2.LoadResponse], collections.abc.AsyncIterator[shardlm.gateway.v1.gateway_pb2.LoadResponse]]:
         """Loads a model, replacing the loaded one (all sessions are released). Streams
         progress events and ends with the model's description. Fails with
-        PATH_NOT_ALLOWED, CHECKPOINT_INVALID, UNSUPPORTED_ARCHITECTURE,
-        TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY, WORKER_UNAVAILABLE or
-        MODEL_LOAD_FAILED.
+        INVALID_FIELD, PATH_NOT_ALLOWED, CHECKPOINT_INVALID,
+        UNSUPPORTED_ARCHITECTURE, TENSOR_PARALLEL_MISMATCH, OUT_OF_MEMORY,
+        KV_CACHE_FULL, PEER_FAILED or WORKER_UNAVAILABLE, and with
+        LOAD_IN_PROGRESS while another Load runs.
         """
 
     @abc.abstractmethod

@@ -42,7 +42,9 @@ class _CommBackend:
 class _CommBackendEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_CommBackend.ValueType], builtins.type):
     DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     COMM_BACKEND_UNSPECIFIED: _CommBackend.ValueType  # 0
-    """No communicator; valid only when world_size is 1."""
+    """No communicator; valid only when world_size is 1 (with world_size > 1,
+    Load fails with INVALID_FIELD on "comm.backend").
+    """
     COMM_BACKEND_GLOO: _CommBackend.ValueType  # 1
     """Gloo over TCP (CPU tensors), through torch.distributed."""
     COMM_BACKEND_NCCL: _CommBackend.ValueType  # 2
@@ -52,7 +54,9 @@ class CommBackend(_CommBackend, metaclass=_CommBackendEnumTypeWrapper):
     """Collective communication backend between ranks."""
 
 COMM_BACKEND_UNSPECIFIED: CommBackend.ValueType  # 0
-"""No communicator; valid only when world_size is 1."""
+"""No communicator; valid only when world_size is 1 (with world_size > 1,
+Load fails with INVALID_FIELD on "comm.backend").
+"""
 COMM_BACKEND_GLOO: CommBackend.ValueType  # 1
 """Gloo over TCP (CPU tensors), through torch.distributed."""
 COMM_BACKEND_NCCL: CommBackend.ValueType  # 2
@@ -82,7 +86,7 @@ class CommunicatorConfig(google.protobuf.message.Message):
     """
     timeout_seconds: builtins.float
     """Seconds to wait for all ranks to join and for each collective operation
-    before failing with PEER_FAILED. 0 means the default (300).
+    before failing with PEER_FAILED. 0 means the worker's default (60).
     """
     def __init__(
         self,
@@ -606,11 +610,11 @@ class GetInfoResponse(google.protobuf.message.Message):
     device: builtins.str
     """Device in use, for example "cuda:0" or "cpu"."""
     memory_allocated_bytes: builtins.int
-    """Device memory allocated by this process in bytes (process resident memory
-    on CPU).
+    """Device memory in use in bytes, by all processes on the device (total
+    minus free). 0 on CPU.
     """
     memory_total_bytes: builtins.int
-    """Total device memory in bytes (total host memory on CPU)."""
+    """Total device memory in bytes. 0 on CPU."""
     @property
     def model(self) -> shardlm.common.v1.common_pb2.ModelInfo:
         """The loaded model."""
