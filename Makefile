@@ -5,7 +5,7 @@ STAMP := $(VENV)/.shardlm-installed
 SOURCES := pyproject.toml setup.py clients/python/pyproject.toml scripts/install.sh \
 	$(wildcard csrc/*.h csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: install test check proto bench serve
+.PHONY: install test check proto bench serve gpu-check gpu-wheels
 
 $(STAMP): $(SOURCES)
 	bash scripts/install.sh
@@ -32,3 +32,12 @@ bench: install
 # Serve the bundled demo model, or a checkpoint folder: make serve [MODEL=/path] [ARGS="--tp 2"]
 serve: install
 	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+# GPU verification (README, "GPU verification"): make gpu-check [PART=tests|bench|all] [ARGS="--budget 0"]
+# It builds the ops itself, against the torch of $(PY) when .venv exists, else of python3.
+gpu-check:
+	bash scripts/gpu_check.sh --part $(if $(PART),$(PART),all) $(ARGS)
+
+# The wheels the GPU machine lacks, into .whl/ (git-ignored), to carry with a device call.
+gpu-wheels:
+	bash scripts/gpu_wheels.sh

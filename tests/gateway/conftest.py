@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import grpc
@@ -13,11 +14,15 @@ from gateway.runtime import Limits
 from gateway.server import start_gateway
 from worker.launcher import WorkerGroup
 
+# Where the live gateway's workers run: "cpu" unless SHARDLM_TEST_DEVICE says "cuda"
+# (scripts/gpu_check.sh runs tests/gateway/test_e2e.py that way on a GPU machine).
+TEST_DEVICE = os.environ.get("SHARDLM_TEST_DEVICE", "cpu")
+
 
 class LiveGateway:
     def __init__(self, workers: int, limits: Limits, channel_credentials=None, worker_tls=None,
                  **kwargs) -> None:
-        group = WorkerGroup.spawn(workers, tls=worker_tls)
+        group = WorkerGroup.spawn(workers, device=TEST_DEVICE, tls=worker_tls)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

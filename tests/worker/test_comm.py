@@ -642,6 +642,7 @@ def test_nccl_fake_unsigned_char_platform(fake_cupy: Callable[..., _FakeNccl]) -
 needs_nccl = pytest.mark.skipif(not HAVE_NCCL, reason="needs CUDA and CuPy with NCCL")
 
 
+@pytest.mark.cuda
 @needs_nccl
 def test_nccl_single_rank_through_cupy() -> None:
     dev = torch.device("cuda", 0)
@@ -706,6 +707,7 @@ needs_two_gpus = pytest.mark.skipif(
 )
 
 
+@pytest.mark.cuda
 @needs_two_gpus
 def test_nccl_two_ranks() -> None:
     with Group(_nccl_ops_child, 2, new_nccl_unique_id(), method="spawn") as group:
@@ -720,6 +722,7 @@ def test_nccl_two_ranks() -> None:
             assert bcast == [1.0, 1.0, 1.0], name
 
 
+@pytest.mark.cuda
 @needs_two_gpus
 def test_nccl_dead_peer_raises_within_timeout() -> None:
     with Group(_nccl_dead_peer_child, 2, new_nccl_unique_id(), method="spawn") as group:

@@ -167,6 +167,7 @@ def test_failed_graph_capture_falls_back_to_eager(engine, monkeypatch):
     assert runner.graphs is None and calls[-1] == GraphConfig(enabled=False)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("batch", [1, 3, 17])
 def test_cuda_graphs_equal_eager_token_for_token(llama_dir, batch):
@@ -180,6 +181,7 @@ def test_cuda_graphs_equal_eager_token_for_token(llama_dir, batch):
     assert replayed == eager
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_decode_matches_cpu_greedy(llama_dir):
     """Graphs, pinned staging and pipelining on a GPU against the float32 CPU engine: the

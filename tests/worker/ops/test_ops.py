@@ -21,7 +21,10 @@ DEVICES = [
     "cpu",
     pytest.param(
         "cuda",
-        marks=pytest.mark.skipif(not CUDA_OK, reason="needs a GPU and a CUDA build of worker._C"),
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not CUDA_OK, reason="needs a GPU and a CUDA build of worker._C"),
+        ],
     ),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
