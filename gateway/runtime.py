@@ -141,6 +141,7 @@ class Runtime:
             except TokenizerError as exc:
                 raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
                                               metadata={"model_path": model_path}) from None
+            complete.model.has_chat_template = tokenizer.has_chat_template  # a gateway-side fact
             self.model = self._build(complete, tokenizer, sessions)
             self.last_load = (model_path, dtype, tp_size, kv_cache)
             await self.set_serving(True)
