@@ -127,6 +127,7 @@ class Runtime:
         if self._load_lock.locked():
             raise FailedPreconditionError("another Load is in progress", reason="MODEL_NOT_LOADED")
         async with self._load_lock:
+            previous = self.model
             await self.unload(UnavailableError("the model is being replaced",
                                                reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
             loop = asyncio.get_running_loop()
@@ -134,8 +135,12 @@ class Runtime:
             def report(p: common_pb2.LoadProgress) -> None:
                 loop.call_soon_threadsafe(progress, p)
 
-            complete = await asyncio.to_thread(
-                self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
+            try:
+                complete = await asyncio.to_thread(
+                    self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
+            except ShardLMError:
+                await self._restore(previous)
+                raise
             try:
                 tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
             except TokenizerError as exc:
@@ -148,6 +153,25 @@ class Runtime:
             log.info("loaded %s (%s, tp=%d, %d KV blocks)", model_path,
                      complete.model.architecture, world, complete.capacity.num_blocks)
             return self.model
+
+    async def _restore(self, previous: Model | None) -> None:
+        """After a failed Load: when every worker still holds the previous model (the checkpoint
+        was rejected before they let it go), serve it again, on an emptied cache."""
+        if previous is None:
+            return
+        try:
+            for rank in range(self.pool.world_size):
+                info = await self.pool.info(rank)
+                if not info.loaded or info.model.model_path != previous.info.model_path:
+                    return
+            reply = await self.pool.reset(worker_pb2.ResetCacheRequest(all=True))
+        except ShardLMError:
+            return
+        self.model = self._build(worker_pb2.LoadComplete(model=previous.info,
+                                                         capacity=reply.capacity),
+                                 previous.tokenizer)
+        await self.set_serving(True)
+        log.warning("the new checkpoint was rejected; still serving %s", previous.info.model_path)
 
     def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer,
                sessions: SessionStore | None = None) -> Model:
