@@ -44,13 +44,30 @@ class GGUFTensor:
         return self.qtype not in (T.F32, T.F16, T.BF16)
 
 
+class _PlainViewReader(gguf.GGUFReader):
+    """The package's reader, slicing a plain ndarray view of its memory map: the reader takes
+    hundreds of thousands of small slices, and numpy's memmap subclass makes each several times
+    slower (same bytes, same results; tensor data stays mapped, not copied)."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1,
+             override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        dtype = np.dtype(dtype)
+        count = int(count)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
 class GGUFFile:
     """A parsed GGUF file: `metadata` (key -> Python value) and `tensors` (name -> GGUFTensor)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            reader = gguf.GGUFReader(str(path), "r")
+            reader = _PlainViewReader(str(path), "r")
         except FileNotFoundError as exc:
             raise CheckpointError(f"GGUF file '{path.name}' does not exist") from exc
         except Exception as exc:  # the reader raises ValueError, struct/numpy errors, ...
