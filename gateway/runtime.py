@@ -127,6 +127,13 @@ class Runtime:
         if self._load_lock.locked():
             raise FailedPreconditionError("another Load is in progress", reason="MODEL_NOT_LOADED")
         async with self._load_lock:
+            # The tokenizer first: a checkpoint whose tokenizer cannot be built (or a GGUF file
+            # whose header is corrupt) is refused before the running model is let go.
+            try:
+                tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
+            except TokenizerError as exc:
+                raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
+                                              metadata={"model_path": model_path}) from None
             previous = self.model
             await self.unload(UnavailableError("the model is being replaced",
                                                reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
@@ -141,11 +148,6 @@ class Runtime:
             except ShardLMError:
                 await self._restore(previous)
                 raise
-            try:
-                tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
-            except TokenizerError as exc:
-                raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
-                                              metadata={"model_path": model_path}) from None
             complete.model.has_chat_template = tokenizer.has_chat_template  # a gateway-side fact
             self.model = self._build(complete, tokenizer, sessions)
             self.last_load = (model_path, dtype, tp_size, kv_cache)

@@ -41,6 +41,7 @@ class GGUFSpec:
     types: dict[str, gguf.GGMLQuantizationType] = field(default_factory=dict)
     default_type: gguf.GGMLQuantizationType = T.F32
     pre_tokenizer: str = "default"
+    tokenizer: str = "gpt2"  # tokenizer.ggml.model
     seed: int = 0
 
     @property
@@ -114,7 +115,7 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_layer_norm_rms_eps(spec.eps)
     writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(spec.tokenizer)
     writer.add_tokenizer_pre(spec.pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
@@ -168,3 +169,26 @@ def every_type_once(spec: GGUFSpec, types: list[gguf.GGMLQuantizationType],
         names.append("output.weight")
     spec.types = {n: types[(i + offset) % len(types)] for i, n in enumerate(names)}
     return spec
+
+
+def copy_with_iq4_nl(src: Path, dst: Path, tensor: str) -> None:
+    """Copy the GGUF file `src` to `dst` with `tensor` (a 2-D tensor) stored as IQ4_NL, a type
+    ShardLM does not support (32 weights in 18 bytes; zeros suffice)."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for f in reader.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if array else None)
+    for t in reader.tensors:
+        if t.name == tensor:
+            rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+            writer.add_tensor(t.name, np.zeros((rows, cols // 32 * 18), np.uint8),
+                              raw_dtype=T.IQ4_NL)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type
+                              if t.tensor_type not in (T.F32, T.F16) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -17,7 +17,7 @@ from gateway.default_model import DefaultModelMissing, default_model_path
 from gateway.runtime import Limits
 from gateway.tokenizer import Tokenizer
 from tests.gateway.conftest import LiveGateway
-from tests.gguf_files import GGUFSpec, T, write_gguf
+from tests.gguf_files import GGUFSpec, T, copy_with_iq4_nl, write_gguf
 from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from worker.kv_cache import CacheConfig
 
@@ -117,17 +117,12 @@ def _bad_files(folder):
     data = good.read_bytes()
     (folder / "truncated.gguf").write_bytes(data[: len(data) - 4096])
     (folder / "corrupt.gguf").write_bytes(b"GGUX" + data[4:])
-    import gguf
-
-    writer = gguf.GGUFWriter(str(folder / "unknown-arch.gguf"), "mamba")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(folder / "mamba.gguf", GGUFSpec("mamba", layers=1))
+    copy_with_iq4_nl(good, folder / "iq4_nl.gguf", "blk.0.ffn_up.weight")
+    write_gguf(folder / "bert-tokenizer.gguf", GGUFSpec("llama", layers=1, tokenizer="bert"))
     return {"truncated.gguf": "CHECKPOINT_INVALID", "corrupt.gguf": "CHECKPOINT_INVALID",
-            "unknown-arch.gguf": "UNSUPPORTED_ARCHITECTURE"}
+            "mamba.gguf": "UNSUPPORTED_ARCHITECTURE", "iq4_nl.gguf": "CHECKPOINT_INVALID",
+            "bert-tokenizer.gguf": "CHECKPOINT_INVALID"}
 
 
 def test_a_bad_file_is_refused_and_the_model_keeps_serving(live, path, tmp_path):

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gguf_files import QUANTIZABLE, GGUFSpec, T, every_type_once, write_gguf
+from tests.gguf_files import (
+    QUANTIZABLE,
+    GGUFSpec,
+    T,
+    copy_with_iq4_nl,
+    every_type_once,
+    write_gguf,
+)
 from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from worker.errors import CheckpointError, UnsupportedArchitectureError
 from worker.gguf.file import SUPPORTED_TYPES
@@ -176,41 +183,13 @@ def test_corrupt_file_is_a_checkpoint_error(good_file, tmp_path):
 
 
 def test_unknown_architecture_is_named(tmp_path):
-    import gguf
-
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(tmp_path / "m.gguf", GGUFSpec("mamba", layers=1))
     with pytest.raises(UnsupportedArchitectureError, match="'mamba' is not supported"):
         load_checkpoint_config(tmp_path / "m.gguf")
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    import gguf
-
-    spec = GGUFSpec("llama", layers=1)
-    write_gguf(tmp_path / "ok.gguf", spec)
-    src = gguf.GGUFReader(str(tmp_path / "ok.gguf"))
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    for field in src.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            writer.add_key_value(field.name, field.contents(), field.types[0],
-                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
-                                 else None)
-    for t in src.tensors:
-        if t.name == "blk.0.ffn_up.weight":  # IQ4_NL: 32 weights in 18 bytes
-            rows, cols = spec.intermediate, spec.hidden
-            writer.add_tensor(t.name, np.zeros((rows, cols // 32 * 18), np.uint8),
-                              raw_dtype=T.IQ4_NL)
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(tmp_path / "ok.gguf", GGUFSpec("llama", layers=1))
+    copy_with_iq4_nl(tmp_path / "ok.gguf", tmp_path / "m.gguf", "blk.0.ffn_up.weight")
     with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight.*IQ4_NL"):
         load_checkpoint_config(tmp_path / "m.gguf")
