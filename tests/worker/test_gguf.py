@@ -193,3 +193,16 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     copy_with_iq4_nl(tmp_path / "ok.gguf", tmp_path / "m.gguf", "blk.0.ffn_up.weight")
     with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight.*IQ4_NL"):
         load_checkpoint_config(tmp_path / "m.gguf")
+
+
+def test_a_safetensors_checkpoint_reports_its_format_and_dtypes(llama_dir):
+    from shardlm.common.v1 import common_pb2
+
+    from worker.convert import model_info_to_proto
+
+    engine = Engine.load(llama_dir, dtype="float32",
+                         cache_config=CacheConfig(block_size=16, num_blocks=8))
+    info = model_info_to_proto(engine)
+    assert engine.source.format == "safetensors"
+    assert info.format == common_pb2.CHECKPOINT_FORMAT_SAFETENSORS
+    assert list(info.tensor_types) == ["F32"]
