@@ -81,7 +81,7 @@ def _client_parsers(sub) -> None:
     c = sub.add_parser("chat", help="an interactive multi-turn session (one turn per line)")
     _sampling_flags(c)
     ld = sub.add_parser("load", help="load a model into a running gateway, with progress")
-    ld.add_argument("model_path")
+    ld.add_argument("model_path", help="a Hugging Face checkpoint folder or a .gguf file")
     ld.add_argument("--address", default="127.0.0.1:50051")
     ld.add_argument("--auth-token", help="bearer token with the admin scope")
     ld.add_argument("--dtype", choices=DTYPES)
