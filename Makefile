@@ -29,7 +29,7 @@ proto: install
 bench: install
 	$(PY) -m bench.run --device $(if $(DEVICE),$(DEVICE),cpu)
 
-# Serve the bundled demo model, or a checkpoint folder: make serve [MODEL=/path] [ARGS="--tp 2"]
+# Serve the default model (SmolLM2-135M-Instruct), or a checkpoint: make serve [MODEL=/path] [ARGS="--tp 2"]
 serve: install
 	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
 

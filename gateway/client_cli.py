@@ -73,8 +73,9 @@ def load(args: argparse.Namespace, client: Client) -> None:
     info = client.load(args.model_path, dtype=args.dtype, progress=bar)
     sys.stderr.write("\n")
     kv = f"; {info.kv_cache.num_blocks} KV blocks" if info.kv_cache else ""
+    source = f"{info.format} {'/'.join(info.tensor_types)}".strip()
     print(f"loaded {info.architecture} ({info.num_layers} layers, vocab {info.vocab_size}, "
-          f"tp {info.tensor_parallel_size}){kv}")
+          f"tp {info.tensor_parallel_size}; {source} served as {info.dtype}){kv}")
 
 
 def run_client(args: argparse.Namespace) -> int:

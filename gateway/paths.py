@@ -18,7 +18,8 @@ from gateway.validation import clip
 
 MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
                        "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
-                       "chat_template.jinja", "*.safetensors", "model.safetensors.index.json")
+                       "chat_template.jinja", "*.safetensors", "model.safetensors.index.json",
+                       "*.gguf")
 
 
 def _shown(model_path: str) -> str:
@@ -36,7 +37,8 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def check_model_path(model_path: str, root: str | None) -> str:
-    """The resolved folder to load, or a PERMISSION_DENIED / NOT_FOUND error."""
+    """The resolved checkpoint to load (a folder, or a .gguf file), or a PERMISSION_DENIED /
+    NOT_FOUND / FAILED_PRECONDITION error."""
     try:
         return _check(model_path, root)
     except OSError as exc:  # e.g. a name too long for the file system
@@ -67,8 +69,11 @@ def _check(model_path: str, root: str | None) -> str:
         raise NotFoundError(f"model_path '{_shown(model_path)}' does not exist",
                             reason="CHECKPOINT_INVALID", metadata={"model_path": _shown(model_path)},
                             resource=("shardlm.model", _shown(model_path)))
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        return str(folder)
     if not folder.is_dir():
-        raise FailedPreconditionError(f"model_path '{_shown(model_path)}' is not a folder",
+        raise FailedPreconditionError(f"model_path '{_shown(model_path)}' is neither a checkpoint "
+                                      "folder nor a .gguf file",
                                       reason="CHECKPOINT_INVALID",
                                       metadata={"model_path": _shown(model_path)})
     return str(folder)

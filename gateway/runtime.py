@@ -130,6 +130,14 @@ class Runtime:
             raise FailedPreconditionError("another Load is in progress; retry when it has finished",
                                           reason="LOAD_IN_PROGRESS")
         async with self._load_lock:
+            # The tokenizer first: a checkpoint whose tokenizer cannot be built (or a GGUF file
+            # whose header is corrupt) is refused before the running model is let go.
+            try:
+                tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
+            except TokenizerError as exc:
+                raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
+                                              metadata={"model_path": model_path}) from None
+            previous = self.model
             await self.unload(UnavailableError("the model is being replaced",
                                                reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
             loop = asyncio.get_running_loop()
@@ -137,19 +145,38 @@ class Runtime:
             def report(p: common_pb2.LoadProgress) -> None:
                 loop.call_soon_threadsafe(progress, p)
 
-            complete = await asyncio.to_thread(
-                self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
             try:
-                tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
-            except TokenizerError as exc:
-                raise FailedPreconditionError(str(exc), reason="CHECKPOINT_INVALID",
-                                              metadata={"model_path": model_path}) from None
+                complete = await asyncio.to_thread(
+                    self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
+            except ShardLMError:
+                await self._restore(previous)
+                raise
+            complete.model.has_chat_template = tokenizer.has_chat_template  # a gateway-side fact
             self.model = self._build(complete, tokenizer, sessions)
             self.last_load = (model_path, dtype, tp_size, kv_cache)
             await self.set_serving(True)
             log.info("loaded %s (%s, tp=%d, %d KV blocks)", model_path,
                      complete.model.architecture, world, complete.capacity.num_blocks)
             return self.model
+
+    async def _restore(self, previous: Model | None) -> None:
+        """After a failed Load: when every worker still holds the previous model (the checkpoint
+        was rejected before they let it go), serve it again, on an emptied cache."""
+        if previous is None:
+            return
+        try:
+            for rank in range(self.pool.world_size):
+                info = await self.pool.info(rank)
+                if not info.loaded or info.model.model_path != previous.info.model_path:
+                    return
+            reply = await self.pool.reset(worker_pb2.ResetCacheRequest(all=True))
+        except ShardLMError:
+            return
+        self.model = self._build(worker_pb2.LoadComplete(model=previous.info,
+                                                         capacity=reply.capacity),
+                                 previous.tokenizer)
+        await self.set_serving(True)
+        log.warning("the new checkpoint was rejected; still serving %s", previous.info.model_path)
 
     def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer,
                sessions: SessionStore | None = None) -> Model:

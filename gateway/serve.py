@@ -11,14 +11,13 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 
 from gateway.auth import load_tokens
+from gateway.default_model import DefaultModelMissing, default_model_path
 from gateway.runtime import Limits
 from gateway.server import server_credentials, start_gateway
 from gateway.supervisor import Supervisor
 from worker.launcher import WorkerGroup, WorkerTLS
 
 log = logging.getLogger("shardlm.serve")
-# The demo model trained by scripts/train_demo_model.py, served when no --model is given.
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "shakespeare-tiny"
 DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
                "float16": common_pb2.DTYPE_FLOAT16}
 
@@ -52,9 +51,13 @@ def _start_workers(s: dict) -> WorkerGroup:
 async def serve(s: dict) -> int:
     from gateway.cli import install_stop_handlers
 
-    if not s["model"] and not s["no_model"] and (BUNDLED_MODEL / "config.json").exists():
-        s["model"] = str(BUNDLED_MODEL)
-        print(f"no --model given: serving the bundled demo model {BUNDLED_MODEL.name}", flush=True)
+    if not s["model"] and not s["no_model"]:
+        try:
+            s["model"] = str(default_model_path())
+        except DefaultModelMissing as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"no --model given: serving the default model {Path(s['model']).name}", flush=True)
 
     try:
         group = await asyncio.to_thread(_start_workers, s)

@@ -1,6 +1,7 @@
 """A checkpoint's tokenizer: tokenizer.json through the `tokenizers` library, plus the bits of
 tokenizer_config.json, generation_config.json and config.json that serving needs (BOS/EOS policy,
-stop ids, the jinja2 chat template)."""
+stop ids, the jinja2 chat template). A GGUF checkpoint's comes from its metadata
+(`gateway.gguf_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -153,6 +154,12 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> Tokenizer:
+        """The tokenizer of a Hugging Face folder, or of a GGUF file (or a folder holding one)."""
+        from gateway.gguf_tokenizer import find_gguf_file, load_gguf_tokenizer
+
+        gguf_file = find_gguf_file(folder)
+        if gguf_file is not None:
+            return load_gguf_tokenizer(gguf_file)
         root = Path(folder)
         path = root / "tokenizer.json"
         if not path.is_file():

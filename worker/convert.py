@@ -32,6 +32,8 @@ FINISH_ENUMS = {
     FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
     FinishReason.CONTEXT_LENGTH: common_pb2.FINISH_REASON_CONTEXT_LENGTH,
 }
+FORMAT_ENUMS = {"safetensors": common_pb2.CHECKPOINT_FORMAT_SAFETENSORS,
+                "gguf": common_pb2.CHECKPOINT_FORMAT_GGUF}
 MODE_ENUMS = {CacheMode.PAGED: common_pb2.KV_CACHE_MODE_PAGED,
               CacheMode.STATIC: common_pb2.KV_CACHE_MODE_STATIC}
 
@@ -85,6 +87,8 @@ def model_info_to_proto(engine: Engine) -> common_pb2.ModelInfo:
         head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings, dtype=DTYPE_ENUMS[engine.dtype],
         eos_token_ids=list(engine.eos_token_ids), tensor_parallel_size=engine.comm.world_size,
+        format=FORMAT_ENUMS.get(engine.source.format, common_pb2.CHECKPOINT_FORMAT_UNSPECIFIED),
+        tensor_types=list(engine.source.tensor_types),
     )
     if cfg.bos_token_id is not None:
         info.bos_token_id = cfg.bos_token_id

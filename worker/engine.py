@@ -19,13 +19,13 @@ import torch
 
 from worker.batch import build_prefill_batch, slot_of
 from worker.comm import Communicator, SingleRankCommunicator
-from worker.config import ModelConfig, load_config
+from worker.config import ModelConfig
 from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
 from worker.eos import checkpoint_eos_ids
 from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from worker.layers import Parallel
-from worker.loader import CheckpointReader
+from worker.loader import CheckpointSource, load_checkpoint_config, open_checkpoint
 from worker.model import TransformerModel, tap_names
 from worker.sampling import (
     SampledToken,
@@ -57,6 +57,7 @@ class Engine:
         dtype: torch.dtype,
         eos_token_ids: tuple[int, ...],
         graph_config: GraphConfig | None = None,
+        source: CheckpointSource | None = None,
     ) -> None:
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -64,6 +65,7 @@ class Engine:
         self.device = model.device
         self.dtype = dtype
         self.model_dir = model_dir
+        self.source = source or CheckpointSource("safetensors", ())
         self.eos_token_ids = eos_token_ids  # reported in ModelInfo; see the module docstring
         self.sequences: dict[int, Sequence] = {}
         self.graph_config = graph_config or GraphConfig.from_env()
@@ -76,7 +78,7 @@ class Engine:
     @staticmethod
     def check_parallel(model_dir: str | Path, world_size: int) -> None:
         """Fail fast, before any rendezvous, if the model cannot be split `world_size` ways."""
-        cfg = load_config(model_dir)
+        cfg = load_checkpoint_config(model_dir)
         if world_size > 1:
             check = Parallel(_SizeOnly(world_size))
             for size, what in ((cfg.num_heads, "num_attention_heads"),
@@ -99,14 +101,16 @@ class Engine:
     ) -> Engine:
         model_dir = Path(model_dir)
         device = torch.device(device)
-        cfg = load_config(model_dir)
+        cfg = load_checkpoint_config(model_dir)
         torch_dtype = _resolve_dtype(dtype, cfg, device)
         comm = comm or SingleRankCommunicator()
         parallel = Parallel(comm)
-        with CheckpointReader(model_dir, device, torch_dtype) as reader:
+        with open_checkpoint(model_dir, device, torch_dtype) as reader:
             model = TransformerModel(cfg, parallel, reader, device, progress)
+            source = CheckpointSource(reader.format, tuple(reader.tensor_types))
         eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)
-        return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos, graph_config)
+        return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos, graph_config,
+                   source)
 
     def _allocate(self, config: CacheConfig) -> KVCache:
         return KVCache(

@@ -1,139 +1,104 @@
-"""Lazy, shard-aware reading of safetensors checkpoints.
+"""The one interface the model loads its weights through, and the choice of reader.
 
-A rank opens every file once and reads only the slices it owns (`get_slice`), so a tensor-parallel
-rank never materialises another rank's weights. Every tensor the model asks for is recorded, so at
-the end `check_all_consumed` can name tensors the model did not expect.
+Two readers implement `CheckpointReader`: `SafetensorsReader` (a Hugging Face folder) and
+`GGUFCheckpointReader` (a llama.cpp GGUF file). Both serve tensors under ShardLM's names (the
+Hugging Face ones) and layout, a tensor-parallel rank's slice at a time, so the model never sees
+which format it came from. A block-quantized tensor can also be taken as its packed blocks
+(`read_packed`), for a layer that keeps weights quantized.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from safetensors import safe_open
 
-from worker.errors import CheckpointError
-
-# Buffers some exporters write that carry no weights the engine needs (it recomputes them).
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+from worker.config import ModelConfig, load_config
 
 
-class CheckpointReader:
-    """Maps tensor names to the safetensors file holding them and reads (slices of) them."""
+@dataclass(frozen=True)
+class PackedTensor:
+    """A block-quantized tensor (slice): `blocks` is [rows, bytes per row] uint8 in the GGML
+    layout of `qtype` (its GGML type name, e.g. "Q4_K"); `shape` is the logical [rows, cols]."""
 
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
-        self.model_dir = Path(model_dir)
-        self.device = device
-        self.dtype = dtype
-        self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
-        self._where: dict[str, str] = self._index()
-        self._consumed: set[str] = set()
+    qtype: str
+    blocks: torch.Tensor
+    shape: tuple[int, int]
 
-    def _index(self) -> dict[str, str]:
-        index_path = self.model_dir / "model.safetensors.index.json"
-        if index_path.exists():
-            try:
-                weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"model.safetensors.index.json is unreadable: {exc}") from exc
-            if not isinstance(weight_map, dict):
-                raise CheckpointError("model.safetensors.index.json: weight_map must be an object")
-            return {str(k): str(v) for k, v in weight_map.items()}
-        files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
-        if not files:
-            if any(self.model_dir.glob("*.bin")) or any(self.model_dir.glob("*.pt")):
-                raise CheckpointError(
-                    "only pickle checkpoints (*.bin/*.pt) found; ShardLM loads safetensors only"
-                )
-            raise CheckpointError(f"no *.safetensors files in '{self.model_dir}'")
-        where: dict[str, str] = {}
-        for name in files:
-            for key in self._open(name).keys():
-                where[key] = name
-        return where
 
-    def _open(self, filename: str):
-        handle = self._handles.get(filename)
-        if handle is None:
-            path = self.model_dir / filename
-            if Path(filename).name != filename:
-                raise CheckpointError(f"weight file name '{filename}' must not contain a path")
-            try:
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except FileNotFoundError as exc:
-                raise CheckpointError(f"weight file '{filename}' is missing") from exc
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise CheckpointError(f"weight file '{filename}' is unreadable: {exc}") from exc
-            self._handles[filename] = handle
-        return handle
+@dataclass(frozen=True)
+class CheckpointSource:
+    """Where the served weights came from, as model information reports it."""
 
-    def has(self, name: str) -> bool:
-        return name in self._where
+    format: str
+    tensor_types: tuple[str, ...]
 
-    def shape(self, name: str) -> list[int]:
-        return list(self._slice(name).get_shape())
 
-    def _slice(self, name: str):
-        if name not in self._where:
-            raise CheckpointError(f"checkpoint lacks tensor '{name}'", tensor=name)
-        return self._open(self._where[name]).get_slice(name)
+class CheckpointReader(Protocol):
+    """Reads named tensors (slices of them) in ShardLM's naming and layout."""
 
-    def read(
-        self,
-        name: str,
-        expected_shape: tuple[int, ...],
-        *,
-        shard_dim: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> torch.Tensor:
-        """Read `name` (its `rank`-th of `world_size` slices along `shard_dim`), checked and cast.
+    format: str  # "safetensors" or "gguf"
 
-        `expected_shape` is the full, unsharded shape the config implies; a mismatch is a clear
-        error rather than a silent broadcast later.
-        """
-        view = self._slice(name)
-        shape = tuple(view.get_shape())
-        if shape != tuple(expected_shape):
-            raise CheckpointError(
-                f"tensor '{name}' has shape {list(shape)}, config implies {list(expected_shape)}",
-                tensor=name,
-            )
-        self._consumed.add(name)
-        try:
-            if shard_dim is None or world_size == 1:
-                tensor = view[:]
-            else:
-                size = shape[shard_dim] // world_size
-                index = [slice(None)] * len(shape)
-                index[shard_dim] = slice(rank * size, (rank + 1) * size)
-                tensor = view[tuple(index)]
-        except Exception as exc:
-            raise CheckpointError(f"tensor '{name}' could not be read: {exc}", tensor=name) from exc
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+    @property
+    def tensor_types(self) -> list[str]:
+        """The stored tensor types, most frequent first (e.g. ["Q4_1", "F32"] or ["BF16"])."""
+        ...
 
-    def check_all_consumed(self, optional: Callable[[str], bool] = lambda _name: False) -> None:
-        leftover = sorted(
-            n
-            for n in self._where
-            if n not in self._consumed and not n.endswith(IGNORED_SUFFIXES) and not optional(n)
-        )
-        if leftover:
-            shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
-            raise CheckpointError(
-                f"checkpoint has {len(leftover)} unexpected tensor(s): {shown}", tensor=leftover[0]
-            )
+    def has(self, name: str) -> bool: ...
 
-    def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
+    def read(self, name: str, expected_shape: tuple[int, ...], *, shard_dim: int | None = None,
+             rank: int = 0, world_size: int = 1) -> torch.Tensor:
+        """`name`'s `rank`-th of `world_size` slices along `shard_dim`, in the serving dtype.
+        `expected_shape` is the full shape the config implies; a mismatch is a CheckpointError."""
+        ...
 
-    def __enter__(self) -> CheckpointReader:
-        return self
+    def read_packed(self, name: str, expected_shape: tuple[int, ...], *,
+                    shard_dim: int | None = None, rank: int = 0,
+                    world_size: int = 1) -> PackedTensor | None:
+        """The same slice as packed blocks, or None when the tensor is not block-quantized."""
+        ...
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def check_all_consumed(self, optional: Callable[[str], bool] = ...) -> None: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> CheckpointReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def _gguf_path(path: str | Path) -> Path | None:
+    from worker.gguf.file import find_gguf
+
+    return find_gguf(path)
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """"gguf" for a .gguf file or a folder holding one (and no config.json), else "safetensors"."""
+    return "gguf" if _gguf_path(path) is not None else "safetensors"
+
+
+def load_checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model configuration of the checkpoint at `path`, whichever its format."""
+    gguf_path = _gguf_path(path)
+    if gguf_path is None:
+        return load_config(path)
+    from worker.gguf.config import gguf_config
+    from worker.gguf.file import open_gguf
+
+    return gguf_config(open_gguf(gguf_path))
+
+
+def open_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) -> CheckpointReader:
+    """The reader for the checkpoint at `path` (a Hugging Face folder or a GGUF file)."""
+    gguf_path = _gguf_path(path)
+    if gguf_path is None:
+        from worker.safetensors_reader import SafetensorsReader
+
+        return SafetensorsReader(path, device, dtype)
+    from worker.gguf.reader import GGUFCheckpointReader
+
+    return GGUFCheckpointReader(gguf_path, device, dtype)

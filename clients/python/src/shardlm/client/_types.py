@@ -134,6 +134,9 @@ class ModelInfo:
     tensor_parallel_size: int
     kv_cache: KvCache | None
     raw: common_pb2.ModelInfo
+    format: str = ""  # "safetensors" or "gguf"
+    tensor_types: list[str] = field(default_factory=list)  # stored types, e.g. ["Q4_1", "F32"]
+    has_chat_template: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,9 @@ def model_info_of(pb: common_pb2.ModelInfo,
         dtype=_enum_name(common_pb2.Dtype, "DTYPE_", pb.dtype),
         eos_token_ids=list(pb.eos_token_ids),
         bos_token_id=pb.bos_token_id if pb.HasField("bos_token_id") else None,
-        tensor_parallel_size=pb.tensor_parallel_size, kv_cache=cache, raw=pb)
+        tensor_parallel_size=pb.tensor_parallel_size, kv_cache=cache, raw=pb,
+        format=_enum_name(common_pb2.CheckpointFormat, "CHECKPOINT_FORMAT_", pb.format),
+        tensor_types=list(pb.tensor_types), has_chat_template=pb.has_chat_template)
 
 
 def server_info_of(pb: gateway_pb2.GetModelInfoResponse) -> ServerInfo:

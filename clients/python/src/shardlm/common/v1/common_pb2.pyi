@@ -189,6 +189,30 @@ run of blocks of static_max_sequence_length tokens.
 """
 global___KvCacheMode = KvCacheMode
 
+class _CheckpointFormat:
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
+
+class _CheckpointFormatEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_CheckpointFormat.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
+    CHECKPOINT_FORMAT_UNSPECIFIED: _CheckpointFormat.ValueType  # 0
+    """Not reported."""
+    CHECKPOINT_FORMAT_SAFETENSORS: _CheckpointFormat.ValueType  # 1
+    """A Hugging Face folder: config.json and *.safetensors."""
+    CHECKPOINT_FORMAT_GGUF: _CheckpointFormat.ValueType  # 2
+    """A llama.cpp GGUF file."""
+
+class CheckpointFormat(_CheckpointFormat, metaclass=_CheckpointFormatEnumTypeWrapper):
+    """File format of a model checkpoint."""
+
+CHECKPOINT_FORMAT_UNSPECIFIED: CheckpointFormat.ValueType  # 0
+"""Not reported."""
+CHECKPOINT_FORMAT_SAFETENSORS: CheckpointFormat.ValueType  # 1
+"""A Hugging Face folder: config.json and *.safetensors."""
+CHECKPOINT_FORMAT_GGUF: CheckpointFormat.ValueType  # 2
+"""A llama.cpp GGUF file."""
+global___CheckpointFormat = CheckpointFormat
+
 class _ErrorReason:
     ValueType = typing.NewType("ValueType", builtins.int)
     V: typing_extensions.TypeAlias = ValueType
@@ -794,12 +818,18 @@ class ModelInfo(google.protobuf.message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: builtins.int
     BOS_TOKEN_ID_FIELD_NUMBER: builtins.int
+    FORMAT_FIELD_NUMBER: builtins.int
+    TENSOR_TYPES_FIELD_NUMBER: builtins.int
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: builtins.int
     architecture: builtins.str
-    """Model architecture class name from the checkpoint's config.json, for
-    example "LlamaForCausalLM".
+    """Model architecture class name, for example "LlamaForCausalLM" (from the
+    checkpoint's config.json, or mapped from a GGUF file's
+    general.architecture).
     """
     model_path: builtins.str
-    """Path of the checkpoint directory the model was loaded from."""
+    """Path of the checkpoint the model was loaded from: a Hugging Face folder,
+    or a GGUF file.
+    """
     vocab_size: builtins.int
     """Number of token ids (rows of the embedding matrix)."""
     hidden_size: builtins.int
@@ -817,18 +847,35 @@ class ModelInfo(google.protobuf.message.Message):
     intermediate_size: builtins.int
     """Width of the MLP's intermediate layer, over all ranks."""
     max_position_embeddings: builtins.int
-    """Maximum context length the model was trained for."""
+    """Maximum context length the model was trained for (a GGUF file's
+    <architecture>.context_length).
+    """
     dtype: global___Dtype.ValueType
-    """Type of the loaded weights and KV cache."""
+    """Type the weights are served in and of the KV cache (block-quantized GGUF
+    tensors are dequantized to it at load).
+    """
     tensor_parallel_size: builtins.int
     """Number of ranks the model is sharded over (1 without tensor parallelism)."""
     bos_token_id: builtins.int
     """Beginning-of-sequence token id, if the model has one."""
+    format: global___CheckpointFormat.ValueType
+    """Format of the checkpoint the weights were read from."""
+    has_chat_template: builtins.bool
+    """Whether the model's tokenizer has a chat template (otherwise chat
+    messages are rendered as plain "role: content" lines).
+    """
     @property
     def eos_token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Token ids that end a sequence (FINISH_REASON_EOS): gathered once by the
         workers from the checkpoint (config.json, generation_config.json and the
         tokenizer's eos_token). The only EOS set the server uses.
+        """
+
+    @property
+    def tensor_types(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
+        """The stored types of the checkpoint's tensors, most frequent first: GGML
+        type names for GGUF ("Q4_1", "Q8_0", "F32", ...), safetensors dtype names
+        ("BF16", "F32", ...) otherwise.
         """
 
     def __init__(
@@ -848,9 +895,12 @@ class ModelInfo(google.protobuf.message.Message):
         eos_token_ids: collections.abc.Iterable[builtins.int] | None = ...,
         tensor_parallel_size: builtins.int = ...,
         bos_token_id: builtins.int | None = ...,
+        format: global___CheckpointFormat.ValueType = ...,
+        tensor_types: collections.abc.Iterable[builtins.str] | None = ...,
+        has_chat_template: builtins.bool = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["_bos_token_id", b"_bos_token_id", "architecture", b"architecture", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "intermediate_size", b"intermediate_size", "max_position_embeddings", b"max_position_embeddings", "model_path", b"model_path", "num_attention_heads", b"num_attention_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["_bos_token_id", b"_bos_token_id", "architecture", b"architecture", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "format", b"format", "has_chat_template", b"has_chat_template", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "intermediate_size", b"intermediate_size", "max_position_embeddings", b"max_position_embeddings", "model_path", b"model_path", "num_attention_heads", b"num_attention_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tensor_parallel_size", b"tensor_parallel_size", "tensor_types", b"tensor_types", "vocab_size", b"vocab_size"]) -> None: ...
     def WhichOneof(self, oneof_group: typing.Literal["_bos_token_id", b"_bos_token_id"]) -> typing.Literal["bos_token_id"] | None: ...
 
 global___ModelInfo = ModelInfo

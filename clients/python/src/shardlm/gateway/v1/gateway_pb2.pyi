@@ -39,9 +39,10 @@ class LoadRequest(google.protobuf.message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: builtins.int
     KV_CACHE_FIELD_NUMBER: builtins.int
     model_path: builtins.str
-    """Checkpoint directory on the server (Hugging Face layout: config.json,
-    tokenizer files, *.safetensors). Must lie under one of the server's allowed
-    model directories.
+    """Checkpoint on the server: a directory in Hugging Face layout (config.json,
+    tokenizer files, *.safetensors), or a GGUF file (or a directory holding
+    exactly one). Must lie under one of the server's allowed model
+    directories.
     """
     dtype: shardlm.common.v1.common_pb2.Dtype.ValueType
     """Type of the weights and KV cache; unset means the server default."""

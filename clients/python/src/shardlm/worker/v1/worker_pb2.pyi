@@ -114,7 +114,9 @@ class LoadRequest(google.protobuf.message.Message):
     COMM_FIELD_NUMBER: builtins.int
     KV_CACHE_FIELD_NUMBER: builtins.int
     model_path: builtins.str
-    """Checkpoint directory (Hugging Face layout) on this worker's filesystem."""
+    """Checkpoint on this worker's filesystem: a Hugging Face directory, or a
+    GGUF file (or a directory holding exactly one).
+    """
     dtype: shardlm.common.v1.common_pb2.Dtype.ValueType
     """Type of the weights and KV cache; unset means the worker default for the
     device.

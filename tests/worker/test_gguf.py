@@ -1,0 +1,208 @@
+"""GGUF checkpoints in the engine: small files written here with every supported tensor type, both
+architectures, tied and untied heads and llama.cpp's Q/K permutation, checked against transformers
+loading the same file (`gguf_file=`); slicing, and the errors for files ShardLM cannot serve."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gguf_files import (
+    QUANTIZABLE,
+    GGUFSpec,
+    T,
+    copy_with_iq4_nl,
+    every_type_once,
+    write_gguf,
+)
+from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from worker.errors import CheckpointError, UnsupportedArchitectureError
+from worker.gguf.file import SUPPORTED_TYPES
+from worker.gguf.reader import GGUFCheckpointReader
+from worker.kv_cache import CacheConfig
+from worker.loader import checkpoint_format, load_checkpoint_config
+
+ALL_TYPES = [t for t in SUPPORTED_TYPES if t != T.F32] + [T.F32]
+BLOCKS = list(range(16))
+
+
+def _spec(arch: str) -> GGUFSpec:
+    if arch == "llama":  # grouped-query attention, untied head, permuted Q/K
+        return every_type_once(GGUFSpec("llama", tied=False), ALL_TYPES)
+    return every_type_once(GGUFSpec("qwen2", tied=True, bias=True, rope_base=1e6, eps=1e-6),
+                           ALL_TYPES, offset=7)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def gguf_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    spec = _spec(request.param)
+    write_gguf(folder / "model.gguf", spec)
+    return folder, spec
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf_model):
+    from transformers import AutoModelForCausalLM
+
+    folder, spec = gguf_model
+    engine = Engine.load(folder / "model.gguf", dtype="float32",
+                         cache_config=CacheConfig(block_size=16, num_blocks=64))
+    reference = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf",
+                                                     dtype=torch.float32)
+    return engine, reference.eval(), spec
+
+
+def test_the_files_cover_every_supported_type_and_both_heads():
+    llama, qwen2 = _spec("llama"), _spec("qwen2")
+    used = set(llama.types.values()) | set(qwen2.types.values())
+    assert used == set(SUPPORTED_TYPES)
+    assert not llama.tied and qwen2.tied
+
+
+def test_config_comes_from_the_metadata(loaded):
+    engine, reference, spec = loaded
+    cfg = engine.cfg
+    assert cfg.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[spec.arch]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (
+        spec.layers, spec.hidden, spec.intermediate)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (spec.heads, spec.kv_heads, 64)
+    assert cfg.max_position_embeddings == spec.context
+    assert cfg.rope_theta == pytest.approx(spec.rope_base)
+    assert cfg.rms_norm_eps == pytest.approx(spec.eps)
+    assert cfg.tie_word_embeddings == spec.tied
+    assert cfg.vocab_size == reference.config.vocab_size
+    assert engine.eos_token_ids == (2,) and cfg.bos_token_id == 1
+    assert engine.source.format == "gguf"
+    assert set(engine.source.tensor_types) == {t.name for t in SUPPORTED_TYPES}
+
+
+def test_logits_and_greedy_tokens_equal_transformers_on_the_same_file(loaded):
+    engine, reference, _ = loaded
+    engine.reset()
+    ids = torch.randint(3, engine.cfg.vocab_size, (29,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    n = 16
+    stop = StopParams(max_new_tokens=n, ignore_eos=True)
+    out = engine.prefill([PrefillItem(0, ids, 0, BLOCKS, stop=stop)], taps=["logits"])
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1].float()
+    torch.testing.assert_close(out.taps["logits"][0], expected, atol=2e-4, rtol=1e-4)
+    ours = [out.tokens[0].token.token_id]
+    for step in engine.decode([DecodeItem(0, BLOCKS, n)], n):
+        ours += [t.token.token_id for t in step.tokens]
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == theirs
+
+
+def test_llama_cpp_q_k_permutation_is_undone(tmp_path):
+    spec = GGUFSpec("llama", layers=1, default_type=T.F32)
+    originals = write_gguf(tmp_path / "m.gguf", spec)
+    reader = GGUFCheckpointReader(tmp_path / "m.gguf", torch.device("cpu"), torch.float32)
+    for part, rows in (("q", spec.heads * 64), ("k", spec.kv_heads * 64)):
+        got = reader.read(f"model.layers.0.self_attn.{part}_proj.weight", (rows, spec.hidden))
+        torch.testing.assert_close(got, torch.from_numpy(originals[f"blk.0.attn_{part}.weight"]),
+                                   rtol=0, atol=0)
+        # A rank's slice holds whole heads, in Hugging Face's order too.
+        half = reader.read(f"model.layers.0.self_attn.{part}_proj.weight", (rows, spec.hidden),
+                           shard_dim=0, rank=1, world_size=2)
+        torch.testing.assert_close(half, got[rows // 2:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q6_K, T.BF16, T.F16], ids=lambda t: t.name)
+def test_a_rank_reads_only_its_slice(tmp_path, qtype):
+    spec = GGUFSpec("qwen2", layers=1, default_type=qtype, bias=True)
+    write_gguf(tmp_path / "m.gguf", spec)
+    reader = GGUFCheckpointReader(tmp_path / "m.gguf", torch.device("cpu"), torch.float32)
+    name, shape = "model.layers.0.mlp.down_proj.weight", (spec.hidden, spec.intermediate)
+    full = reader.read(name, shape)
+    for world in (2, 16):  # 16 ranks split the input features inside a 32- or 256-wide block
+        for dim in (0, 1):
+            parts = [reader.read(name, shape, shard_dim=dim, rank=r, world_size=world)
+                     for r in range(world)]
+            torch.testing.assert_close(torch.cat(parts, dim=dim), full, rtol=0, atol=0)
+    packed = reader.read_packed(name, shape, shard_dim=1, rank=1, world_size=2)
+    if qtype in (T.F16, T.BF16):
+        assert packed is None
+    else:
+        assert packed.qtype == qtype.name and packed.shape == (spec.hidden, spec.intermediate // 2)
+        assert packed.blocks.dtype == torch.uint8 and packed.blocks.shape[0] == spec.hidden
+    assert reader.read_packed(name, shape, shard_dim=1, rank=1, world_size=16) is None or \
+        qtype in (T.Q4_0, T.Q5_1)  # 512/16 = 32 columns: whole blocks only for 32-wide blocks
+
+
+def test_quantizable_types_round_trip_close_to_the_original(tmp_path):
+    for qtype in QUANTIZABLE:
+        spec = GGUFSpec("qwen2", layers=1, default_type=qtype, bias=True)
+        originals = write_gguf(tmp_path / f"{qtype.name}.gguf", spec)
+        reader = GGUFCheckpointReader(tmp_path / f"{qtype.name}.gguf", torch.device("cpu"),
+                                      torch.float32)
+        got = reader.read("model.layers.0.mlp.up_proj.weight", (spec.intermediate, spec.hidden))
+        want = torch.from_numpy(originals["blk.0.ffn_up.weight"])
+        assert (got - want).abs().max() < 0.1 * want.abs().max(), qtype.name
+
+
+def test_a_folder_holding_one_gguf_file_is_a_gguf_checkpoint(gguf_model, tmp_path):
+    folder, _ = gguf_model
+    assert checkpoint_format(folder) == "gguf" and checkpoint_format(folder / "model.gguf") == "gguf"
+    shutil.copy(folder / "model.gguf", tmp_path / "b.gguf")
+    shutil.copy(folder / "model.gguf", tmp_path / "a.gguf")
+    with pytest.raises(CheckpointError, match="several GGUF files"):
+        load_checkpoint_config(tmp_path)
+
+
+# ------------------------------------------------------------------------- files ShardLM refuses
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "m.gguf"
+    write_gguf(path, GGUFSpec("llama", layers=1, default_type=T.Q8_0))
+    return path
+
+
+def test_truncated_file_is_a_checkpoint_error(good_file, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good_file.read_bytes()[: good_file.stat().st_size - 5000])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint_config(cut)
+
+
+def test_corrupt_file_is_a_checkpoint_error(good_file, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUX" + good_file.read_bytes()[4:])
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        load_checkpoint_config(bad)
+    noise = tmp_path / "noise.gguf"
+    noise.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(CheckpointError):
+        load_checkpoint_config(noise)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    write_gguf(tmp_path / "m.gguf", GGUFSpec("mamba", layers=1))
+    with pytest.raises(UnsupportedArchitectureError, match="'mamba' is not supported"):
+        load_checkpoint_config(tmp_path / "m.gguf")
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    write_gguf(tmp_path / "ok.gguf", GGUFSpec("llama", layers=1))
+    copy_with_iq4_nl(tmp_path / "ok.gguf", tmp_path / "m.gguf", "blk.0.ffn_up.weight")
+    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight.*IQ4_NL"):
+        load_checkpoint_config(tmp_path / "m.gguf")
+
+
+def test_a_safetensors_checkpoint_reports_its_format_and_dtypes(llama_dir):
+    from shardlm.common.v1 import common_pb2
+
+    from worker.convert import model_info_to_proto
+
+    engine = Engine.load(llama_dir, dtype="float32",
+                         cache_config=CacheConfig(block_size=16, num_blocks=8))
+    info = model_info_to_proto(engine)
+    assert engine.source.format == "safetensors"
+    assert info.format == common_pb2.CHECKPOINT_FORMAT_SAFETENSORS
+    assert list(info.tensor_types) == ["F32"]

@@ -1,0 +1,94 @@
+"""A GGUF file's model configuration: its `llama.*` / `qwen2.*` metadata rewritten as the
+config.json fields `worker.config.parse_config` validates, so both formats share one set of checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.config import ModelConfig, parse_config
+from worker.errors import CheckpointError, UnsupportedArchitectureError
+from worker.gguf.file import GGUFFile, T
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _key(file: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
+    value = file.get(key, default)
+    if value is None:
+        raise CheckpointError(f"GGUF metadata lacks required key '{key}'", field=key)
+    if kind is float and isinstance(value, int):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise CheckpointError(f"GGUF metadata '{key}' must be {kind.__name__}, got {value!r}",
+                              field=key)
+    return value
+
+
+def _served_dtype(file: GGUFFile) -> str:
+    """The dtype a GPU serves by default: the file's own float type where every matrix has it,
+    bfloat16 for block-quantized files (their scales are float16, their range is not)."""
+    kinds = {t.qtype for t in file.tensors.values() if len(t.shape) == 2}
+    if kinds == {T.F32}:
+        return "float32"
+    if kinds == {T.F16}:
+        return "float16"
+    return "bfloat16"
+
+
+def _rope_scaling(file: GGUFFile, arch: str) -> None:
+    kind = file.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", None):
+        raise CheckpointError(f"GGUF rope scaling '{kind}' is not supported (supported: none)",
+                              field=f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in file.tensors:
+        raise CheckpointError("per-frequency rope factors (tensor rope_freqs.weight) are not "
+                              "supported", tensor="rope_freqs.weight")
+
+
+def gguf_config(file: GGUFFile) -> ModelConfig:
+    """The engine's view of the model in `file`."""
+    arch = file.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture '{arch}' is not supported; supported: {', '.join(ARCHITECTURES)}",
+            architecture=str(arch))
+    heads = _key(file, f"{arch}.attention.head_count", int)
+    hidden = _key(file, f"{arch}.embedding_length", int)
+    head_dim = _key(file, f"{arch}.attention.key_length", int, hidden // max(heads, 1))
+    value_dim = _key(file, f"{arch}.attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise CheckpointError(f"key length {head_dim} and value length {value_dim} differ; "
+                              "ShardLM needs them equal")
+    rotary = _key(file, f"{arch}.rope.dimension_count", int, head_dim)
+    if rotary != head_dim:
+        raise CheckpointError(f"partial rotary embedding ({rotary} of {head_dim} dimensions) "
+                              "is not supported")
+    _rope_scaling(file, arch)
+    tokens = file.get("tokenizer.ggml.tokens")
+    embed = file.tensors.get("token_embd.weight")
+    vocab = file.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None) or (
+        embed.shape[0] if embed is not None else None)
+    if not isinstance(vocab, int):
+        raise CheckpointError("GGUF file states no vocabulary size (no vocab_size, tokens or "
+                              "token_embd.weight)")
+    eos = [file.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    raw = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _key(file, f"{arch}.feed_forward_length", int),
+        "num_hidden_layers": _key(file, f"{arch}.block_count", int),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _key(file, f"{arch}.attention.head_count_kv", int, heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": _key(file, f"{arch}.context_length", int),
+        "rms_norm_eps": _key(file, f"{arch}.attention.layer_norm_rms_epsilon", float),
+        "rope_theta": _key(file, f"{arch}.rope.freq_base", float, 10000.0),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "torch_dtype": _served_dtype(file),
+        "eos_token_id": list(dict.fromkeys(e for e in eos if isinstance(e, int))),
+        "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+    }
+    return parse_config(raw)

@@ -1,0 +1,155 @@
+"""Lazy, shard-aware reading of safetensors checkpoints.
+
+A rank opens every file once and reads only the slices it owns (`get_slice`), so a tensor-parallel
+rank never materialises another rank's weights. Every tensor the model asks for is recorded, so at
+the end `check_all_consumed` can name tensors the model did not expect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.errors import CheckpointError
+
+# Buffers some exporters write that carry no weights the engine needs (it recomputes them).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class SafetensorsReader:
+    """The `worker.loader.CheckpointReader` of a Hugging Face folder: maps tensor names to the
+    safetensors file holding them and reads (slices of) them."""
+
+    format = "safetensors"
+
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.dtype = dtype
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+        self._where: dict[str, str] = self._index()
+        self._consumed: set[str] = set()
+
+    def _index(self) -> dict[str, str]:
+        index_path = self.model_dir / "model.safetensors.index.json"
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"model.safetensors.index.json is unreadable: {exc}") from exc
+            if not isinstance(weight_map, dict):
+                raise CheckpointError("model.safetensors.index.json: weight_map must be an object")
+            return {str(k): str(v) for k, v in weight_map.items()}
+        files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
+        if not files:
+            if any(self.model_dir.glob("*.bin")) or any(self.model_dir.glob("*.pt")):
+                raise CheckpointError(
+                    "only pickle checkpoints (*.bin/*.pt) found; ShardLM loads safetensors only"
+                )
+            raise CheckpointError(f"no *.safetensors files in '{self.model_dir}'")
+        where: dict[str, str] = {}
+        for name in files:
+            for key in self._open(name).keys():
+                where[key] = name
+        return where
+
+    def _open(self, filename: str):
+        handle = self._handles.get(filename)
+        if handle is None:
+            path = self.model_dir / filename
+            if Path(filename).name != filename:
+                raise CheckpointError(f"weight file name '{filename}' must not contain a path")
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except FileNotFoundError as exc:
+                raise CheckpointError(f"weight file '{filename}' is missing") from exc
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"weight file '{filename}' is unreadable: {exc}") from exc
+            self._handles[filename] = handle
+        return handle
+
+    @property
+    def tensor_types(self) -> list[str]:
+        """The distinct stored dtypes (safetensors spelling, e.g. "BF16"), most frequent first."""
+        counts: dict[str, int] = {}
+        for name in self._where:
+            dtype = self._slice(name).get_dtype()
+            counts[dtype] = counts.get(dtype, 0) + 1
+        return sorted(counts, key=lambda d: (-counts[d], d))
+
+    def read_packed(self, name: str, expected_shape: tuple[int, ...], **_slice: int | None) -> None:
+        """Safetensors checkpoints hold no block-quantized tensors."""
+        return None
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise CheckpointError(f"checkpoint lacks tensor '{name}'", tensor=name)
+        return self._open(self._where[name]).get_slice(name)
+
+    def read(
+        self,
+        name: str,
+        expected_shape: tuple[int, ...],
+        *,
+        shard_dim: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> torch.Tensor:
+        """Read `name` (its `rank`-th of `world_size` slices along `shard_dim`), checked and cast.
+
+        `expected_shape` is the full, unsharded shape the config implies; a mismatch is a clear
+        error rather than a silent broadcast later.
+        """
+        view = self._slice(name)
+        shape = tuple(view.get_shape())
+        if shape != tuple(expected_shape):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {list(shape)}, config implies {list(expected_shape)}",
+                tensor=name,
+            )
+        self._consumed.add(name)
+        try:
+            if shard_dim is None or world_size == 1:
+                tensor = view[:]
+            else:
+                size = shape[shard_dim] // world_size
+                index = [slice(None)] * len(shape)
+                index[shard_dim] = slice(rank * size, (rank + 1) * size)
+                tensor = view[tuple(index)]
+        except Exception as exc:
+            raise CheckpointError(f"tensor '{name}' could not be read: {exc}", tensor=name) from exc
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def check_all_consumed(self, optional: Callable[[str], bool] = lambda _name: False) -> None:
+        leftover = sorted(
+            n
+            for n in self._where
+            if n not in self._consumed and not n.endswith(IGNORED_SUFFIXES) and not optional(n)
+        )
+        if leftover:
+            shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
+            raise CheckpointError(
+                f"checkpoint has {len(leftover)} unexpected tensor(s): {shown}", tensor=leftover[0]
+            )
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
