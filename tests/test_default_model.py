@@ -57,7 +57,7 @@ def test_greedy_chat_replies_equal_transformers_in_float32(path, tokenizer):
     assert engine.cfg.tie_word_embeddings and engine.cfg.max_position_embeddings == 8192
     reference = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    stop = StopParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    stop = StopParams(max_new_tokens=NEW_TOKENS)
     for question in CHATS:
         ids = chat_ids(tokenizer, question)
         engine.reset()

@@ -86,7 +86,7 @@ def test_logits_and_greedy_tokens_equal_transformers_on_the_same_file(loaded):
     ids = torch.randint(3, engine.cfg.vocab_size, (29,),
                         generator=torch.Generator().manual_seed(3)).tolist()
     n = 16
-    stop = StopParams(max_new_tokens=n, ignore_eos=True)
+    stop = StopParams(max_new_tokens=n)
     out = engine.prefill([PrefillItem(0, ids, 0, BLOCKS, stop=stop)], taps=["logits"])
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, -1].float()
