@@ -11,7 +11,7 @@ from shardlm.gateway.v1 import gateway_pb2_grpc
 
 from gateway.runtime import Limits
 from gateway.server import start_gateway
-from worker.launcher import WorkerGroup
+from gateway.worker_processes import WorkerGroup
 
 
 class LiveGateway:
