@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from shardlm.constants import DEFAULT_GATEWAY_PORT, DEFAULT_HOST
+from shardlm.constants import DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DTYPE_NAMES
 
 SERVE_DEFAULTS = {
     "model": None, "tp": None, "devices": None, "device": None, "dtype": None,
@@ -28,7 +28,7 @@ SERVE_DEFAULTS = {
     "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
     "worker_tls_key": None, "no_model": False,
 }
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DTYPE_NAMES
 
 
 def _serve_parser(sub) -> None:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from shardlm.client import Client
-from shardlm.constants import DEFAULT_GATEWAY_ADDRESS
+from shardlm.constants import DEFAULT_GATEWAY_ADDRESS, DTYPE_NAMES
 from shardlm.errors import ShardLMError, UnavailableError
 
 # subcommand -> (module whose main(argv) runs it, one-line help); argv is what follows the name.
@@ -29,7 +29,6 @@ SERVER_COMMANDS = {
     "serve": ("gateway.cli", "start the gateway and its workers, load a model, serve"),
     "worker": ("worker.server", "serve one worker (normally started by `serve`)"),
 }
-DTYPES = ("float32", "bfloat16", "float16")
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
 
@@ -156,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld = sub.add_parser("load", help="load a model into a running gateway, with progress")
     ld.add_argument("model_path")
     _connection_flags(ld, "bearer token with the admin scope")
-    ld.add_argument("--dtype", choices=DTYPES)
+    ld.add_argument("--dtype", choices=DTYPE_NAMES)
     return parser
 
 
