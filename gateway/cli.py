@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from gateway.serve import serve
+    from gateway.lifecycle import serve
 
     try:
         return asyncio.run(serve(settings))

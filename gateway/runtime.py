@@ -28,8 +28,8 @@ from gateway.paths import check_model_path
 from gateway.scheduler import Scheduler
 from gateway.sessions import SessionStore
 from gateway.tokenizer import Tokenizer, TokenizerError
+from gateway.worker_client import WorkerPool
 from gateway.worker_processes import WorkerGroup
-from gateway.workers import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 SERVICE_NAME = "shardlm.gateway.v1.GatewayService"

@@ -27,7 +27,7 @@ from gateway.allocator import BlockAllocator
 from gateway.metrics import Metrics
 from gateway.sequence import ErrorEvent, FinishEvent, Limits, Phase, Sequence, TokenEvent
 from gateway.sessions import SessionStore
-from gateway.workers import WorkerPool
+from gateway.worker_client import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 FINISHED_BY_WORKER = common_pb2.FINISH_REASON_UNSPECIFIED

@@ -4,7 +4,7 @@ Local workers are child processes (`python -m worker`), one per GPU on CUDA (eac
 own device) or N ranks on CPU. Each is told the gateway's pid (`--parent-pid`) and exits when the
 gateway is gone, so a gateway killed without warning leaves no worker behind. Workers on other
 hosts are given by address and are never started or stopped here. Talking to the workers (health,
-Load, steps) is gateway/workers.py's job.
+Load, steps) is gateway/worker_client.py's job.
 """
 
 from __future__ import annotations

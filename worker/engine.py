@@ -18,6 +18,15 @@ from worker.batch import build_prefill_batch, slot_of
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig, load_config
 from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
+from worker.engine_types import (  # noqa: F401 - the engine's API types, re-exported
+    DecodeItem,
+    FinishReason,
+    PrefillItem,
+    Sequence,
+    StepOutput,
+    StopParams,
+    TokenOutput,
+)
 from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from worker.layers import Parallel
@@ -26,15 +35,6 @@ from worker.model import TransformerModel, tap_names
 from worker.sampling import (
     SampledToken,
     TokenHistory,
-)
-from worker.sequence import (  # noqa: F401 - the engine's API types, re-exported
-    DecodeItem,
-    FinishReason,
-    PrefillItem,
-    Sequence,
-    StepOutput,
-    StopParams,
-    TokenOutput,
 )
 from worker.step_sampler import PendingSample, StepSampler
 from worker.transfer import to_device

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from shardlm.gateway.v1 import gateway_pb2_grpc
 
+from gateway.gateway_server import start_gateway
 from gateway.runtime import Limits
-from gateway.server import start_gateway
 from gateway.worker_processes import WorkerGroup
 
 

@@ -13,8 +13,8 @@ from shardlm.errors import ShardLMError
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway.auth import load_tokens
+from gateway.gateway_server import server_credentials
 from gateway.runtime import Limits
-from gateway.server import server_credentials
 from tests.gateway.conftest import LiveGateway
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import grpc
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from gateway.worker_client import CHANNEL_OPTIONS, WorkerPool
 from gateway.worker_processes import WorkerGroup
-from gateway.workers import CHANNEL_OPTIONS, WorkerPool
 
 
 @dataclass

@@ -21,8 +21,8 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 
 from gateway.auth import load_tokens
+from gateway.gateway_server import GatewayServer, server_credentials, start_gateway
 from gateway.runtime import Limits
-from gateway.server import GatewayServer, server_credentials, start_gateway
 from gateway.supervisor import Supervisor
 from gateway.worker_processes import WorkerGroup, WorkerTLS
 

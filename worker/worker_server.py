@@ -21,7 +21,7 @@ from shardlm.worker.v1 import worker_pb2_grpc
 
 from worker.parent_watch import watch_parent
 from worker.rpc_errors import ErrorMappingInterceptor
-from worker.service import WorkerServicer
+from worker.worker_servicer import WorkerServicer
 
 
 def build_server(address: str, credentials: grpc.ServerCredentials | None = None

@@ -20,10 +20,10 @@ from shardlm.constants import DEFAULT_HOST, MAX_REQUEST_BYTES
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway.auth import AuthInterceptor, Identity
+from gateway.gateway_servicer import GatewayServicer
 from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
 from gateway.runtime import SERVICE_NAME, Limits, Runtime
-from gateway.service import GatewayServicer
 from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
