@@ -23,13 +23,13 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m gateway.cli serve` in a subprocess, with its output drained and kept."""
+    """`shardlm serve` (`python -m shardlm serve`) in a subprocess, with its output drained and kept."""
 
     def __init__(self, model: Path, *, kv_cache_mb: int = 64, tp: int = 1, device: str = "cpu",
                  dtype: str = "float32", extra: tuple[str, ...] = (),
                  start_timeout_s: float = 180.0) -> None:
         self.metrics_port = free_port()
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", "shardlm", "serve", "--host", "127.0.0.1", "--port", "0",
                "--model", str(model), "--device", device, "--dtype", dtype, "--tp", str(tp),
                "--kv-cache-mb", str(kv_cache_mb), "--metrics-port", str(self.metrics_port),
                "--drain-grace", "5", *extra]

@@ -1,14 +1,12 @@
-"""The `shardlm` command.
+"""`shardlm serve`'s command line (the `shardlm` command itself is shardlm.cli, which hands
+`serve` to main() here).
 
     shardlm serve [--model DIR] [--tp N | --devices 0,1] [--device cpu|cuda] [--dtype D]
                   [--host H] [--port P] [--workers ADDR,ADDR] [--config FILE] ...
-    shardlm worker [--host H] [--port P | --unix PATH]
-    shardlm generate "PROMPT" [--address HOST:PORT] [--max-new-tokens N] [--temperature T] ...
-    shardlm chat [--address HOST:PORT] ...        (one turn per line; /reset starts over)
-    shardlm load DIR [--address HOST:PORT] [--dtype D]
 
 Every `serve` flag can also come from a TOML or JSON file given with --config (keys are the flag
-names with underscores); flags on the command line win.
+names with underscores); flags on the command line win. `python -m gateway.cli` runs the whole
+`shardlm` command.
 """
 
 from __future__ import annotations
@@ -17,19 +15,20 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
+from shardlm.constants import DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DTYPE_NAMES
+
 SERVE_DEFAULTS = {
     "model": None, "tp": None, "devices": None, "device": None, "dtype": None,
-    "host": "127.0.0.1", "port": 50051, "workers": None, "metrics_port": None,
+    "host": DEFAULT_HOST, "port": DEFAULT_GATEWAY_PORT, "workers": None, "metrics_port": None,
     "kv_cache_mb": 0, "block_size": 16, "max_new_tokens": 4096, "session_idle_timeout": 600.0,
     "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
     "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
     "worker_tls_key": None, "no_model": False,
 }
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DTYPE_NAMES
 
 
 def _serve_parser(sub) -> None:
@@ -44,8 +43,8 @@ def _serve_parser(sub) -> None:
     group.add_argument("--devices", help="comma-separated GPU ids, one worker each (e.g. 0,2)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
     p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway port (default 50051; 0 picks one)")
+    p.add_argument("--host", help=f"gateway interface (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, help=f"gateway port (default {DEFAULT_GATEWAY_PORT}; 0 picks one)")
     p.add_argument("--workers", help="comma-separated addresses of workers started elsewhere")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget per worker (MiB)")
@@ -61,34 +60,6 @@ def _serve_parser(sub) -> None:
     p.add_argument("--worker-tls-ca", help="PEM CA for mutual TLS between gateway and workers")
     p.add_argument("--worker-tls-cert", help="PEM certificate workers serve and the gateway shows")
     p.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
-
-
-def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="gateway address")
-    p.add_argument("--auth-token", help="bearer token, when the gateway requires one")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-
-
-def _client_parsers(sub) -> None:
-    g = sub.add_parser("generate", help="stream a completion from a running gateway")
-    g.add_argument("prompt")
-    _sampling_flags(g)
-    c = sub.add_parser("chat", help="an interactive multi-turn session (one turn per line)")
-    _sampling_flags(c)
-    ld = sub.add_parser("load", help="load a model into a running gateway, with progress")
-    ld.add_argument("model_path", help="a Hugging Face checkpoint folder or a .gguf file")
-    ld.add_argument("--address", default="127.0.0.1:50051")
-    ld.add_argument("--auth-token", help="bearer token with the admin scope")
-    ld.add_argument("--dtype", choices=DTYPES)
-    w = sub.add_parser("worker", help="serve one worker (normally started by `serve`)")
-    from worker.server import add_arguments
-
-    add_arguments(w)
 
 
 def load_config(path: str) -> dict:
@@ -114,26 +85,17 @@ def serve_settings(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardlm", description="ShardLM: LLM serving over gRPC")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    _client_parsers(sub)
-    args = parser.parse_args(argv)
-    if args.command == "worker":
-        from worker.server import run
-
-        return run(args)
-    if args.command in ("generate", "chat", "load"):
-        from gateway.client_cli import run_client
-
-        return run_client(args)
+    """Run `shardlm serve` with `argv`, the arguments that follow `serve`."""
+    parser = argparse.ArgumentParser(prog="shardlm")
+    _serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     try:
         settings = serve_settings(args)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from gateway.serve import serve
+    from gateway.lifecycle import serve
 
     try:
         return asyncio.run(serve(settings))
@@ -141,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardlm.cli import main as shardlm_main
+
+    sys.exit(shardlm_main())

@@ -28,8 +28,8 @@ from gateway.paths import check_model_path
 from gateway.scheduler import Scheduler
 from gateway.sessions import SessionStore
 from gateway.tokenizer import Tokenizer, TokenizerError
-from gateway.workers import WorkerPool
-from worker.launcher import WorkerGroup
+from gateway.worker_client import WorkerPool
+from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
 SERVICE_NAME = "shardlm.gateway.v1.GatewayService"
@@ -91,7 +91,7 @@ class Runtime:
     @staticmethod
     def _pool_for(group: WorkerGroup) -> WorkerPool:
         credentials = group.tls.channel_credentials() if group.tls else None
-        return WorkerPool([h.address for h in group.handles], credentials=credentials)
+        return WorkerPool(group.addresses, credentials=credentials, devices=group.devices)
 
     def require(self) -> Model:
         if self.draining:
@@ -140,14 +140,9 @@ class Runtime:
             previous = self.model
             await self.unload(UnavailableError("the model is being replaced",
                                                reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
-            loop = asyncio.get_running_loop()
-
-            def report(p: common_pb2.LoadProgress) -> None:
-                loop.call_soon_threadsafe(progress, p)
-
             try:
-                complete = await asyncio.to_thread(
-                    self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
+                complete = await self.pool.load(model_path, dtype=dtype, kv_cache=kv_cache,
+                                                progress=progress)
             except ShardLMError:
                 await self._restore(previous)
                 raise

@@ -32,7 +32,7 @@ from gateway.finish import UNFINISHED, CallLimits
 from gateway.metrics import Metrics
 from gateway.sequence import ErrorEvent, FinishEvent, Phase, Sequence, TokenEvent
 from gateway.sessions import SessionStore
-from gateway.workers import WorkerPool
+from gateway.worker_client import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 # Sequence ids are unique for the life of the process: sessions outlive a scheduler (a worker

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from shardlm.errors import ShardLMError, UnavailableError
 
 from gateway.runtime import Runtime
-from worker.launcher import WorkerGroup
+from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.supervisor")
 
@@ -25,13 +25,14 @@ log = logging.getLogger("shardlm.supervisor")
 class Supervisor:
     def __init__(self, runtime: Runtime, respawn: Callable[[], WorkerGroup], *,
                  max_attempts: int = 5, backoff_s: float = 1.0, check_interval_s: float = 0.5,
-                 ping_timeout_s: float = 2.0) -> None:
+                 ping_timeout_s: float = 2.0, start_timeout_s: float = 60.0) -> None:
         self.rt = runtime
         self.respawn = respawn
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.check_interval_s = check_interval_s
         self.ping_timeout_s = ping_timeout_s
+        self.start_timeout_s = start_timeout_s
         self._watch: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
         runtime.on_failure = self.trigger
@@ -86,6 +87,7 @@ class Supervisor:
                     group = await asyncio.to_thread(self.respawn)
                     log.info("new workers are up; reloading the model")
                     await rt.replace_group(group)
+                    await rt.pool.wait_healthy(self.start_timeout_s, group.is_alive)
                     path, dtype, tp, kv = rt.last_load
                     await rt.load(path, dtype, tp, kv, lambda _p: None, sessions=sessions)
                     rt.metrics.worker_restarts.inc()

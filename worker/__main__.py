@@ -1,5 +1,5 @@
 import sys
 
-from worker.server import main
+from worker.worker_server import main
 
 sys.exit(main())

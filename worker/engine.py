@@ -21,6 +21,15 @@ from worker.batch import build_prefill_batch, slot_of
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig
 from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
+from worker.engine_types import (  # noqa: F401 - the engine's API types, re-exported
+    DecodeItem,
+    FinishReason,
+    PrefillItem,
+    Sequence,
+    StepOutput,
+    StopParams,
+    TokenOutput,
+)
 from worker.eos import checkpoint_eos_ids
 from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
@@ -30,15 +39,6 @@ from worker.model import TransformerModel, tap_names
 from worker.sampling import (
     SampledToken,
     TokenHistory,
-)
-from worker.sequence import (  # noqa: F401 - the engine's API types, re-exported
-    DecodeItem,
-    FinishReason,
-    PrefillItem,
-    Sequence,
-    StepOutput,
-    StopParams,
-    TokenOutput,
 )
 from worker.step_sampler import PendingSample, StepSampler
 from worker.transfer import to_device

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.comm import Communicator
+from worker.engine_types import Sequence
 from worker.sampling import (
     DeviceSample,
     SampledToken,
@@ -17,7 +18,6 @@ from worker.sampling import (
     record_outputs,
     sample_on_device,
 )
-from worker.sequence import Sequence
 
 
 @dataclass

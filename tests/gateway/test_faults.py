@@ -14,8 +14,8 @@ from shardlm.gateway.v1 import gateway_pb2
 
 from gateway.runtime import Limits
 from gateway.supervisor import Supervisor
+from gateway.worker_processes import WorkerGroup
 from tests.gateway.conftest import LiveGateway
-from worker.launcher import WorkerGroup
 
 
 @pytest.fixture

@@ -22,25 +22,42 @@ NUM_BLOCKS = 96
 
 
 class StandInGroup:
-    """The part of WorkerGroup that Runtime.load uses; `load` waits for `release` when set."""
+    """The part of WorkerGroup that Runtime reads: one local rank (nothing listens there)."""
 
     world_size = 1
     tls = None
     handles: list = []
+    addresses = ["127.0.0.1:1"]
+    devices = ["cpu"]
+
+
+class StandInPool:
+    """The part of the worker client that Runtime.load uses; `load` waits for `release` when set."""
+
+    world_size = 1
 
     def __init__(self, release: threading.Event | None = None) -> None:
         self.release = release
         self.started = threading.Event()
 
-    def load(self, model_path, *, dtype, kv_cache, progress) -> worker_pb2.LoadComplete:
+    async def load(self, model_path, *, dtype, kv_cache, progress) -> worker_pb2.LoadComplete:
         self.started.set()
         if self.release is not None:
-            self.release.wait(30)
+            await asyncio.to_thread(self.release.wait, 30)
         return worker_pb2.LoadComplete(
             model=common_pb2.ModelInfo(model_path=model_path, vocab_size=1000,
                                        max_position_embeddings=512),
             capacity=common_pb2.KvCacheCapacity(num_blocks=NUM_BLOCKS, block_size=16,
                                                 mode=common_pb2.KV_CACHE_MODE_PAGED))
+
+    async def close(self) -> None:
+        pass
+
+
+def stand_in_runtime(metrics: Metrics, pool: StandInPool) -> Runtime:
+    runtime = Runtime(StandInGroup(), metrics, Limits(), health_aio.HealthServicer())
+    runtime.pool = pool
+    return runtime
 
 
 async def _load(runtime: Runtime) -> None:
@@ -50,7 +67,7 @@ async def _load(runtime: Runtime) -> None:
 def test_kv_blocks_total_is_published_when_the_model_loads():
     async def scenario() -> tuple[float, float, float]:
         metrics = Metrics()
-        runtime = Runtime(StandInGroup(), metrics, Limits(), health_aio.HealthServicer())
+        runtime = stand_in_runtime(metrics, StandInPool())
         await _load(runtime)
         loaded = metrics.value("shardlm_kv_blocks_total")
         used = metrics.value("shardlm_kv_blocks_used")
@@ -65,10 +82,10 @@ def test_kv_blocks_total_is_published_when_the_model_loads():
 def test_a_concurrent_load_is_refused_with_load_in_progress():
     async def scenario() -> FailedPreconditionError:
         release = threading.Event()
-        group = StandInGroup(release)
-        runtime = Runtime(group, Metrics(), Limits(), health_aio.HealthServicer())
+        pool = StandInPool(release)
+        runtime = stand_in_runtime(Metrics(), pool)
         first = asyncio.create_task(_load(runtime))
-        await asyncio.to_thread(group.started.wait, 30)
+        await asyncio.to_thread(pool.started.wait, 30)
         try:
             with pytest.raises(FailedPreconditionError) as err:
                 await _load(runtime)

@@ -16,7 +16,7 @@ from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     address = None
@@ -66,7 +66,7 @@ def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
 
 def test_cli_generate_chat_load_and_friendly_errors(llama_dir):
     proc, address = start_serve("--model", str(llama_dir), "--dtype", "float32")
-    cli = [sys.executable, "-m", "gateway.cli"]
+    cli = [sys.executable, "-m", "shardlm"]
     try:
         out = subprocess.run([*cli, "generate", "To be", "--address", address,
                               "--max-new-tokens", "8"], capture_output=True, text=True, timeout=60)

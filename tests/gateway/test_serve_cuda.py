@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from gateway.worker_processes import free_port
 from tests.gateway.test_serve import start_serve
-from worker.launcher import free_port
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

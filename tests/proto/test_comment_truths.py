@@ -17,7 +17,7 @@ from worker.kv_cache import (
     CacheConfig,
     CacheMode,
 )
-from worker.service import DEFAULT_COMM_TIMEOUT_S
+from worker.worker_servicer import DEFAULT_COMM_TIMEOUT_S
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "shardlm"
 COMMON = (PROTO / "common" / "v1" / "common.proto").read_text(encoding="utf-8")

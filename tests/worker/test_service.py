@@ -11,7 +11,7 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 from shardlm.worker.v1 import worker_pb2
 
-from worker.launcher import WorkerGroup
+from tests.worker.live_workers import LiveWorkers
 
 BLOCKS = 8  # per sequence, block size 16: 128 tokens
 KV = common_pb2.KvCacheConfig(block_size=16, num_blocks=64)
@@ -24,11 +24,11 @@ def table(i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def groups():
-    spawned: dict[int, WorkerGroup] = {}
+    spawned: dict[int, LiveWorkers] = {}
 
-    def get(world: int) -> WorkerGroup:
+    def get(world: int) -> LiveWorkers:
         if world not in spawned:
-            spawned[world] = WorkerGroup.spawn(world)
+            spawned[world] = LiveWorkers(world)
         return spawned[world]
 
     yield get
@@ -36,7 +36,7 @@ def groups():
         g.close()
 
 
-def prefill(group: WorkerGroup, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+def prefill(group: LiveWorkers, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
     """Same request to every rank, concurrently (they meet in collectives); rank 0's reply."""
     futures = [h.stub.Prefill.future(request, timeout=60) for h in group.handles]
     replies = [f.result() for f in futures]
@@ -44,7 +44,7 @@ def prefill(group: WorkerGroup, request: worker_pb2.PrefillRequest) -> worker_pb
     return replies[0]
 
 
-def decode(group: WorkerGroup, request: worker_pb2.DecodeRequest) -> list[worker_pb2.DecodeResponse]:
+def decode(group: LiveWorkers, request: worker_pb2.DecodeRequest) -> list[worker_pb2.DecodeResponse]:
     streams = [h.stub.Decode(request, timeout=60) for h in group.handles]
     results: list = [None] * len(streams)
     import threading
@@ -61,7 +61,7 @@ def decode(group: WorkerGroup, request: worker_pb2.DecodeRequest) -> list[worker
     return results[0]
 
 
-def greedy_run(group: WorkerGroup, model_dir) -> tuple[list[list[int]], np.ndarray]:
+def greedy_run(group: LiveWorkers, model_dir) -> tuple[list[list[int]], np.ndarray]:
     group.load(str(model_dir), dtype=common_pb2.DTYPE_FLOAT32, kv_cache=KV)
     stop = common_pb2.StopConditions(max_new_tokens=10, ignore_eos=True)
     request = worker_pb2.PrefillRequest(
@@ -140,7 +140,7 @@ def test_bad_requests_get_statuses(groups, qwen2_dir):
 
 
 def test_killed_peer_turns_into_an_error_not_a_hang(llama_dir):
-    group = WorkerGroup.spawn(2)
+    group = LiveWorkers(2)
     try:
         group.load(str(llama_dir), dtype=common_pb2.DTYPE_FLOAT32, kv_cache=KV,
                    comm_timeout_s=3.0)

@@ -13,3 +13,5 @@ DEFAULT_GATEWAY_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_GATEWAY_PORT}"
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
 # A client's request to the gateway: a prompt is at most a few MiB of text or token ids.
 MAX_REQUEST_BYTES = 8 << 20
+# Weight dtypes by name, as the command lines and the SDK's `dtype=` take them.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")

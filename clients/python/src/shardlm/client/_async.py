@@ -13,6 +13,7 @@ import grpc
 import grpc.aio
 
 from shardlm.common.v1 import common_pb2
+from shardlm.constants import DEFAULT_GATEWAY_ADDRESS
 from shardlm.errors import InternalError, ShardLMError
 from shardlm.gateway.v1 import gateway_pb2 as pb
 from shardlm.gateway.v1 import gateway_pb2_grpc
@@ -73,7 +74,7 @@ class AsyncClient:
     loop that uses it: grpc.aio channels belong to one loop.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, tls: bool = False,
+    def __init__(self, address: str = DEFAULT_GATEWAY_ADDRESS, *, tls: bool = False,
                  root_certificates: bytes | None = None, private_key: bytes | None = None,
                  certificate_chain: bytes | None = None, auth_token: str | None = None,
                  timeout: float | None = None, max_retries: int = 3, retry_backoff: float = 0.2,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from shardlm.common.v1 import common_pb2
+from shardlm.constants import DEFAULT_GATEWAY_ADDRESS
 from shardlm.errors import InternalError, ShardLMError
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -62,7 +63,7 @@ class Client:
     `options` adds gRPC channel options. A Client may be shared between threads.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, tls: bool = False,
+    def __init__(self, address: str = DEFAULT_GATEWAY_ADDRESS, *, tls: bool = False,
                  root_certificates: bytes | None = None, private_key: bytes | None = None,
                  certificate_chain: bytes | None = None, auth_token: str | None = None,
                  timeout: float | None = None, max_retries: int = 3, retry_backoff: float = 0.2,

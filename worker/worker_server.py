@@ -1,7 +1,8 @@
 """`shardlm worker` / `python -m worker`: serve the worker API on a TCP port or a unix socket.
 
-Prints one line `READY <address>` on stdout once it accepts calls, so a launcher can wait for it.
-SIGTERM / SIGINT stop it gracefully (in-flight calls get a short grace period).
+Prints one line `READY <address>` on stdout once it accepts calls, so the gateway that started it
+can wait for it. SIGTERM / SIGINT stop it gracefully (in-flight calls get a short grace period),
+and so does the end of the gateway that started it (`--parent-pid`, see worker/parent_watch.py).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from shardlm.constants import DEFAULT_HOST, MAX_WORKER_MESSAGE_BYTES
 from shardlm.worker.v1 import worker_pb2_grpc
 
-from worker.launcher import MAX_MESSAGE_BYTES
+from worker.parent_watch import watch_parent
 from worker.rpc_errors import ErrorMappingInterceptor
-from worker.service import WorkerServicer
+from worker.worker_servicer import WorkerServicer
 
 
 def build_server(address: str, credentials: grpc.ServerCredentials | None = None
@@ -27,8 +29,8 @@ def build_server(address: str, credentials: grpc.ServerCredentials | None = None
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardlm-worker"),
         interceptors=[ErrorMappingInterceptor()],
-        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        options=[("grpc.max_send_message_length", MAX_WORKER_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_WORKER_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(), server)
@@ -40,12 +42,14 @@ def build_server(address: str, credentials: grpc.ServerCredentials | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on")
     parser.add_argument("--port", type=int, default=0, help="TCP port (0 picks a free one)")
     parser.add_argument("--unix", default="", help="listen on this unix socket path instead")
     parser.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mTLS)")
+    # Set by the gateway for the workers it starts: exit when that process is gone.
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        watch_parent(args.parent_pid, stop.set)
     stop.wait()
     server.stop(grace=5).wait()
     return 0

@@ -1,21 +1,21 @@
-"""How the launcher starts local workers (without starting any)."""
+"""How the gateway starts local workers (without starting any)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker import launcher
-from worker.launcher import WorkerGroup
+from gateway import worker_processes
+from gateway.worker_processes import WorkerGroup
 
 
 def spawned_env(monkeypatch) -> dict[str, str]:
     seen: list[dict[str, str]] = []
 
-    def fake_spawn(rank, env, host, timeout_s, tls):
+    def fake_spawn(self, rank, env, host, timeout_s):
         seen.append(env)
         raise RuntimeError("not starting anything")
 
-    monkeypatch.setattr(launcher, "_spawn", fake_spawn)
+    monkeypatch.setattr(WorkerGroup, "_spawn", fake_spawn)
     with pytest.raises(RuntimeError):
         WorkerGroup.spawn(2, device="cpu")
     return seen[0]
@@ -23,7 +23,7 @@ def spawned_env(monkeypatch) -> dict[str, str]:
 
 def test_cpu_workers_split_the_cores_and_wait_passively(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(worker_processes.os, "cpu_count", lambda: 8)
     env = spawned_env(monkeypatch)
     assert env == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE"}
 

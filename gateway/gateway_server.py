@@ -16,17 +16,17 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from shardlm.constants import DEFAULT_HOST, MAX_REQUEST_BYTES
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway.auth import AuthInterceptor, Identity
+from gateway.gateway_servicer import GatewayServicer
 from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
 from gateway.runtime import SERVICE_NAME, Limits, Runtime
-from gateway.service import GatewayServicer
-from worker.launcher import WorkerGroup
+from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
-MAX_REQUEST_BYTES = 8 << 20
 
 
 @dataclass
@@ -60,7 +60,7 @@ def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.Serve
                                        require_client_auth=ca is not None)
 
 
-async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: int = 0,
+async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: int = 0,
                         limits: Limits | None = None, metrics_port: int | None = None,
                         credentials: grpc.ServerCredentials | None = None,
                         auth_tokens: dict[str, Identity] | None = None,
@@ -81,13 +81,22 @@ async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: in
              "grpc.health.v1.Health", reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, credentials) if credentials
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials
+                 else server.add_insecure_port(address))
+    except RuntimeError:  # grpc's way of saying the port is taken or the host is not local
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        await runtime.pool.close()
+        raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
     await runtime.set_serving(False)
     await server.start()
     if metrics_port is not None:
-        metrics.serve_http(metrics_port, host)
+        try:
+            metrics.serve_http(metrics_port, host)
+        except OSError as exc:
+            await server.stop(grace=None)
+            await runtime.pool.close()
+            raise OSError(f"cannot serve metrics on {host}:{metrics_port}: {exc.strerror}") from None
     assert SERVICE_NAME == names[0]
     return GatewayServer(server, runtime, metrics, bound)

@@ -1,0 +1,223 @@
+"""`shardlm serve`: workers + gateway in one command, with a graceful shutdown.
+
+Start-up goes from cheap to costly: settings and paths, then the gateway's ports (probed, so a
+busy port is reported before any worker is started), then the workers, the gateway, the model.
+Whatever fails on the way, and a SIGINT / SIGTERM before the model is ready, stops every process
+started so far and ends with one `error:` line and exit code 1 (0 for a signal after start-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+from shardlm.common.v1 import common_pb2
+from shardlm.errors import ShardLMError
+
+from gateway.auth import load_tokens
+from gateway.default_model import DefaultModelMissing, default_model_path
+from gateway.gateway_server import GatewayServer, server_credentials, start_gateway
+from gateway.runtime import Limits
+from gateway.supervisor import Supervisor
+from gateway.worker_processes import WorkerGroup, WorkerTLS
+
+log = logging.getLogger("shardlm.serve")
+DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
+               "float16": common_pb2.DTYPE_FLOAT16}
+REMOTE_WORKERS_TIMEOUT_S = 60.0
+T = TypeVar("T")
+
+
+class StartupInterrupted(Exception):
+    """A stop signal arrived before the gateway was serving."""
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def unless_stopped(stop: asyncio.Event, awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, or StartupInterrupted (with `awaitable` cancelled) once `stop` is
+    set. Work running in a thread goes on; the caller stops what it started."""
+    task = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not task.done():
+        task.cancel()
+        raise StartupInterrupted()
+    return task.result()
+
+
+def check_port_free(host: str, port: int | None, what: str = "the gateway") -> None:
+    """OSError naming the port when another process already listens on it (port 0 and None
+    pick nothing to check)."""
+    if not port:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"{what} cannot listen on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(f"{what} cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _worker_tls(s: dict) -> WorkerTLS | None:
+    if not (s["worker_tls_ca"] or s["worker_tls_cert"] or s["worker_tls_key"]):
+        return None
+    if not (s["worker_tls_ca"] and s["worker_tls_cert"] and s["worker_tls_key"]):
+        raise ValueError("--worker-tls-ca, --worker-tls-cert and --worker-tls-key go together")
+    return WorkerTLS(s["worker_tls_ca"], s["worker_tls_cert"], s["worker_tls_key"])
+
+
+def _check_before_start(s: dict) -> None:
+    """What can be checked before any process is started."""
+    if s["model"] and not Path(s["model"]).exists():
+        raise ValueError(f"model path {s['model']} does not exist")
+    check_port_free(s["host"], int(s["port"]))
+    check_port_free(s["host"], s["metrics_port"], "metrics")
+
+
+def _remote_addresses(s: dict) -> list[str]:
+    return [a.strip() for a in str(s["workers"]).split(",") if a.strip()]
+
+
+def _start_workers(s: dict, tls: WorkerTLS | None, group: WorkerGroup | None = None
+                   ) -> WorkerGroup:
+    """Connect to the --workers addresses, or start local workers (into `group` when given, so
+    that another thread can close it while they start)."""
+    if s["workers"]:
+        return WorkerGroup.connect(_remote_addresses(s),
+                                   "cuda" if s["device"] == "cuda" else "cpu", tls)
+    group = group if group is not None else WorkerGroup(tls=tls)
+    device = s["device"] or ("cuda" if _cuda_available() else "cpu")
+    devices = [int(d) for d in str(s["devices"]).split(",")] if s["devices"] else None
+    count = len(devices) if devices else int(s["tp"] or 1)
+    try:
+        group.start_local(count, device=device, devices=devices)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+async def _start_gateway(s: dict, group: WorkerGroup) -> GatewayServer:
+    credentials = None
+    if s["tls_cert"] or s["tls_key"]:
+        credentials = server_credentials(s["tls_cert"], s["tls_key"], s["tls_client_ca"])
+    tokens = load_tokens(s["auth_tokens"]) if s["auth_tokens"] else None
+    model_root = s["model_root"]
+    if model_root is None and tokens and s["model"]:
+        model_root = str(Path(s["model"]).resolve().parent)  # auth on: never load anywhere
+    limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
+                    session_idle_timeout_s=float(s["session_idle_timeout"]))
+    return await start_gateway(group, host=s["host"], port=int(s["port"]), limits=limits,
+                               metrics_port=s["metrics_port"], credentials=credentials,
+                               auth_tokens=tokens, model_root=model_root)
+
+
+async def _load(s: dict, server: GatewayServer) -> None:
+    kv = common_pb2.KvCacheConfig(block_size=int(s["block_size"]),
+                                  memory_bytes=int(s["kv_cache_mb"]) << 20)
+
+    def progress(p: common_pb2.LoadProgress) -> None:
+        print(f"loading: {p.fraction:4.0%} {p.message}", flush=True)
+
+    try:
+        model = await server.runtime.load(str(s["model"]), DTYPE_ENUMS.get(s["dtype"] or "", 0),
+                                          0, kv, progress)
+    except ShardLMError as exc:
+        raise ValueError(f"could not load {s['model']}: {exc.message}") from None
+    print(f"ready: serving {model.info.architecture} from {s['model']} on "
+          f"{s['host']}:{server.port}", flush=True)
+
+
+async def serve(s: dict) -> int:
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    if not s["model"] and not s["no_model"]:
+        try:
+            s["model"] = str(default_model_path())
+        except DefaultModelMissing as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"no --model given: serving the default model {Path(s['model']).name}", flush=True)
+    try:
+        tls = _worker_tls(s)
+        _check_before_start(s)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+    group = WorkerGroup(tls=tls)
+    server: GatewayServer | None = None
+    supervisor: Supervisor | None = None
+    try:
+        try:
+            group = await unless_stopped(stop, asyncio.to_thread(_start_workers, s, tls, group))
+        except (ShardLMError, OSError) as exc:
+            raise ValueError(f"could not start workers: {exc}") from None
+        server = await unless_stopped(stop, _start_gateway(s, group))
+        if s["workers"]:
+            await unless_stopped(stop, server.runtime.pool.wait_healthy(REMOTE_WORKERS_TIMEOUT_S))
+        supervisor = Supervisor(server.runtime, lambda: _start_workers(s, tls))
+        supervisor.start()
+        print(f"ShardLM gateway on {s['host']}:{server.port} with {group.world_size} worker(s)",
+              flush=True)
+        if s["model"]:
+            await unless_stopped(stop, _load(s, server))
+        else:
+            print("no model: waiting for a Load call (health is NOT_SERVING until then)",
+                  flush=True)
+    except StartupInterrupted:
+        print("error: stopped by a signal during start-up", file=sys.stderr)
+        await _shut_down(group, server, supervisor, 0)
+        return 1
+    except (ShardLMError, OSError, ValueError, TypeError) as exc:
+        message = exc.message if isinstance(exc, ShardLMError) else str(exc)
+        print(f"error: {message}", file=sys.stderr)
+        await _shut_down(group, server, supervisor, 0)
+        return 1
+    except BaseException:
+        await _shut_down(group, server, supervisor, 0)
+        raise
+    await stop.wait()
+    print("draining...", flush=True)
+    await _shut_down(group, server, supervisor, float(s["drain_grace"]))
+    print("stopped", flush=True)
+    return 0
+
+
+async def _shut_down(group: WorkerGroup, server: GatewayServer | None,
+                     supervisor: Supervisor | None, drain_grace_s: float) -> None:
+    """Stop what was started, newest first; the workers last, whichever group is current."""
+    if supervisor is not None:
+        await supervisor.stop()
+    if server is not None:
+        await server.drain(drain_grace_s)
+        group = server.runtime.group
+    await asyncio.to_thread(group.close)
