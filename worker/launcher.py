@@ -176,11 +176,13 @@ class WorkerGroup:
         *,
         dtype: int = common_pb2.DTYPE_UNSPECIFIED,
         kv_cache: common_pb2.KvCacheConfig | None = None,
-        comm_timeout_s: float = 60.0,
+        engine_options: worker_pb2.EngineOptions | None = None,
+        comm_timeout_s: float = 0.0,
         comm_port: int = 0,
         progress: Callable[[common_pb2.LoadProgress], None] = lambda _p: None,
     ) -> worker_pb2.LoadComplete:
-        """Load on every rank at once; returns rank 0's LoadComplete or raises the first error."""
+        """Load on every rank at once; returns rank 0's LoadComplete or raises the first error.
+        Unset engine options and a 0 communicator timeout take the workers' defaults."""
         world = self.world_size
         cuda = self.handles[0].device.startswith("cuda")
         backend = worker_pb2.COMM_BACKEND_NCCL if cuda else worker_pb2.COMM_BACKEND_GLOO
@@ -192,7 +194,7 @@ class WorkerGroup:
         def request(rank: int, unique_id: bytes = b"") -> worker_pb2.LoadRequest:
             return worker_pb2.LoadRequest(
                 model_path=model_path, dtype=dtype, device=self.handles[rank].device,
-                rank=rank, world_size=world, kv_cache=kv_cache,
+                rank=rank, world_size=world, kv_cache=kv_cache, engine=engine_options,
                 comm=worker_pb2.CommunicatorConfig(backend=backend, init_address=init_address,
                                                    nccl_unique_id=unique_id,
                                                    timeout_seconds=comm_timeout_s))
