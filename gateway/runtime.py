@@ -23,6 +23,7 @@ from shardlm.errors import (
 from shardlm.worker.v1 import worker_pb2
 
 from gateway.allocator import BlockAllocator
+from gateway.config import Limits, LoadOptions
 from gateway.metrics import Metrics
 from gateway.paths import check_model_path
 from gateway.scheduler import Scheduler
@@ -33,17 +34,6 @@ from worker.launcher import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
 SERVICE_NAME = "shardlm.gateway.v1.GatewayService"
-
-
-@dataclass
-class Limits:
-    max_new_tokens: int = 4096
-    default_max_new_tokens: int = 256
-    session_idle_timeout_s: float = 600.0
-    max_waiting: int = 1024
-    max_running: int = 256
-    prefill_token_budget: int = 2048
-    max_decode_steps: int = 8
 
 
 @dataclass
@@ -72,11 +62,13 @@ def not_loaded() -> FailedPreconditionError:
 
 class Runtime:
     def __init__(self, group: WorkerGroup, metrics: Metrics, limits: Limits,
-                 health: health_aio.HealthServicer, model_root: str | None = None) -> None:
+                 health: health_aio.HealthServicer, model_root: str | None = None,
+                 load_options: LoadOptions | None = None) -> None:
         self.model_root = model_root
         self.group = group
         self.metrics = metrics
         self.limits = limits
+        self.load_options = load_options or LoadOptions()
         self.health = health
         self.model: Model | None = None
         self.pool = self._pool_for(group)
@@ -86,10 +78,10 @@ class Runtime:
         self._load_lock = asyncio.Lock()
         self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
 
-    @staticmethod
-    def _pool_for(group: WorkerGroup) -> WorkerPool:
+    def _pool_for(self, group: WorkerGroup) -> WorkerPool:
         credentials = group.tls.channel_credentials() if group.tls else None
-        return WorkerPool([h.address for h in group.handles], credentials=credentials)
+        return WorkerPool([h.address for h in group.handles], credentials=credentials,
+                          step_timeout_s=self.limits.step_timeout_s)
 
     def require(self) -> Model:
         if self.draining:
@@ -135,7 +127,9 @@ class Runtime:
                 loop.call_soon_threadsafe(progress, p)
 
             complete = await asyncio.to_thread(
-                self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report)
+                self.group.load, model_path, dtype=dtype, kv_cache=kv_cache, progress=report,
+                engine_options=self.load_options.engine,
+                comm_timeout_s=self.load_options.comm_timeout_s)
             try:
                 tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, Path(model_path))
             except TokenizerError as exc:

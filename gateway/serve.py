@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 
 from gateway.auth import load_tokens
-from gateway.runtime import Limits
+from gateway.config import ServeConfig
 from gateway.server import server_credentials, start_gateway
 from gateway.supervisor import Supervisor
 from worker.launcher import WorkerGroup, WorkerTLS
@@ -19,8 +20,6 @@ from worker.launcher import WorkerGroup, WorkerTLS
 log = logging.getLogger("shardlm.serve")
 # The demo model trained by scripts/train_demo_model.py, served when no --model is given.
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "shakespeare-tiny"
-DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
-               "float16": common_pb2.DTYPE_FLOAT16}
 
 
 def _cuda_available() -> bool:
@@ -32,82 +31,77 @@ def _cuda_available() -> bool:
         return False
 
 
-def _start_workers(s: dict) -> WorkerGroup:
+def _start_workers(cfg: ServeConfig) -> WorkerGroup:
     tls = None
-    if s["worker_tls_ca"] or s["worker_tls_cert"] or s["worker_tls_key"]:
-        if not (s["worker_tls_ca"] and s["worker_tls_cert"] and s["worker_tls_key"]):
-            raise ValueError("--worker-tls-ca, --worker-tls-cert and --worker-tls-key go together")
-        tls = WorkerTLS(s["worker_tls_ca"], s["worker_tls_cert"], s["worker_tls_key"])
-    if s["workers"]:
-        addresses = [a.strip() for a in str(s["workers"]).split(",") if a.strip()]
-        group = WorkerGroup.connect(addresses, "cuda" if s["device"] == "cuda" else "cpu", tls)
-        group.wait_healthy(60)
+    if cfg.worker_tls_ca:  # validated: the three files come together
+        tls = WorkerTLS(cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key)
+    if cfg.workers:
+        group = WorkerGroup.connect(cfg.worker_addresses(),
+                                    "cuda" if cfg.device == "cuda" else "cpu", tls)
+        group.wait_healthy(cfg.worker_start_timeout)
         return group
-    device = s["device"] or ("cuda" if _cuda_available() else "cpu")
-    devices = [int(d) for d in str(s["devices"]).split(",")] if s["devices"] else None
-    count = len(devices) if devices else int(s["tp"] or 1)
-    return WorkerGroup.spawn(count, device=device, devices=devices, tls=tls)
+    device = cfg.device or ("cuda" if _cuda_available() else "cpu")
+    devices = cfg.device_ids()
+    count = len(devices) if devices else cfg.tp or 1
+    return WorkerGroup.spawn(count, device=device, devices=devices, tls=tls,
+                             start_timeout_s=cfg.worker_start_timeout)
 
 
-async def serve(s: dict) -> int:
+async def serve(cfg: ServeConfig) -> int:
     from gateway.cli import install_stop_handlers
 
-    if not s["model"] and not s["no_model"] and (BUNDLED_MODEL / "config.json").exists():
-        s["model"] = str(BUNDLED_MODEL)
+    if not cfg.model and not cfg.no_model and (BUNDLED_MODEL / "config.json").exists():
+        cfg = dataclasses.replace(cfg, model=str(BUNDLED_MODEL))
         print(f"no --model given: serving the bundled demo model {BUNDLED_MODEL.name}", flush=True)
 
     try:
-        group = await asyncio.to_thread(_start_workers, s)
+        group = await asyncio.to_thread(_start_workers, cfg)
     except (ShardLMError, OSError, ValueError) as exc:
         print(f"error: could not start workers: {exc}", file=sys.stderr)
         return 1
-    limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
-                    session_idle_timeout_s=float(s["session_idle_timeout"]))
     try:
         credentials = None
-        if s["tls_cert"] or s["tls_key"]:
-            credentials = server_credentials(s["tls_cert"], s["tls_key"], s["tls_client_ca"])
-        tokens = load_tokens(s["auth_tokens"]) if s["auth_tokens"] else None
-        model_root = s["model_root"]
-        if model_root is None and tokens and s["model"]:
-            model_root = str(Path(s["model"]).resolve().parent)  # auth on: never load anywhere
-        server = await start_gateway(group, host=s["host"], port=int(s["port"]), limits=limits,
-                                     metrics_port=s["metrics_port"], credentials=credentials,
-                                     auth_tokens=tokens, model_root=model_root)
+        if cfg.tls_cert:
+            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        tokens = load_tokens(cfg.auth_tokens) if cfg.auth_tokens else None
+        model_root = cfg.model_root
+        if model_root is None and tokens and cfg.model:
+            model_root = str(Path(cfg.model).resolve().parent)  # auth on: never load anywhere
+        server = await start_gateway(group, host=cfg.host, port=cfg.port, limits=cfg.limits,
+                                     metrics_port=cfg.metrics_port, credentials=credentials,
+                                     auth_tokens=tokens, model_root=model_root,
+                                     load_options=cfg.load_options)
     except (OSError, ValueError, TypeError) as exc:
         group.close()
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    supervisor = Supervisor(server.runtime, lambda: _start_workers(s))
+    supervisor = Supervisor(server.runtime, lambda: _start_workers(cfg))
     supervisor.start()
-    address = f"{s['host']}:{server.port}"
+    address = f"{cfg.host}:{server.port}"
     print(f"ShardLM gateway on {address} with {group.world_size} worker(s)", flush=True)
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    if s["model"]:
-        kv = common_pb2.KvCacheConfig(block_size=int(s["block_size"]),
-                                      memory_bytes=int(s["kv_cache_mb"]) << 20)
-
+    if cfg.model:
         def progress(p: common_pb2.LoadProgress) -> None:
             print(f"loading: {p.fraction:4.0%} {p.message}", flush=True)
 
         try:
-            model = await server.runtime.load(str(s["model"]), DTYPE_ENUMS.get(s["dtype"] or "", 0),
-                                              0, kv, progress)
+            model = await server.runtime.load(cfg.model, cfg.dtype_enum(), 0, cfg.kv_cache(),
+                                              progress)
         except ShardLMError as exc:
-            print(f"error: could not load {s['model']}: {exc.message}", file=sys.stderr)
+            print(f"error: could not load {cfg.model}: {exc.message}", file=sys.stderr)
             await supervisor.stop()
             await server.drain(0)
             server.runtime.group.close()
             return 1
-        print(f"ready: serving {model.info.architecture} from {s['model']} on {address}",
+        print(f"ready: serving {model.info.architecture} from {cfg.model} on {address}",
               flush=True)
     else:
         print("no model: waiting for a Load call (health is NOT_SERVING until then)", flush=True)
     await stop.wait()
     print("draining...", flush=True)
     await supervisor.stop()
-    await server.drain(float(s["drain_grace"]))
+    await server.drain(cfg.drain_grace)
     await asyncio.to_thread(server.runtime.group.close)
     print("stopped", flush=True)
     return 0

@@ -18,8 +18,6 @@ from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("shardlm.gateway")
 
-# Worker calls never wait forever: a wedged rank turns into UNAVAILABLE.
-DEFAULT_STEP_TIMEOUT_S = 120.0
 MAX_MESSAGE_BYTES = 256 << 20
 PASS_THROUGH = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
@@ -37,8 +35,10 @@ def worker_error(exc: grpc.aio.AioRpcError, rank: int) -> ShardLMError:
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str], step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    def __init__(self, addresses: list[str], *, step_timeout_s: float,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`step_timeout_s` (the --step-timeout setting) bounds every worker call: a wedged
+        rank turns into UNAVAILABLE instead of a wait forever."""
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.addresses = addresses
