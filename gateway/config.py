@@ -23,6 +23,7 @@ from shardlm.constants import (
     DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_HOST,
+    DEFAULT_WORKER_START_TIMEOUT_S,
     DTYPE_NAMES,
     dtype_enum_name,
 )
@@ -96,7 +97,8 @@ class ServeConfig:
         None, "comma-separated addresses of workers started elsewhere, in rank order "
         "(not with --tp/--devices)", "workers", metavar="ADDRESSES")
     worker_start_timeout: float = setting(
-        120.0, "seconds workers get to start and answer", "workers", minimum=0.001)
+        DEFAULT_WORKER_START_TIMEOUT_S, "seconds workers get to start and answer", "workers",
+        minimum=0.001)
     comm_timeout: float = setting(
         DEFAULT_COMM_TIMEOUT_S, "seconds the ranks of a Load wait for each other and for each "
         "collective", "workers", minimum=0.001)

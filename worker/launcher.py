@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 from shardlm.common.v1 import common_pb2
+from shardlm.constants import DEFAULT_WORKER_START_TIMEOUT_S
 from shardlm.errors import ShardLMError, UnavailableError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -117,7 +118,7 @@ class WorkerGroup:
         device: str = "cpu",
         devices: list[int] | None = None,
         host: str = "127.0.0.1",
-        start_timeout_s: float = 120.0,
+        start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S,
         tls: WorkerTLS | None = None,
     ) -> WorkerGroup:
         """Start local workers: on CUDA one per entry of `devices` (default 0..N-1), each seeing
@@ -155,7 +156,7 @@ class WorkerGroup:
         return cls([WorkerHandle(rank, a, device, None, tls) for rank, a in enumerate(addresses)],
                    tls)
 
-    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+    def wait_healthy(self, timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         for h in self.handles:
             while True:

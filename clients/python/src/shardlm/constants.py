@@ -23,6 +23,8 @@ DEFAULT_BLOCK_SIZE = 16
 # Seconds the ranks of a load wait for each other and for each collective when the LoadRequest
 # leaves CommunicatorConfig.timeout_seconds at 0.
 DEFAULT_COMM_TIMEOUT_S = 60.0
+# Seconds a spawned or connected worker gets to start and answer its first GetInfo.
+DEFAULT_WORKER_START_TIMEOUT_S = 120.0
 # Decode CUDA graphs serve batches and contexts up to these sizes (EngineOptions' zero values).
 DEFAULT_CUDA_GRAPH_MAX_BATCH = 128
 DEFAULT_CUDA_GRAPH_MAX_CONTEXT = 16384
