@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.shapes import SHAPES, build_checkpoint, parameter_count
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from worker.errors import CacheCapacityError
 from worker.kv_cache import CacheConfig
 
@@ -139,12 +139,13 @@ def blocks_per_sequence(engine: Engine, tokens: int) -> int:
 
 
 def load_engine(folder: Path, dtype: torch.dtype, device: torch.device, max_batch: int,
-                seq_tokens: int, prefill_tokens: int, block_size: int = 16) -> Engine:
+                seq_tokens: int, prefill_tokens: int, block_size: int = 16,
+                options: EngineOptions | None = None) -> Engine:
     """An engine whose paged cache holds `max_batch` sequences of `seq_tokens` tokens (and one
     prefill of `prefill_tokens`): sized explicitly so a GPU run does not grab 90% of memory."""
     per_seq = -(-(seq_tokens + 1) // block_size)
     blocks = max(max_batch * per_seq, -(-(prefill_tokens + 1) // block_size)) + 1
-    return Engine.load(folder, dtype=dtype, device=device,
+    return Engine.load(folder, dtype=dtype, device=device, options=options,
                        cache_config=CacheConfig(block_size=block_size, num_blocks=blocks))
 
 

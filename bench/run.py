@@ -32,6 +32,8 @@ from bench import engine_bench as eb
 from bench import roofline, stack_bench
 from bench.report import get, print_report
 from bench.shapes import CPU_DEFAULT, GPU_DEFAULT, SHAPES, build_checkpoint, parameter_count
+from worker.decode_runner import GraphConfig
+from worker.engine import EngineOptions
 
 SECTIONS = ("engine", "baselines", "stack")
 
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="best of this many timed runs (default 2)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="subset of engine,baselines,stack")
     p.add_argument("--out", default="bench/results", help="folder for the JSON result")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode without CUDA graphs: the engine's options, and the stack's "
+                   "`shardlm serve` setting (through SHARDLM_CUDA_GRAPHS)")
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
     if args.smoke:
@@ -97,8 +102,10 @@ def load_engine(folder: Path, args, dtype, device):
     batches = list(args.batch_list)
     while batches:
         try:
+            options = EngineOptions(graphs=GraphConfig(enabled=not args.no_cuda_graphs))
             return eb.load_engine(folder, dtype, device, batches[-1],
-                                  args.prompt_len + args.new_tokens, max(args.prefill_lens)), batches
+                                  args.prompt_len + args.new_tokens, max(args.prefill_lens),
+                                  options=options), batches
         except eb.OOM_ERRORS:
             batches.pop()
             _free(device)
@@ -310,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    if args.no_cuda_graphs:
+        os.environ["SHARDLM_CUDA_GRAPHS"] = "0"  # the stack section's `shardlm serve` reads it
     dtype = getattr(torch, args.dtype)
     started = dt.datetime.now(dt.UTC)
     load_start = list(os.getloadavg())  # the machine may be shared: keep its load beside the figures

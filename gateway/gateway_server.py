@@ -20,10 +20,11 @@ from shardlm.constants import DEFAULT_HOST, MAX_REQUEST_BYTES
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway.auth import AuthInterceptor, Identity
+from gateway.config import Limits, LoadOptions
 from gateway.gateway_servicer import GatewayServicer
 from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
-from gateway.runtime import SERVICE_NAME, Limits, Runtime
+from gateway.runtime import SERVICE_NAME, Runtime
 from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
@@ -64,10 +65,11 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
                         limits: Limits | None = None, metrics_port: int | None = None,
                         credentials: grpc.ServerCredentials | None = None,
                         auth_tokens: dict[str, Identity] | None = None,
-                        model_root: str | None = None) -> GatewayServer:
+                        model_root: str | None = None,
+                        load_options: LoadOptions | None = None) -> GatewayServer:
     metrics = Metrics()
     health = health_aio.HealthServicer()
-    runtime = Runtime(group, metrics, limits or Limits(), health, model_root)
+    runtime = Runtime(group, metrics, limits or Limits(), health, model_root, load_options)
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
     if auth_tokens:
         interceptors.append(AuthInterceptor(auth_tokens))

@@ -9,6 +9,7 @@ started so far and ends with one `error:` line and exit code 1 (0 for a signal a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -21,16 +22,13 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 
 from gateway.auth import load_tokens
+from gateway.config import ServeConfig
 from gateway.default_model import DefaultModelMissing, default_model_path
 from gateway.gateway_server import GatewayServer, server_credentials, start_gateway
-from gateway.runtime import Limits
 from gateway.supervisor import Supervisor
 from gateway.worker_processes import WorkerGroup, WorkerTLS
 
 log = logging.getLogger("shardlm.serve")
-DTYPE_ENUMS = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
-               "float16": common_pb2.DTYPE_FLOAT16}
-REMOTE_WORKERS_TIMEOUT_S = 60.0
 T = TypeVar("T")
 
 
@@ -86,89 +84,80 @@ def _cuda_available() -> bool:
         return False
 
 
-def _worker_tls(s: dict) -> WorkerTLS | None:
-    if not (s["worker_tls_ca"] or s["worker_tls_cert"] or s["worker_tls_key"]):
+def _worker_tls(cfg: ServeConfig) -> WorkerTLS | None:
+    if not cfg.worker_tls_ca:  # validated: the three files come together
         return None
-    if not (s["worker_tls_ca"] and s["worker_tls_cert"] and s["worker_tls_key"]):
-        raise ValueError("--worker-tls-ca, --worker-tls-cert and --worker-tls-key go together")
-    return WorkerTLS(s["worker_tls_ca"], s["worker_tls_cert"], s["worker_tls_key"])
+    return WorkerTLS(cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key)
 
 
-def _check_before_start(s: dict) -> None:
+def _check_before_start(cfg: ServeConfig) -> None:
     """What can be checked before any process is started."""
-    if s["model"] and not Path(s["model"]).exists():
-        raise ValueError(f"model path {s['model']} does not exist")
-    check_port_free(s["host"], int(s["port"]))
-    check_port_free(s["host"], s["metrics_port"], "metrics")
+    if cfg.model and not Path(cfg.model).exists():
+        raise ValueError(f"model path {cfg.model} does not exist")
+    check_port_free(cfg.host, cfg.port)
+    check_port_free(cfg.host, cfg.metrics_port, "metrics")
 
 
-def _remote_addresses(s: dict) -> list[str]:
-    return [a.strip() for a in str(s["workers"]).split(",") if a.strip()]
-
-
-def _start_workers(s: dict, tls: WorkerTLS | None, group: WorkerGroup | None = None
+def _start_workers(cfg: ServeConfig, tls: WorkerTLS | None, group: WorkerGroup | None = None
                    ) -> WorkerGroup:
     """Connect to the --workers addresses, or start local workers (into `group` when given, so
     that another thread can close it while they start)."""
-    if s["workers"]:
-        return WorkerGroup.connect(_remote_addresses(s),
-                                   "cuda" if s["device"] == "cuda" else "cpu", tls)
+    if cfg.workers:
+        return WorkerGroup.connect(cfg.worker_addresses(),
+                                   "cuda" if cfg.device == "cuda" else "cpu", tls)
     group = group if group is not None else WorkerGroup(tls=tls)
-    device = s["device"] or ("cuda" if _cuda_available() else "cpu")
-    devices = [int(d) for d in str(s["devices"]).split(",")] if s["devices"] else None
-    count = len(devices) if devices else int(s["tp"] or 1)
+    device = cfg.device or ("cuda" if _cuda_available() else "cpu")
+    devices = cfg.device_ids()
+    count = len(devices) if devices else cfg.tp or 1
     try:
-        group.start_local(count, device=device, devices=devices)
+        group.start_local(count, device=device, devices=devices,
+                          start_timeout_s=cfg.worker_start_timeout)
     except BaseException:
         group.close()
         raise
     return group
 
 
-async def _start_gateway(s: dict, group: WorkerGroup) -> GatewayServer:
+async def _start_gateway(cfg: ServeConfig, group: WorkerGroup) -> GatewayServer:
     credentials = None
-    if s["tls_cert"] or s["tls_key"]:
-        credentials = server_credentials(s["tls_cert"], s["tls_key"], s["tls_client_ca"])
-    tokens = load_tokens(s["auth_tokens"]) if s["auth_tokens"] else None
-    model_root = s["model_root"]
-    if model_root is None and tokens and s["model"]:
-        model_root = str(Path(s["model"]).resolve().parent)  # auth on: never load anywhere
-    limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
-                    session_idle_timeout_s=float(s["session_idle_timeout"]))
-    return await start_gateway(group, host=s["host"], port=int(s["port"]), limits=limits,
-                               metrics_port=s["metrics_port"], credentials=credentials,
-                               auth_tokens=tokens, model_root=model_root)
+    if cfg.tls_cert:  # validated: certificate and key come together
+        credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+    tokens = load_tokens(cfg.auth_tokens) if cfg.auth_tokens else None
+    model_root = cfg.model_root
+    if model_root is None and tokens and cfg.model:
+        model_root = str(Path(cfg.model).resolve().parent)  # auth on: never load anywhere
+    return await start_gateway(group, host=cfg.host, port=cfg.port, limits=cfg.limits,
+                               metrics_port=cfg.metrics_port, credentials=credentials,
+                               auth_tokens=tokens, model_root=model_root,
+                               load_options=cfg.load_options)
 
 
-async def _load(s: dict, server: GatewayServer) -> None:
-    kv = common_pb2.KvCacheConfig(block_size=int(s["block_size"]),
-                                  memory_bytes=int(s["kv_cache_mb"]) << 20)
-
+async def _load(cfg: ServeConfig, server: GatewayServer) -> None:
     def progress(p: common_pb2.LoadProgress) -> None:
         print(f"loading: {p.fraction:4.0%} {p.message}", flush=True)
 
     try:
-        model = await server.runtime.load(str(s["model"]), DTYPE_ENUMS.get(s["dtype"] or "", 0),
-                                          0, kv, progress)
+        model = await server.runtime.load(cfg.model, cfg.dtype_enum(), 0, cfg.kv_cache(),
+                                          progress)
     except ShardLMError as exc:
-        raise ValueError(f"could not load {s['model']}: {exc.message}") from None
-    print(f"ready: serving {model.info.architecture} from {s['model']} on "
-          f"{s['host']}:{server.port}", flush=True)
+        raise ValueError(f"could not load {cfg.model}: {exc.message}") from None
+    print(f"ready: serving {model.info.architecture} from {cfg.model} on "
+          f"{cfg.host}:{server.port}", flush=True)
 
 
-async def serve(s: dict) -> int:
+async def serve(cfg: ServeConfig) -> int:
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    if not s["model"] and not s["no_model"]:
+    if not cfg.model and not cfg.no_model:
         try:
-            s["model"] = str(default_model_path())
+            cfg = dataclasses.replace(cfg, model=str(default_model_path()))
         except DefaultModelMissing as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        print(f"no --model given: serving the default model {Path(s['model']).name}", flush=True)
+        print(f"no --model given: serving the default model {Path(cfg.model).name}", flush=True)
     try:
-        tls = _worker_tls(s)
-        _check_before_start(s)
+        tls = _worker_tls(cfg)
+        _check_before_start(cfg)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -178,18 +167,19 @@ async def serve(s: dict) -> int:
     supervisor: Supervisor | None = None
     try:
         try:
-            group = await unless_stopped(stop, asyncio.to_thread(_start_workers, s, tls, group))
+            group = await unless_stopped(stop, asyncio.to_thread(_start_workers, cfg, tls, group))
         except (ShardLMError, OSError) as exc:
             raise ValueError(f"could not start workers: {exc}") from None
-        server = await unless_stopped(stop, _start_gateway(s, group))
-        if s["workers"]:
-            await unless_stopped(stop, server.runtime.pool.wait_healthy(REMOTE_WORKERS_TIMEOUT_S))
-        supervisor = Supervisor(server.runtime, lambda: _start_workers(s, tls))
+        server = await unless_stopped(stop, _start_gateway(cfg, group))
+        if cfg.workers:
+            await unless_stopped(stop, server.runtime.pool.wait_healthy(cfg.worker_start_timeout))
+        supervisor = Supervisor(server.runtime, lambda: _start_workers(cfg, tls),
+                                start_timeout_s=cfg.worker_start_timeout)
         supervisor.start()
-        print(f"ShardLM gateway on {s['host']}:{server.port} with {group.world_size} worker(s)",
+        print(f"ShardLM gateway on {cfg.host}:{server.port} with {group.world_size} worker(s)",
               flush=True)
-        if s["model"]:
-            await unless_stopped(stop, _load(s, server))
+        if cfg.model:
+            await unless_stopped(stop, _load(cfg, server))
         else:
             print("no model: waiting for a Load call (health is NOT_SERVING until then)",
                   flush=True)
@@ -207,7 +197,7 @@ async def serve(s: dict) -> int:
         raise
     await stop.wait()
     print("draining...", flush=True)
-    await _shut_down(group, server, supervisor, float(s["drain_grace"]))
+    await _shut_down(group, server, supervisor, cfg.drain_grace)
     print("stopped", flush=True)
     return 0
 

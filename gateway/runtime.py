@@ -23,6 +23,7 @@ from shardlm.errors import (
 from shardlm.worker.v1 import worker_pb2
 
 from gateway.allocator import BlockAllocator
+from gateway.config import Limits, LoadOptions
 from gateway.metrics import Metrics
 from gateway.paths import check_model_path
 from gateway.scheduler import Scheduler
@@ -33,17 +34,6 @@ from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
 SERVICE_NAME = "shardlm.gateway.v1.GatewayService"
-
-
-@dataclass
-class Limits:
-    max_new_tokens: int = 4096
-    default_max_new_tokens: int = 256
-    session_idle_timeout_s: float = 600.0
-    max_waiting: int = 1024
-    max_running: int = 256
-    prefill_token_budget: int = 2048
-    max_decode_steps: int = 8
 
 
 @dataclass
@@ -74,11 +64,13 @@ def not_loaded() -> FailedPreconditionError:
 
 class Runtime:
     def __init__(self, group: WorkerGroup, metrics: Metrics, limits: Limits,
-                 health: health_aio.HealthServicer, model_root: str | None = None) -> None:
+                 health: health_aio.HealthServicer, model_root: str | None = None,
+                 load_options: LoadOptions | None = None) -> None:
         self.model_root = model_root
         self.group = group
         self.metrics = metrics
         self.limits = limits
+        self.load_options = load_options or LoadOptions()
         self.health = health
         self.model: Model | None = None
         self.pool = self._pool_for(group)
@@ -88,10 +80,10 @@ class Runtime:
         self._load_lock = asyncio.Lock()
         self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
 
-    @staticmethod
-    def _pool_for(group: WorkerGroup) -> WorkerPool:
+    def _pool_for(self, group: WorkerGroup) -> WorkerPool:
         credentials = group.tls.channel_credentials() if group.tls else None
-        return WorkerPool(group.addresses, credentials=credentials, devices=group.devices)
+        return WorkerPool(group.addresses, credentials=credentials, devices=group.devices,
+                          step_timeout_s=self.limits.step_timeout_s)
 
     def require(self) -> Model:
         if self.draining:
@@ -141,8 +133,10 @@ class Runtime:
             await self.unload(UnavailableError("the model is being replaced",
                                                reason="WORKER_UNAVAILABLE", retry_after_s=5.0))
             try:
-                complete = await self.pool.load(model_path, dtype=dtype, kv_cache=kv_cache,
-                                                progress=progress)
+                complete = await self.pool.load(
+                    model_path, dtype=dtype, kv_cache=kv_cache, progress=progress,
+                    engine_options=self.load_options.engine,
+                    comm_timeout_s=self.load_options.comm_timeout_s)
             except ShardLMError:
                 await self._restore(previous)
                 raise

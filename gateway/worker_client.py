@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from shardlm.common.v1 import common_pb2
-from shardlm.constants import MAX_WORKER_MESSAGE_BYTES
+from shardlm.constants import DEFAULT_WORKER_START_TIMEOUT_S, MAX_WORKER_MESSAGE_BYTES
 from shardlm.errors import ShardLMError, UnavailableError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -25,8 +25,6 @@ from gateway.worker_processes import free_port
 
 log = logging.getLogger("shardlm.gateway")
 
-# Worker calls never wait forever: a wedged rank turns into UNAVAILABLE.
-DEFAULT_STEP_TIMEOUT_S = 120.0
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_WORKER_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_WORKER_MESSAGE_BYTES)]
 PASS_THROUGH = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
@@ -45,11 +43,12 @@ def worker_error(exc: grpc.aio.AioRpcError, rank: int) -> ShardLMError:
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str], step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    def __init__(self, addresses: list[str], *, step_timeout_s: float,
                  credentials: grpc.ChannelCredentials | None = None,
                  devices: list[str] | None = None) -> None:
         """`devices`: each rank's device as the worker names it ("cpu", "cuda:0"); all "cpu"
-        when not given."""
+        when not given. `step_timeout_s` (the --step-timeout setting) bounds every worker call:
+        a wedged rank turns into UNAVAILABLE instead of a wait forever."""
         self.addresses = addresses
         self.devices = devices or ["cpu"] * len(addresses)
         self.channels = [grpc.aio.secure_channel(a, credentials, CHANNEL_OPTIONS) if credentials
@@ -92,7 +91,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             raise worker_error(exc, rank) from None
 
-    async def wait_healthy(self, timeout_s: float = 60.0,
+    async def wait_healthy(self, timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S,
                            alive: Callable[[int], bool] = lambda _rank: True) -> None:
         """Return once every rank answers GetInfo; UNAVAILABLE when one does not within
         `timeout_s` or `alive(rank)` says its process is gone."""
@@ -117,13 +116,15 @@ class WorkerPool:
         *,
         dtype: int = common_pb2.DTYPE_UNSPECIFIED,
         kv_cache: common_pb2.KvCacheConfig | None = None,
-        comm_timeout_s: float = 60.0,
+        engine_options: worker_pb2.EngineOptions | None = None,
+        comm_timeout_s: float = 0.0,
         comm_port: int = 0,
         progress: Callable[[common_pb2.LoadProgress], None] = lambda _p: None,
     ) -> worker_pb2.LoadComplete:
         """Load on every rank at once; rank 0's LoadComplete, or the first rank's error (which
         cancels the others: they would wait for a peer that is not coming). Progress comes
-        from rank 0."""
+        from rank 0. Unset engine options and a 0 communicator timeout take the workers'
+        defaults."""
         world = self.world_size
         cuda = self.devices[0].startswith("cuda")
         backend = worker_pb2.COMM_BACKEND_NCCL if cuda else worker_pb2.COMM_BACKEND_GLOO
@@ -135,7 +136,7 @@ class WorkerPool:
         def request(rank: int, unique_id: bytes = b"") -> worker_pb2.LoadRequest:
             return worker_pb2.LoadRequest(
                 model_path=model_path, dtype=dtype, device=self.devices[rank], rank=rank,
-                world_size=world, kv_cache=kv_cache,
+                world_size=world, kv_cache=kv_cache, engine=engine_options,
                 comm=worker_pb2.CommunicatorConfig(backend=backend, init_address=init_address,
                                                    nccl_unique_id=unique_id,
                                                    timeout_seconds=comm_timeout_s))

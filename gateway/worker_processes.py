@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from shardlm.constants import DEFAULT_HOST
+from shardlm.constants import DEFAULT_HOST, DEFAULT_WORKER_START_TIMEOUT_S
 from shardlm.errors import UnavailableError
 
 WORKER_MODULE = "worker"  # run with `python -m`; the gateway never imports it
-DEFAULT_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class WorkerGroup:
 
     @classmethod
     def spawn(cls, num_workers: int = 1, *, device: str = "cpu", devices: list[int] | None = None,
-              host: str = DEFAULT_HOST, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+              host: str = DEFAULT_HOST, start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S,
               tls: WorkerTLS | None = None) -> WorkerGroup:
         """Start local workers and return once each accepts calls."""
         group = cls(tls=tls)
@@ -118,7 +117,7 @@ class WorkerGroup:
 
     def start_local(self, num_workers: int = 1, *, device: str = "cpu",
                     devices: list[int] | None = None, host: str = DEFAULT_HOST,
-                    start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+                    start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S) -> None:
         """On CUDA one worker per entry of `devices` (default 0..N-1), each seeing only its GPU;
         on CPU `num_workers` ranks sharing the cores."""
         if device == "cuda":

@@ -7,26 +7,31 @@ from __future__ import annotations
 
 import torch
 from shardlm.common.v1 import common_pb2
+from shardlm.constants import (
+    DEFAULT_CUDA_GRAPH_MAX_BATCH,
+    DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
+    DTYPE_NAMES,
+    dtype_enum_name,
+)
 from shardlm.worker.v1 import worker_pb2
 
+from worker.decode_runner import GraphConfig
 from worker.engine import (
+    DTYPES,
     DecodeItem,
     Engine,
+    EngineOptions,
     FinishReason,
     PrefillItem,
     StepOutput,
     StopParams,
 )
-from worker.kv_cache import CacheCapacity, CacheConfig, CacheMode
+from worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
 from worker.sampling import SamplingParams
 
-DTYPE_NAMES = {
-    common_pb2.DTYPE_FLOAT32: "float32",
-    common_pb2.DTYPE_BFLOAT16: "bfloat16",
-    common_pb2.DTYPE_FLOAT16: "float16",
-}
-DTYPE_ENUMS = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
-               torch.float16: common_pb2.DTYPE_FLOAT16}
+# Dtype enum <-> the engine's names and torch dtypes, derived from the one list of names.
+DTYPE_BY_ENUM = {common_pb2.Dtype.Value(dtype_enum_name(name)): name for name in DTYPE_NAMES}
+DTYPE_ENUMS = {DTYPES[name]: enum for enum, name in DTYPE_BY_ENUM.items()}
 FINISH_ENUMS = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
@@ -61,13 +66,21 @@ def stop_from_proto(p: common_pb2.StopConditions) -> StopParams:
 def cache_config_from_proto(p: common_pb2.KvCacheConfig) -> CacheConfig:
     return CacheConfig(
         mode=CacheMode.STATIC if p.mode == common_pb2.KV_CACHE_MODE_STATIC else CacheMode.PAGED,
-        block_size=p.block_size or 16,
+        block_size=p.block_size or DEFAULT_BLOCK_SIZE,
         memory_bytes=p.memory_bytes,
         gpu_memory_fraction=p.gpu_memory_fraction,
         num_blocks=p.num_blocks,
         static_max_sequences=p.static_max_sequences,
         static_max_sequence_length=p.static_max_sequence_length,
     )
+
+
+def engine_options_from_proto(p: worker_pb2.EngineOptions) -> EngineOptions:
+    """The engine's options from a LoadRequest; zero values take the worker's defaults."""
+    graphs = GraphConfig(enabled=not p.disable_cuda_graphs,
+                         max_batch=p.cuda_graph_max_batch or DEFAULT_CUDA_GRAPH_MAX_BATCH,
+                         max_context=p.cuda_graph_max_context or DEFAULT_CUDA_GRAPH_MAX_CONTEXT)
+    return EngineOptions(graphs=graphs, cpu_simd=not p.disable_cpu_simd)
 
 
 def capacity_to_proto(c: CacheCapacity) -> common_pb2.KvCacheCapacity:

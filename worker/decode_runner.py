@@ -15,11 +15,11 @@ fits (debug taps, a larger batch, a longer context, tensor parallelism) run the 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from shardlm.constants import DEFAULT_CUDA_GRAPH_MAX_BATCH, DEFAULT_CUDA_GRAPH_MAX_CONTEXT
 
 from worker.attention import AttentionMetadata
 from worker.model import Taps, TransformerModel
@@ -35,28 +35,12 @@ PADDING = (0, 0, -1, 0)
 @dataclass(frozen=True)
 class GraphConfig:
     """CUDA graphs for decode: whether to capture them, and the largest batch and context a
-    captured step serves (longer contexts widen every graph's attention grid, so they run eagerly)."""
+    captured step serves (longer contexts widen every graph's attention grid, so they run eagerly).
+    Set per Load from the request's EngineOptions (worker/convert.py)."""
 
     enabled: bool = True
-    max_batch: int = 128
-    max_context: int = 16384
-
-    @classmethod
-    def from_env(cls) -> GraphConfig:
-        """SHARDLM_CUDA_GRAPHS=0 turns graphs off; SHARDLM_CUDA_GRAPH_MAX_BATCH and
-        SHARDLM_CUDA_GRAPH_MAX_CONTEXT bound them (workers inherit the server's environment)."""
-        def number(name: str, default: int) -> int:
-            raw = os.environ.get(name, "").strip()
-            try:
-                return int(raw) if raw else default
-            except ValueError:
-                log.warning("ignoring %s=%r: not an integer", name, raw)
-                return default
-
-        enabled = os.environ.get("SHARDLM_CUDA_GRAPHS", "1").strip().lower() not in (
-            "0", "false", "no", "off")
-        return cls(enabled, number("SHARDLM_CUDA_GRAPH_MAX_BATCH", cls.max_batch),
-                   number("SHARDLM_CUDA_GRAPH_MAX_CONTEXT", cls.max_context))
+    max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
+    max_context: int = DEFAULT_CUDA_GRAPH_MAX_CONTEXT
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -226,7 +210,7 @@ class DecodeRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = model.device
-        self.config = config or GraphConfig.from_env()
+        self.config = config or GraphConfig()
         self._eager: StepBuffers | None = None
         self._graph_buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from shardlm.constants import DTYPE_NAMES
 
+from worker import ops
 from worker.batch import build_prefill_batch, slot_of
 from worker.comm import Communicator, SingleRankCommunicator
 from worker.config import ModelConfig
@@ -45,7 +48,17 @@ from worker.transfer import to_device
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs, not what it computes: decode CUDA graphs, and whether the CPU kernels
+    may take their AVX2 paths (a process-wide switch, set at load). Filled from the LoadRequest's
+    EngineOptions by worker/convert.py."""
+
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+    cpu_simd: bool = True
 
 
 class Engine:
@@ -68,7 +81,7 @@ class Engine:
         self.source = source or CheckpointSource("safetensors", ())
         self.eos_token_ids = eos_token_ids  # reported in ModelInfo; see the module docstring
         self.sequences: dict[int, Sequence] = {}
-        self.graph_config = graph_config or GraphConfig.from_env()
+        self.graph_config = graph_config or GraphConfig()
         self.cache = self._allocate(cache_config)
         self.runner = self._decode_runner()
         self.sampler = StepSampler(self.comm, self.device)
@@ -96,9 +109,11 @@ class Engine:
         device: str | torch.device = "cpu",
         comm: Communicator | None = None,
         cache_config: CacheConfig | None = None,
-        graph_config: GraphConfig | None = None,
+        options: EngineOptions | None = None,
         progress: Callable[[float, str], None] = lambda _f, _m: None,
     ) -> Engine:
+        options = options or EngineOptions()
+        ops.set_cpu_simd(options.cpu_simd)
         model_dir = Path(model_dir)
         device = torch.device(device)
         cfg = load_checkpoint_config(model_dir)
@@ -109,8 +124,8 @@ class Engine:
             model = TransformerModel(cfg, parallel, reader, device, progress)
             source = CheckpointSource(reader.format, tuple(reader.tensor_types))
         eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)
-        return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos, graph_config,
-                   source)
+        return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos,
+                   options.graphs, source)
 
     def _allocate(self, config: CacheConfig) -> KVCache:
         return KVCache(

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+from shardlm.constants import DEFAULT_BLOCK_SIZE
 
 from worker.errors import CacheCapacityError, DeviceOutOfMemoryError, InvalidRequestError
 
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 

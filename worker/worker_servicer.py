@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 import torch
+from shardlm.constants import DEFAULT_COMM_TIMEOUT_S
 from shardlm.errors import FieldViolation, InvalidArgumentError, ShardLMError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -25,7 +26,6 @@ from worker.engine import Engine
 log = logging.getLogger("shardlm.worker")
 
 BACKENDS = {worker_pb2.COMM_BACKEND_GLOO: "gloo", worker_pb2.COMM_BACKEND_NCCL: "nccl"}
-DEFAULT_COMM_TIMEOUT_S = 60.0
 
 
 def _not_loaded() -> ShardLMError:
@@ -122,10 +122,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 self._comm = comm
                 engine = Engine.load(
                     request.model_path,
-                    dtype=convert.DTYPE_NAMES.get(request.dtype),
+                    dtype=convert.DTYPE_BY_ENUM.get(request.dtype),
                     device=device,
                     comm=comm,
                     cache_config=convert.cache_config_from_proto(request.kv_cache),
+                    options=convert.engine_options_from_proto(request.engine),
                     progress=lambda f, m: events.put(("progress", f, m)),
                 )
                 events.put(("done", engine, None))

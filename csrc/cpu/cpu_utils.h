@@ -5,24 +5,19 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "simd.h"
 
 namespace shardlm::cpu {
 
-// Whether to take the AVX2 paths (simd.h): the CPU and OS support AVX2, FMA
-// and F16C, and the environment does not set SHARDLM_CPU_SIMD=0 (which forces
-// the portable loops, to test or time them). Decided once per process.
-inline bool use_avx2() {
-  static const bool enabled = [] {
+// Whether the CPU and OS support the AVX2 paths (simd.h): AVX2, FMA and F16C.
+// Probed once per process.
+inline bool cpu_has_avx2() {
+  static const bool supported = [] {
 #if SHARDLM_HAVE_AVX2
-    const char* env = std::getenv("SHARDLM_CPU_SIMD");
-    if (env != nullptr && std::strcmp(env, "0") == 0) {
-      return false;
-    }
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
@@ -30,7 +25,21 @@ inline bool use_avx2() {
     return false;
 #endif
   }();
-  return enabled;
+  return supported;
+}
+
+// The process-wide switch that set_cpu_simd() (ops.cpp, called from Python
+// with the worker's EngineOptions) flips: false forces the portable loops, to
+// test or time them. On by default.
+inline std::atomic<bool>& simd_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
+// Whether to take the AVX2 paths: supported and not switched off. Read once per
+// kernel call, so a switch takes effect from the next call on.
+inline bool use_avx2() {
+  return simd_allowed().load(std::memory_order_relaxed) && cpu_has_avx2();
 }
 
 template <typename T>

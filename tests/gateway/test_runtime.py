@@ -40,7 +40,8 @@ class StandInPool:
         self.release = release
         self.started = threading.Event()
 
-    async def load(self, model_path, *, dtype, kv_cache, progress) -> worker_pb2.LoadComplete:
+    async def load(self, model_path, *, dtype, kv_cache, progress,
+                   **_options) -> worker_pb2.LoadComplete:
         self.started.set()
         if self.release is not None:
             await asyncio.to_thread(self.release.wait, 30)

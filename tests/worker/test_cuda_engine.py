@@ -15,7 +15,7 @@ import torch
 from tests.checkpoints import LLAMA, build_checkpoint
 from worker import ops
 from worker.decode_runner import GraphConfig
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from worker.kv_cache import CacheConfig
 
 pytestmark = [
@@ -40,7 +40,7 @@ def table(seq: int, per_seq: int = PER_SEQ) -> list[int]:
 def load(model_dir, device: str, dtype: str, *, per_seq: int = PER_SEQ, sequences: int = 8,
          graphs: GraphConfig | None = None) -> Engine:
     return Engine.load(model_dir, dtype=dtype, device=device,
-                       graph_config=graphs or GraphConfig(max_batch=8, max_context=256),
+                       options=EngineOptions(graphs or GraphConfig(max_batch=8, max_context=256)),
                        cache_config=CacheConfig(block_size=BLOCK, num_blocks=sequences * per_seq))
 
 

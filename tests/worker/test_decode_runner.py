@@ -14,7 +14,7 @@ from worker.decode_runner import (
     context_buckets,
     pick_bucket,
 )
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from worker.kv_cache import CacheConfig
 from worker.sampling import SamplingParams
 
@@ -28,7 +28,7 @@ def table(seq: int) -> list[int]:
 
 def load(model_dir, device: str = "cpu", graphs: GraphConfig | None = None) -> Engine:
     return Engine.load(model_dir, dtype="float32" if device == "cpu" else "bfloat16",
-                       device=device, graph_config=graphs,
+                       device=device, options=EngineOptions(graphs=graphs or GraphConfig()),
                        cache_config=CacheConfig(block_size=BLOCK, num_blocks=20 * PER_SEQ))
 
 

@@ -13,6 +13,7 @@ NCCL timeout contract (``synchronize()`` once per step).
 from __future__ import annotations
 
 import torch
+from shardlm.constants import DEFAULT_COMM_TIMEOUT_S
 
 from .base import Communicator, CommunicatorError, SingleRankCommunicator, check_rank
 from .gloo import GlooCommunicator
@@ -40,7 +41,7 @@ def create_communicator(
     device: torch.device,
     init_address: str = "",
     nccl_unique_id: bytes = b"",
-    timeout_s: float = 30.0,
+    timeout_s: float = DEFAULT_COMM_TIMEOUT_S,
 ) -> Communicator:
     """Build the communicator for one rank of a tensor-parallel group.
 

@@ -24,6 +24,7 @@ __all__ = [
     "SKINNY_MAX_ROWS",
     "USE_REFERENCE",
     "compute_cos_sin_cache",
+    "cpu_simd_active",
     "fused_add_rms_norm",
     "linear",
     "paged_attention_decode",
@@ -31,6 +32,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "set_cpu_simd",
     "silu_and_mul",
     "skinny_linear",
 ]
@@ -75,6 +77,19 @@ if _C is not None:
         torch.library.register_fake(f"shardlm::{_name}")(_fake_mutating_op)
 
 _ops = torch.ops.shardlm if _C is not None else None
+
+
+def set_cpu_simd(enabled: bool) -> None:
+    """Allow (the default) or forbid the CPU kernels' AVX2 paths, for the whole process; the
+    portable loops compute the same results. The worker calls this on Load with its
+    EngineOptions; nothing reads the environment for it."""
+    if _C is not None:
+        _C.set_cpu_simd(bool(enabled))
+
+
+def cpu_simd_active() -> bool:
+    """Whether the CPU kernels take their AVX2 paths now: allowed and supported by this CPU."""
+    return bool(_C is not None and _C.cpu_simd_active())
 
 
 def rms_norm(

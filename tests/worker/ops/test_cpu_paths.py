@@ -1,17 +1,13 @@
 """The CPU kernels' AVX2 and portable paths agree.
 
 The compiled CPU ops pick AVX2 code at run time and fall back to portable loops
-on CPUs without it; SHARDLM_CPU_SIMD=0 forces the portable loops. The choice is
-made once per process, so each path runs in its own subprocess on the same
-inputs and the outputs are compared here. On a machine without AVX2 both runs
-take the portable path and the test is trivially true.
+on CPUs without it; ``ops.set_cpu_simd(False)`` (what a worker does for
+EngineOptions.disable_cpu_simd) forces the portable loops. Both paths run on the
+same inputs and the outputs are compared here. On a machine without AVX2 both
+runs take the portable path and the test is trivially true.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,33 +19,30 @@ from .test_ops import TOL, make_paged_cache
 if ops.USE_REFERENCE:
     pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
 
-# Runs every op on the inputs in argv[1] and saves the outputs to argv[2].
-_SCRIPT = """
-import sys, torch
-from worker import ops
-inp = torch.load(sys.argv[1])
-out = {}
-for name, a in inp.items():
-    if name.startswith("rms_norm"):
-        out[name] = ops.rms_norm(a["x"], a["w"], 1e-6)
-    elif name.startswith("fused"):
-        x, res = a["x"].clone(), a["res"].clone()
-        ops.fused_add_rms_norm(x, res, a["w"], 1e-6)
-        out[name] = (x, res)
-    elif name.startswith("silu"):
-        out[name] = ops.silu_and_mul(a["x"])
-    elif name.startswith("rotary"):
-        q, k = a["q"].clone(), a["k"].clone()
-        ops.rotary_embedding(a["pos"], q, k, a["q"].shape[-1], a["cache"])
-        out[name] = (q, k)
-    elif name.startswith("linear"):
-        out[name] = ops.skinny_linear(a["x"], a["w"], a["b"])
-    elif name.startswith("decode"):
-        out[name] = ops.paged_attention_decode(*a["args"])
-    elif name.startswith("prefill"):
-        out[name] = ops.paged_attention_prefill(*a["args"])
-torch.save(out, sys.argv[2])
-"""
+
+def _apply(inp: dict) -> dict:
+    """Every op on the inputs; the outputs by input name."""
+    out = {}
+    for name, a in inp.items():
+        if name.startswith("rms_norm"):
+            out[name] = ops.rms_norm(a["x"], a["w"], 1e-6)
+        elif name.startswith("fused"):
+            x, res = a["x"].clone(), a["res"].clone()
+            ops.fused_add_rms_norm(x, res, a["w"], 1e-6)
+            out[name] = (x, res)
+        elif name.startswith("silu"):
+            out[name] = ops.silu_and_mul(a["x"])
+        elif name.startswith("rotary"):
+            q, k = a["q"].clone(), a["k"].clone()
+            ops.rotary_embedding(a["pos"], q, k, a["q"].shape[-1], a["cache"])
+            out[name] = (q, k)
+        elif name.startswith("linear"):
+            out[name] = ops.skinny_linear(a["x"], a["w"], a["b"])
+        elif name.startswith("decode"):
+            out[name] = ops.paged_attention_decode(*a["args"])
+        elif name.startswith("prefill"):
+            out[name] = ops.paged_attention_prefill(*a["args"])
+    return out
 
 
 def _inputs(dtype):
@@ -95,27 +88,18 @@ def _inputs(dtype):
     return inp
 
 
-def _run(tmp_path, inputs_file, simd: bool):
-    out_file = tmp_path / f"out_{int(simd)}.pt"
-    env = {
-        **os.environ,
-        "SHARDLM_CPU_SIMD": "1" if simd else "0",
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # the same worker package
-    }
-    subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(inputs_file), str(out_file)],
-        env=env,
-        check=True,
-        timeout=300,
-    )
-    return torch.load(out_file)
+def _run(inputs: dict, simd: bool) -> dict:
+    ops.set_cpu_simd(simd)
+    try:
+        return _apply(inputs)
+    finally:
+        ops.set_cpu_simd(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_avx2_and_portable_paths_agree(tmp_path, dtype):
-    inputs_file = tmp_path / "inputs.pt"
-    torch.save(_inputs(dtype), inputs_file)
-    simd, portable = _run(tmp_path, inputs_file, True), _run(tmp_path, inputs_file, False)
+def test_avx2_and_portable_paths_agree(dtype):
+    inputs = _inputs(dtype)
+    simd, portable = _run(inputs, True), _run(inputs, False)
     assert simd.keys() == portable.keys()
     for name in simd:
         # Same operations in the same order: equal bits. SiLU's exp and the

@@ -13,5 +13,23 @@ DEFAULT_GATEWAY_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_GATEWAY_PORT}"
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
 # A client's request to the gateway: a prompt is at most a few MiB of text or token ids.
 MAX_REQUEST_BYTES = 8 << 20
-# Weight dtypes by name, as the command lines and the SDK's `dtype=` take them.
+
+# Weight and KV-cache dtypes as the CLI, config files and the engine spell them. Each is the
+# lower-case tail of its shardlm.common.v1.Dtype enum value (DTYPE_BFLOAT16 <-> "bfloat16"),
+# so both sides derive their name <-> enum maps from this tuple and the proto.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Tokens per KV-cache block when a KvCacheConfig leaves block_size at 0.
+DEFAULT_BLOCK_SIZE = 16
+# Seconds the ranks of a load wait for each other and for each collective when the LoadRequest
+# leaves CommunicatorConfig.timeout_seconds at 0.
+DEFAULT_COMM_TIMEOUT_S = 60.0
+# Seconds a spawned or connected worker gets to start and answer its first GetInfo.
+DEFAULT_WORKER_START_TIMEOUT_S = 120.0
+# Decode CUDA graphs serve batches and contexts up to these sizes (EngineOptions' zero values).
+DEFAULT_CUDA_GRAPH_MAX_BATCH = 128
+DEFAULT_CUDA_GRAPH_MAX_CONTEXT = 16384
+
+
+def dtype_enum_name(name: str) -> str:
+    """The shardlm.common.v1.Dtype value name of a dtype name: "bfloat16" -> "DTYPE_BFLOAT16"."""
+    return f"DTYPE_{name.upper()}"

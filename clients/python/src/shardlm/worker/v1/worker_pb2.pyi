@@ -101,6 +101,50 @@ class CommunicatorConfig(google.protobuf.message.Message):
 global___CommunicatorConfig = CommunicatorConfig
 
 @typing.final
+class EngineOptions(google.protobuf.message.Message):
+    """How the worker's engine runs a model: speed switches and bounds that never
+    change what it computes. The gateway sends its configured values with every
+    Load (workers read no environment variables for these). Every zero value
+    means "the worker's default", stated per field, so an empty message keeps
+    all defaults.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    DISABLE_CUDA_GRAPHS_FIELD_NUMBER: builtins.int
+    CUDA_GRAPH_MAX_BATCH_FIELD_NUMBER: builtins.int
+    CUDA_GRAPH_MAX_CONTEXT_FIELD_NUMBER: builtins.int
+    DISABLE_CPU_SIMD_FIELD_NUMBER: builtins.int
+    disable_cuda_graphs: builtins.bool
+    """Run decode steps eagerly instead of replaying captured CUDA graphs. False
+    (the default) captures graphs on CUDA for a single rank.
+    """
+    cuda_graph_max_batch: builtins.int
+    """Largest batch a captured decode graph serves; larger batches run eagerly.
+    0 means the worker's default (128).
+    """
+    cuda_graph_max_context: builtins.int
+    """Longest context (tokens) a captured decode graph serves; longer contexts
+    run eagerly. 0 means the worker's default (16384).
+    """
+    disable_cpu_simd: builtins.bool
+    """Take the portable loops of the CPU kernels instead of their AVX2 code.
+    False (the default) uses AVX2 where the CPU supports it. Applies to the
+    whole worker process.
+    """
+    def __init__(
+        self,
+        *,
+        disable_cuda_graphs: builtins.bool = ...,
+        cuda_graph_max_batch: builtins.int = ...,
+        cuda_graph_max_context: builtins.int = ...,
+        disable_cpu_simd: builtins.bool = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cuda_graph_max_batch", b"cuda_graph_max_batch", "cuda_graph_max_context", b"cuda_graph_max_context", "disable_cpu_simd", b"disable_cpu_simd", "disable_cuda_graphs", b"disable_cuda_graphs"]) -> None: ...
+
+global___EngineOptions = EngineOptions
+
+@typing.final
 class LoadRequest(google.protobuf.message.Message):
     """Request of WorkerService.Load."""
 
@@ -113,6 +157,7 @@ class LoadRequest(google.protobuf.message.Message):
     WORLD_SIZE_FIELD_NUMBER: builtins.int
     COMM_FIELD_NUMBER: builtins.int
     KV_CACHE_FIELD_NUMBER: builtins.int
+    ENGINE_FIELD_NUMBER: builtins.int
     model_path: builtins.str
     """Checkpoint on this worker's filesystem: a Hugging Face directory, or a
     GGUF file (or a directory holding exactly one).
@@ -140,6 +185,10 @@ class LoadRequest(google.protobuf.message.Message):
         hold the same number of blocks.
         """
 
+    @property
+    def engine(self) -> global___EngineOptions:
+        """How the engine runs (CUDA graphs, CPU SIMD); unset means every default."""
+
     def __init__(
         self,
         *,
@@ -150,9 +199,10 @@ class LoadRequest(google.protobuf.message.Message):
         world_size: builtins.int = ...,
         comm: global___CommunicatorConfig | None = ...,
         kv_cache: shardlm.common.v1.common_pb2.KvCacheConfig | None = ...,
+        engine: global___EngineOptions | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["comm", b"comm", "kv_cache", b"kv_cache"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["comm", b"comm", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "model_path", b"model_path", "rank", b"rank", "world_size", b"world_size"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["comm", b"comm", "engine", b"engine", "kv_cache", b"kv_cache"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["comm", b"comm", "device", b"device", "dtype", b"dtype", "engine", b"engine", "kv_cache", b"kv_cache", "model_path", b"model_path", "rank", b"rank", "world_size", b"world_size"]) -> None: ...
 
 global___LoadRequest = LoadRequest
 
