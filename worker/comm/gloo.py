@@ -6,6 +6,12 @@ it never touches torch.distributed's global default group: several
 communicators can live in one process, across hosts, and a closed one can be
 replaced by a new one in the same process.
 
+Rendezvous across hosts: rank 0 opens the store itself (:func:`open_store`,
+listening on every interface, port 0 = a free one, which only rank 0's host can
+pick) and reports the address the other ranks dial; nothing is bound on one
+host on behalf of another.  Each rank's gloo connections use the interface
+named by ``GLOO_SOCKET_IFNAME``, else the one on its route to the store host.
+
 Timeouts: ``timeout_s`` bounds the store connection, the process-group
 rendezvous and every collective.  A peer that died closes its sockets, so the
 survivor's collective fails at once; a peer that hangs makes it fail after
@@ -40,15 +46,16 @@ _REDUCE_NATIVE = frozenset(
 _MOVE_AS = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6addr]:port"``) -> (host, port)."""
+def parse_address(address: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6addr]:port"``) -> (host, port); port 0 only where
+    ``allow_port_zero`` (a store about to be opened on a free port)."""
     host, sep, port_s = address.rpartition(":")
     if not sep or not host or not port_s.isdigit():
         raise ValueError(f"gloo init_address must be 'host:port', got {address!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     port = int(port_s)
-    if not 0 < port < 65536:
+    if not (0 if allow_port_zero else 1) <= port < 65536:
         raise ValueError(f"gloo init_address port out of range: {address!r}")
     return host, port
 
@@ -75,6 +82,40 @@ def _local_address_towards(host: str, port: int) -> str:
     return ""
 
 
+def format_address(host: str, port: int) -> str:
+    """(host, port) -> ``"host:port"``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def open_store(
+    init_address: str, world_size: int, *, timeout_s: float = 30.0
+) -> tuple[dist.TCPStore, str]:
+    """Rank 0: serve the rendezvous store and return it with the address to dial.
+
+    ``init_address`` is ``"host:port"``: the store listens on every interface
+    at ``port`` (0 picks a free one) and the returned address is ``host`` with
+    the port actually bound, so the other ranks can be told where to go before
+    rank 0 blocks in the rendezvous.  Pass the store to
+    :class:`GlooCommunicator` (``store=``).
+    """
+    host, port = parse_address(init_address, allow_port_zero=True)
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception as e:  # RuntimeError / DistStoreError / DistNetworkError
+        raise CommunicatorError(
+            f"gloo init (rank 0/{world_size}): could not serve the store on port {port}: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    return store, format_address(host, store.port)
+
+
 class GlooCommunicator(Communicator):
     """Collectives over gloo for CPU tensors (other devices are staged via CPU)."""
 
@@ -86,7 +127,10 @@ class GlooCommunicator(Communicator):
         init_address: str,
         timeout_s: float = 30.0,
         device: torch.device | str = "cpu",
+        store: dist.TCPStore | None = None,
     ) -> None:
+        """``store``: on rank 0, the store :func:`open_store` opened at
+        ``init_address``; without it rank 0 opens one itself."""
         check_rank(rank, world_size)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -103,8 +147,10 @@ class GlooCommunicator(Communicator):
         host, port = parse_address(init_address)
         who = f"gloo init (rank {rank}/{world_size}, store {init_address}, timeout {self.timeout_s:g}s)"
         err = ""
+        if store is not None and rank != 0:
+            raise ValueError("only rank 0 serves the store; the other ranks dial init_address")
         try:
-            self._store = dist.TCPStore(
+            self._store = store or dist.TCPStore(
                 host,
                 port,
                 world_size,

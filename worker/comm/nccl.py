@@ -26,6 +26,12 @@ Set-up is bounded too: ``ncclCommInitRank`` blocks until every rank joined, so
 it runs on a helper thread and the constructor gives up after ``timeout_s``
 (the helper, if it ever finishes, aborts the communicator it created).
 
+Across hosts: the unique id that rank 0 creates carries the address of rank
+0's bootstrap socket, which NCCL picks on rank 0's host (``NCCL_SOCKET_IFNAME``
+names the interface, as it does for every rank's own sockets; NCCL's ports are
+ephemeral).  The gateway only relays the id, so nothing host-specific is chosen
+anywhere else.
+
 cupy is imported lazily: importing this module never needs it.
 """
 
