@@ -3,6 +3,9 @@
 Prints one line `READY <address>` on stdout once it accepts calls, so the gateway that started it
 can wait for it. SIGTERM / SIGINT stop it gracefully (in-flight calls get a short grace period),
 and so does the end of the gateway that started it (`--parent-pid`, see worker/parent_watch.py).
+Started by hand on another host (`shardlm worker --host 0.0.0.0 --port 50061`), it serves until
+stopped; `--advertise-host` / `--comm-port` set where its peers meet it when it is rank 0 of a CPU
+group (README, "Multi-host").
 """
 
 from __future__ import annotations
