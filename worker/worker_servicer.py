@@ -102,6 +102,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         device = _validate_load(request)
         Engine.check_parallel(request.model_path, request.world_size)
         _validate_comm(request)
+        comm = self._comm
+        if comm is not None and self._lock.locked():
+            # The gateway loads only after giving up on every step in flight: a step still
+            # running here waits in a collective for a peer that never got it (its request was
+            # lost with the network), so end it now rather than at the communicator timeout.
+            comm.abort("a new Load replaces this communicator")
         with self._lock:
             self._unload()
             if device.type == "cuda":

@@ -10,7 +10,7 @@ import pytest
 import torch
 from shardlm.errors import InvalidArgumentError
 
-from worker.comm import GlooCommunicator, open_store
+from worker.comm import CommunicatorError, GlooCommunicator, open_store
 from worker.comm.gloo import format_address, parse_address
 from worker.worker_servicer import WorkerServicer
 
@@ -63,3 +63,45 @@ def test_advertise_host_and_comm_port_replace_what_the_gateway_names():
     with pytest.raises(InvalidArgumentError) as err:
         WorkerServicer()._rendezvous_address("no-port")
     assert [v.field for v in err.value.field_violations] == ["comm.init_address"]
+
+
+def test_abort_ends_a_collective_whose_peer_never_comes_and_frees_the_port():
+    """Rank 1 never joins rank 0's all_reduce (its request was lost): abort() ends the wait long
+    before the 60 s timeout, close() returns at once, and the store's port can be opened again."""
+    store, address = open_store("127.0.0.1:0", 2, timeout_s=60)
+    comms: dict[int, GlooCommunicator] = {}
+
+    def join(r: int) -> None:
+        comms[r] = GlooCommunicator(r, 2, init_address=address, timeout_s=60,
+                                    store=store if r == 0 else None)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    store = None  # rank 0 keeps it
+    outcome: list[BaseException] = []
+
+    def stuck() -> None:
+        try:
+            comms[0].all_reduce(torch.ones(4))
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=stuck)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # really waiting for rank 1
+    comms[0].abort("a new Load replaces this communicator")
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert isinstance(outcome[0], CommunicatorError) and "aborted" in str(outcome[0])
+    with pytest.raises(CommunicatorError, match="aborted"):
+        comms[0].barrier()
+    done = threading.Event()
+    threading.Thread(target=lambda: (comms[0].close(), done.set()), daemon=True).start()
+    assert done.wait(10)  # not held until the pending collective times out
+    again, _ = open_store(address, 2, timeout_s=5)  # the same port, at once
+    del again
+    comms[1].close()
