@@ -3,7 +3,9 @@
 Every rank of a group gets the same requests in the same order (the gateway sends one step at a
 time), so each call runs under one lock and to completion: a Decode whose client went away still
 runs its remaining steps, because the other ranks are running them too and the collectives must
-pair up. Rank 0 returns tokens; the other ranks return empty acknowledgements.
+pair up. Rank 0 returns tokens; the other ranks return empty acknowledgements. The one exception
+is Load: the gateway sends it only after giving up on every step in flight, so a step still
+waiting in a collective then is ended (Communicator.abort) instead of being waited for.
 """
 
 from __future__ import annotations
