@@ -1,11 +1,15 @@
 """Keeps the worker group alive: notices a dead worker, restarts the group, reloads the model.
 
 A worker that dies mid-step makes that step's calls fail at once (UNAVAILABLE); the scheduler
-reports it here. A worker that dies while idle is noticed by a watch loop (a local process that
-exited, or a remote one that stops answering). Recovery: health NOT_SERVING, every in-flight call
-ends with UNAVAILABLE, the group is restarted and the last model reloaded, with bounded attempts
-and exponential backoff. Sessions survive: their token histories stay here, their caches are gone,
-and each is rebuilt by re-prefilling on its next call.
+reports it here. A worker that stops answering is noticed by a watch loop, also mid-step (a local
+process that exited, or a remote one whose health ping times out: a host cut off the network
+sends no reset, so its calls would otherwise wait). Recovery: health NOT_SERVING, every in-flight
+call ends with UNAVAILABLE, then the last model is reloaded. Local workers are restarted first,
+with bounded attempts and exponential backoff. Workers on other hosts cannot be restarted from
+here: the supervisor waits, without an attempt limit and with capped backoff, until every one
+answers again, then reloads the model on them (each worker's Load replaces its communicator).
+Sessions survive: their token histories stay here, their caches are gone, and each is rebuilt by
+re-prefilling on its next call.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ log = logging.getLogger("shardlm.supervisor")
 class Supervisor:
     def __init__(self, runtime: Runtime, respawn: Callable[[], WorkerGroup], *,
                  max_attempts: int = 5, backoff_s: float = 1.0, check_interval_s: float = 0.5,
-                 ping_timeout_s: float = 2.0, start_timeout_s: float = 60.0) -> None:
+                 ping_timeout_s: float = 2.0, start_timeout_s: float = 60.0,
+                 max_backoff_s: float = 30.0) -> None:
         self.rt = runtime
         self.respawn = respawn
         self.max_attempts = max_attempts
@@ -33,6 +38,7 @@ class Supervisor:
         self.check_interval_s = check_interval_s
         self.ping_timeout_s = ping_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.max_backoff_s = max_backoff_s
         self._watch: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
         runtime.on_failure = self.trigger
@@ -47,8 +53,14 @@ class Supervisor:
 
     def trigger(self, error: ShardLMError) -> None:
         if self._recovery is None or self._recovery.done():
-            log.error("worker failure: %s; restarting the worker group", error.message)
+            action = ("waiting for the workers to answer" if self._remote()
+                      else "restarting the worker group")
+            log.error("worker failure: %s; %s", error.message, action)
             self._recovery = asyncio.ensure_future(self._recover(error))
+
+    def _remote(self) -> bool:
+        """Workers started elsewhere (`--workers`): none of them is a process of ours."""
+        return all(h.process is None for h in self.rt.group.handles)
 
     async def _dead_worker(self) -> str | None:
         for h in self.rt.group.handles:
@@ -80,23 +92,31 @@ class Supervisor:
         try:
             sessions = rt.model.sessions if rt.model is not None else None
             await rt.unload(error)
-            log.info("in-flight calls failed; stopping the old workers")
-            for attempt in range(1, self.max_attempts + 1):
-                await asyncio.to_thread(rt.group.close, 2.0)
+            remote = self._remote()
+            log.info("in-flight calls failed; %s", "waiting for the workers to answer" if remote
+                     else "stopping the old workers")
+            attempt = 0
+            while remote or attempt < self.max_attempts:
+                attempt += 1
+                await asyncio.to_thread(rt.group.close, 2.0)  # remote workers are left running
                 try:
+                    # Remote: the same addresses on fresh channels (the old connections may be
+                    # dead ones that no packet will ever close).
                     group = await asyncio.to_thread(self.respawn)
-                    log.info("new workers are up; reloading the model")
                     await rt.replace_group(group)
                     await rt.pool.wait_healthy(self.start_timeout_s, group.is_alive)
+                    log.info("the workers answer; reloading the model")
                     path, dtype, tp, kv = rt.last_load
                     await rt.load(path, dtype, tp, kv, lambda _p: None, sessions=sessions)
                     rt.metrics.worker_restarts.inc()
-                    log.info("worker group restarted and %s reloaded (attempt %d)", path, attempt)
+                    log.info("worker group %s and %s reloaded (attempt %d)",
+                             "reconnected" if remote else "restarted", path, attempt)
                     return
                 except (ShardLMError, OSError) as exc:
-                    delay = self.backoff_s * 2 ** (attempt - 1)
-                    log.warning("restart attempt %d/%d failed: %s; next in %.1fs", attempt,
-                                self.max_attempts, exc, delay)
+                    delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+                    limit = "" if remote else f"/{self.max_attempts}"
+                    log.warning("recovery attempt %d%s failed: %s; next in %.1fs", attempt, limit,
+                                exc, delay)
                     await asyncio.sleep(delay)
             log.error("giving up after %d restart attempts; health stays NOT_SERVING",
                       self.max_attempts)

@@ -3,8 +3,11 @@
 Every request goes to every rank at once (the ranks meet in collectives); rank 0's reply is the
 answer, the others' acknowledgements are awaited so a failing rank is noticed, and the first
 failure cancels the other ranks' calls. Load works the same way, because ranks block in the
-communicator's rendezvous until all have joined; with NCCL, rank 0's Load stream first yields the
-NCCL unique id, which is then passed to the other ranks. Worker failures become statuses the
+communicator's rendezvous until all have joined; rank 0's Load stream first yields where the
+others meet it (with gloo the address of the rendezvous store rank 0 opened on its own host, with
+NCCL the unique id), which is then passed to the other ranks. The connections to the workers are
+kept alive by pings, so a worker host that drops off the network fails its calls within seconds
+instead of when TCP gives up. Worker failures become statuses the
 gateway can pass on: UNAVAILABLE when a rank is unreachable or a peer died, RESOURCE_EXHAUSTED
 when a device ran out of memory.
 """
@@ -17,17 +20,38 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from shardlm.common.v1 import common_pb2
+<<<<<<< HEAD
 from shardlm.constants import DEFAULT_WORKER_START_TIMEOUT_S, MAX_WORKER_MESSAGE_BYTES
+=======
+from shardlm.constants import (
+    DEFAULT_HOST,
+    MAX_WORKER_MESSAGE_BYTES,
+    WORKER_KEEPALIVE_MS,
+    WORKER_KEEPALIVE_TIMEOUT_MS,
+)
+>>>>>>> multihost
 from shardlm.errors import ShardLMError, UnavailableError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
-
-from gateway.worker_processes import free_port
 
 log = logging.getLogger("shardlm.gateway")
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_WORKER_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_WORKER_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_WORKER_MESSAGE_BYTES),
+                   ("grpc.keepalive_time_ms", WORKER_KEEPALIVE_MS),
+                   ("grpc.keepalive_timeout_ms", WORKER_KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.max_pings_without_data", 0),
+                   # A worker that comes back is found within seconds, not minutes of backoff.
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
 PASS_THROUGH = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+
+
+def rendezvous_host(worker_address: str) -> str:
+    """The host part of a worker's gRPC address ("host:port", "[v6]:port"), which the other
+    ranks can reach it at too; a unix-socket worker is on this host."""
+    if worker_address.startswith("unix:"):
+        return DEFAULT_HOST
+    return worker_address.rsplit(":", 1)[0]
 
 
 def worker_error(exc: grpc.aio.AioRpcError, rank: int) -> ShardLMError:
@@ -116,9 +140,13 @@ class WorkerPool:
         *,
         dtype: int = common_pb2.DTYPE_UNSPECIFIED,
         kv_cache: common_pb2.KvCacheConfig | None = None,
+<<<<<<< HEAD
         engine_options: worker_pb2.EngineOptions | None = None,
         comm_timeout_s: float = 0.0,
         comm_port: int = 0,
+=======
+        comm_timeout_s: float = 60.0,
+>>>>>>> multihost
         progress: Callable[[common_pb2.LoadProgress], None] = lambda _p: None,
     ) -> worker_pb2.LoadComplete:
         """Load on every rank at once; rank 0's LoadComplete, or the first rank's error (which
@@ -128,12 +156,12 @@ class WorkerPool:
         world = self.world_size
         cuda = self.devices[0].startswith("cuda")
         backend = worker_pb2.COMM_BACKEND_NCCL if cuda else worker_pb2.COMM_BACKEND_GLOO
-        init_address = ""
-        if world > 1 and not cuda:
-            rank0_host = self.addresses[0].rsplit(":", 1)[0]
-            init_address = f"{rank0_host}:{comm_port or free_port(rank0_host)}"
+        # gloo: rank 0 opens the store on a port of its own host and reports it; the host named
+        # here is the one the other ranks dial unless rank 0 has an --advertise-host.
+        rank0_address = f"{rendezvous_host(self.addresses[0])}:0" if world > 1 and not cuda else ""
 
-        def request(rank: int, unique_id: bytes = b"") -> worker_pb2.LoadRequest:
+        def request(rank: int, init_address: str = rank0_address,
+                    unique_id: bytes = b"") -> worker_pb2.LoadRequest:
             return worker_pb2.LoadRequest(
                 model_path=model_path, dtype=dtype, device=self.devices[rank], rank=rank,
                 world_size=world, kv_cache=kv_cache, engine=engine_options,
@@ -158,13 +186,18 @@ class WorkerPool:
 
         tasks: list[asyncio.Future] = []
         try:
-            unique_id = b""
-            if cuda and world > 1:
+            meeting = worker_pb2.LoadResponse()
+            if world > 1:
                 try:
-                    unique_id = (await calls[0].read()).nccl_unique_id
+                    meeting = await calls[0].read()
                 except grpc.aio.AioRpcError as exc:
                     raise worker_error(exc, 0) from None
-            calls += [self.stubs[rank].Load(request(rank, unique_id)) for rank in range(1, world)]
+                if meeting is grpc.aio.EOF:
+                    raise UnavailableError("worker rank 0 ended Load before its peers could join",
+                                           reason="WORKER_UNAVAILABLE", metadata={"rank": 0})
+            calls += [self.stubs[rank].Load(request(rank, meeting.comm_init_address,
+                                                    meeting.nccl_unique_id))
+                      for rank in range(1, world)]
             tasks = [asyncio.ensure_future(consume(rank)) for rank in range(world)]
             done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks:

@@ -3,7 +3,9 @@
 Every rank of a group gets the same requests in the same order (the gateway sends one step at a
 time), so each call runs under one lock and to completion: a Decode whose client went away still
 runs its remaining steps, because the other ranks are running them too and the collectives must
-pair up. Rank 0 returns tokens; the other ranks return empty acknowledgements.
+pair up. Rank 0 returns tokens; the other ranks return empty acknowledgements. The one exception
+is Load: the gateway sends it only after giving up on every step in flight, so a step still
+waiting in a collective then is ended (Communicator.abort) instead of being waited for.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from shardlm.errors import FieldViolation, InvalidArgumentError, ShardLMError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from worker import convert
-from worker.comm import Communicator, create_communicator, new_nccl_unique_id
+from worker.comm import Communicator, create_communicator, new_nccl_unique_id, open_store
+from worker.comm.gloo import format_address, parse_address
 from worker.engine import Engine
 
 log = logging.getLogger("shardlm.worker")
@@ -74,7 +77,12 @@ def _raise_if_any(violations: list[FieldViolation]) -> None:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, advertise_host: str = "", comm_port: int = 0) -> None:
+        """`advertise_host` / `comm_port`: as rank 0 of a gloo group, the host the other ranks
+        dial for the rendezvous (instead of the one the gateway names) and the port the store
+        listens on (instead of the one the gateway names, 0 = a free one)."""
+        self._advertise_host = advertise_host
+        self._comm_port = comm_port
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._comm: Communicator | None = None
@@ -96,6 +104,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         device = _validate_load(request)
         Engine.check_parallel(request.model_path, request.world_size)
         _validate_comm(request)
+        comm = self._comm
+        if comm is not None and self._lock.locked():
+            # The gateway loads only after giving up on every step in flight: a step still
+            # running here waits in a collective for a peer that never got it (its request was
+            # lost with the network), so end it now rather than at the communicator timeout.
+            comm.abort("a new Load replaces this communicator")
         with self._lock:
             self._unload()
             if device.type == "cuda":
@@ -104,20 +118,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             # world_size 1 runs without a communicator whatever the backend says.
             backend = BACKENDS.get(request.comm.backend, "single")
             unique_id = request.comm.nccl_unique_id
-            if request.world_size > 1 and backend == "nccl" and request.rank == 0 and not unique_id:
+            timeout_s = request.comm.timeout_seconds or DEFAULT_COMM_TIMEOUT_S
+            init_address, store = request.comm.init_address, None
+            leads = request.world_size > 1 and request.rank == 0
+            if leads and backend == "nccl" and not unique_id:
                 unique_id = new_nccl_unique_id()
                 yield worker_pb2.LoadResponse(nccl_unique_id=unique_id)
-            yield from self._load_with_progress(request, device, backend, unique_id)
+            if leads and backend == "gloo":
+                store, init_address = open_store(self._rendezvous_address(init_address),
+                                                 request.world_size, timeout_s=timeout_s)
+                log.info("rank 0/%d: rendezvous store at %s", request.world_size, init_address)
+                yield worker_pb2.LoadResponse(comm_init_address=init_address)
+            yield from self._load_with_progress(request, device, backend, unique_id,
+                                                init_address, store, timeout_s)
 
-    def _load_with_progress(self, request, device, backend, unique_id):
+    def _rendezvous_address(self, requested: str) -> str:
+        """Where rank 0 opens the gloo store: the gateway's host:port with this worker's own
+        --advertise-host / --comm-port in their place when it was started with them."""
+        try:
+            host, port = parse_address(requested, allow_port_zero=True)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc), reason="INVALID_FIELD", field_violations=[
+                FieldViolation("comm.init_address", str(exc))]) from None
+        return format_address(self._advertise_host or host, self._comm_port or port)
+
+    def _load_with_progress(self, request, device, backend, unique_id, init_address, store,
+                            timeout_s):
         events: queue.Queue = queue.Queue()
 
         def work() -> None:
             try:
                 comm = create_communicator(
                     backend, request.rank, request.world_size, device=device,
-                    init_address=request.comm.init_address, nccl_unique_id=unique_id,
-                    timeout_s=request.comm.timeout_seconds or DEFAULT_COMM_TIMEOUT_S,
+                    init_address=init_address, nccl_unique_id=unique_id, timeout_s=timeout_s,
+                    store=store,
                 )
                 self._comm = comm
                 engine = Engine.load(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from gateway.config import Limits
 from gateway.worker_client import CHANNEL_OPTIONS, WorkerPool
 from gateway.worker_processes import WorkerGroup
 
@@ -32,7 +33,8 @@ class LiveWorkers:
     def load(self, model_path: str, **options) -> worker_pb2.LoadComplete:
         """Load on every rank (WorkerPool.load's keywords); rank 0's LoadComplete."""
         async def load() -> worker_pb2.LoadComplete:
-            pool = WorkerPool(self.group.addresses, devices=self.group.devices)
+            pool = WorkerPool(self.group.addresses, devices=self.group.devices,
+                              step_timeout_s=Limits().step_timeout_s)
             try:
                 return await pool.load(model_path, **options)
             finally:

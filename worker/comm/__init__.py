@@ -13,10 +13,14 @@ NCCL timeout contract (``synchronize()`` once per step).
 from __future__ import annotations
 
 import torch
+<<<<<<< HEAD
 from shardlm.constants import DEFAULT_COMM_TIMEOUT_S
+=======
+import torch.distributed as dist
+>>>>>>> multihost
 
 from .base import Communicator, CommunicatorError, SingleRankCommunicator, check_rank
-from .gloo import GlooCommunicator
+from .gloo import GlooCommunicator, open_store
 from .nccl import NcclCommunicator, new_nccl_unique_id
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "SingleRankCommunicator",
     "create_communicator",
     "new_nccl_unique_id",
+    "open_store",
 ]
 
 BACKENDS = ("gloo", "nccl", "single")
@@ -41,11 +46,17 @@ def create_communicator(
     device: torch.device,
     init_address: str = "",
     nccl_unique_id: bytes = b"",
+<<<<<<< HEAD
     timeout_s: float = DEFAULT_COMM_TIMEOUT_S,
+=======
+    timeout_s: float = 30.0,
+    store: dist.Store | None = None,
+>>>>>>> multihost
 ) -> Communicator:
     """Build the communicator for one rank of a tensor-parallel group.
 
-    ``init_address`` ("host:port", rank 0 serves it) is required for gloo;
+    ``init_address`` ("host:port", rank 0 serves it) is required for gloo; rank 0
+    may pass the ``store`` it opened there with :func:`open_store`;
     ``nccl_unique_id`` (from :func:`new_nccl_unique_id` on rank 0) for nccl.
     Raises ValueError for bad arguments, CommunicatorError when set-up fails or
     the other ranks do not join within ``timeout_s``.
@@ -62,7 +73,8 @@ def create_communicator(
         if not init_address:
             raise ValueError("gloo communicator needs init_address 'host:port'")
         return GlooCommunicator(
-            rank, world_size, init_address=init_address, timeout_s=timeout_s, device=device
+            rank, world_size, init_address=init_address, timeout_s=timeout_s, device=device,
+            store=store,
         )
     if not nccl_unique_id:
         raise ValueError(

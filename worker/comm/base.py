@@ -66,6 +66,13 @@ class Communicator(abc.ABC):
         No-op for synchronous backends; overridden by asynchronous ones (NCCL).
         """
 
+    def abort(self, reason: str) -> None:  # noqa: B027
+        """Give up on this group, from any thread: a collective waiting for a peer (one whose
+        request never came, on a host cut off the network) fails with CommunicatorError within
+        a fraction of a second instead of at the timeout, and so does every later one. The
+        caller then closes the communicator and makes a new one. No-op without peers.
+        """
+
     # -- helpers shared by the implementations ---------------------------------
 
     def _check_src(self, src: int) -> None:

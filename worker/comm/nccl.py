@@ -26,6 +26,12 @@ Set-up is bounded too: ``ncclCommInitRank`` blocks until every rank joined, so
 it runs on a helper thread and the constructor gives up after ``timeout_s``
 (the helper, if it ever finishes, aborts the communicator it created).
 
+Across hosts: the unique id that rank 0 creates carries the address of rank
+0's bootstrap socket, which NCCL picks on rank 0's host (``NCCL_SOCKET_IFNAME``
+names the interface, as it does for every rank's own sockets; NCCL's ports are
+ephemeral).  The gateway only relays the id, so nothing host-specific is chosen
+anywhere else.
+
 cupy is imported lazily: importing this module never needs it.
 """
 
@@ -124,6 +130,7 @@ class NcclCommunicator(Communicator):
         self.timeout_s = float(timeout_s)
         self._comm: Any = None
         self._failure: str | None = None
+        self._abort_reason: str | None = None
         self._closed = False
 
         nccl = _import_nccl()
@@ -317,6 +324,8 @@ class NcclCommunicator(Communicator):
                 comm.check_async_error()
             except Exception as e:
                 err = f"NCCL asynchronous error: {_describe(e)}"
+            if self._abort_reason is not None:
+                err = f"aborted: {self._abort_reason}"
             if err:
                 raise self._fail(op, err)
             if time.monotonic() >= deadline:
@@ -326,6 +335,11 @@ class NcclCommunicator(Communicator):
                 )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def abort(self, reason: str) -> None:
+        """Seen by a waiting :meth:`synchronize` at its next poll, which aborts the NCCL
+        communicator there (on the thread that owns the stream)."""
+        self._abort_reason = reason
 
     def close(self) -> None:
         if self._closed:

@@ -76,8 +76,12 @@ class CommunicatorConfig(google.protobuf.message.Message):
     backend: global___CommBackend.ValueType
     """Backend to use."""
     init_address: builtins.str
-    """COMM_BACKEND_GLOO: "host:port" of the rendezvous store that rank 0 opens
-    and the other ranks connect to.
+    """COMM_BACKEND_GLOO: "host:port" of the rendezvous store. Rank 0 opens it
+    on every interface at that port (0 picks a free port, unless the worker
+    was started with --comm-port) and reports the address the other ranks
+    must dial in LoadResponse.comm_init_address (the host replaced by the
+    worker's --advertise-host when it has one). The other ranks connect to
+    that reported address.
     """
     nccl_unique_id: builtins.bytes
     """COMM_BACKEND_NCCL, ranks other than 0: the NCCL unique id that rank 0's
@@ -241,11 +245,18 @@ class LoadResponse(google.protobuf.message.Message):
 
     PROGRESS_FIELD_NUMBER: builtins.int
     NCCL_UNIQUE_ID_FIELD_NUMBER: builtins.int
+    COMM_INIT_ADDRESS_FIELD_NUMBER: builtins.int
     COMPLETE_FIELD_NUMBER: builtins.int
     nccl_unique_id: builtins.bytes
     """COMM_BACKEND_NCCL, rank 0 only: the NCCL unique id, emitted first, before
     rank 0 waits for the other ranks. The gateway passes it to the other
     ranks' Load in CommunicatorConfig.nccl_unique_id.
+    """
+    comm_init_address: builtins.str
+    """COMM_BACKEND_GLOO, rank 0 only: the "host:port" of the rendezvous store
+    rank 0 opened, emitted first, before rank 0 waits for the other ranks.
+    The gateway passes it to the other ranks' Load in
+    CommunicatorConfig.init_address.
     """
     @property
     def progress(self) -> shardlm.common.v1.common_pb2.LoadProgress:
@@ -260,11 +271,12 @@ class LoadResponse(google.protobuf.message.Message):
         *,
         progress: shardlm.common.v1.common_pb2.LoadProgress | None = ...,
         nccl_unique_id: builtins.bytes = ...,
+        comm_init_address: builtins.str = ...,
         complete: global___LoadComplete | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["complete", b"complete", "event", b"event", "nccl_unique_id", b"nccl_unique_id", "progress", b"progress"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["complete", b"complete", "event", b"event", "nccl_unique_id", b"nccl_unique_id", "progress", b"progress"]) -> None: ...
-    def WhichOneof(self, oneof_group: typing.Literal["event", b"event"]) -> typing.Literal["progress", "nccl_unique_id", "complete"] | None: ...
+    def HasField(self, field_name: typing.Literal["comm_init_address", b"comm_init_address", "complete", b"complete", "event", b"event", "nccl_unique_id", b"nccl_unique_id", "progress", b"progress"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["comm_init_address", b"comm_init_address", "complete", b"complete", "event", b"event", "nccl_unique_id", b"nccl_unique_id", "progress", b"progress"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["event", b"event"]) -> typing.Literal["progress", "nccl_unique_id", "comm_init_address", "complete"] | None: ...
 
 global___LoadResponse = LoadResponse
 
