@@ -20,16 +20,13 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from shardlm.common.v1 import common_pb2
-<<<<<<< HEAD
-from shardlm.constants import DEFAULT_WORKER_START_TIMEOUT_S, MAX_WORKER_MESSAGE_BYTES
-=======
 from shardlm.constants import (
     DEFAULT_HOST,
+    DEFAULT_WORKER_START_TIMEOUT_S,
     MAX_WORKER_MESSAGE_BYTES,
     WORKER_KEEPALIVE_MS,
     WORKER_KEEPALIVE_TIMEOUT_MS,
 )
->>>>>>> multihost
 from shardlm.errors import ShardLMError, UnavailableError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -140,13 +137,8 @@ class WorkerPool:
         *,
         dtype: int = common_pb2.DTYPE_UNSPECIFIED,
         kv_cache: common_pb2.KvCacheConfig | None = None,
-<<<<<<< HEAD
         engine_options: worker_pb2.EngineOptions | None = None,
         comm_timeout_s: float = 0.0,
-        comm_port: int = 0,
-=======
-        comm_timeout_s: float = 60.0,
->>>>>>> multihost
         progress: Callable[[common_pb2.LoadProgress], None] = lambda _p: None,
     ) -> worker_pb2.LoadComplete:
         """Load on every rank at once; rank 0's LoadComplete, or the first rank's error (which

@@ -33,7 +33,7 @@ async def _load_on_two_fake_ranks() -> list[FakeRank]:
         addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         servers.append(server)
-    pool = WorkerPool(addresses)
+    pool = WorkerPool(addresses, step_timeout_s=5)
     try:
         await asyncio.wait_for(pool.load("/models/m"), 30)
     finally:

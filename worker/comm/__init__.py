@@ -13,11 +13,8 @@ NCCL timeout contract (``synchronize()`` once per step).
 from __future__ import annotations
 
 import torch
-<<<<<<< HEAD
-from shardlm.constants import DEFAULT_COMM_TIMEOUT_S
-=======
 import torch.distributed as dist
->>>>>>> multihost
+from shardlm.constants import DEFAULT_COMM_TIMEOUT_S
 
 from .base import Communicator, CommunicatorError, SingleRankCommunicator, check_rank
 from .gloo import GlooCommunicator, open_store
@@ -46,12 +43,8 @@ def create_communicator(
     device: torch.device,
     init_address: str = "",
     nccl_unique_id: bytes = b"",
-<<<<<<< HEAD
     timeout_s: float = DEFAULT_COMM_TIMEOUT_S,
-=======
-    timeout_s: float = 30.0,
     store: dist.Store | None = None,
->>>>>>> multihost
 ) -> Communicator:
     """Build the communicator for one rank of a tensor-parallel group.
 
