@@ -28,6 +28,7 @@ SERVE_DEFAULTS = {
     "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
     "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
     "worker_tls_key": None, "no_model": False,
+    "prefix_cache": "on", "prefix_cache_scope": "identity",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,6 +62,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--worker-tls-ca", help="PEM CA for mutual TLS between gateway and workers")
     p.add_argument("--worker-tls-cert", help="PEM certificate workers serve and the gateway shows")
     p.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
+    p.add_argument("--prefix-cache", choices=("on", "off"),
+                   help="reuse the KV cache of prompt beginnings across requests (default on)")
+    p.add_argument("--prefix-cache-scope", choices=("identity", "global"),
+                   help="with --auth-tokens, who shares cached prefixes: each identity its own "
+                   "(default) or everyone (cache hits then reveal others' prompts by timing)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -64,8 +64,15 @@ async def serve(s: dict) -> int:
     except (ShardLMError, OSError, ValueError) as exc:
         print(f"error: could not start workers: {exc}", file=sys.stderr)
         return 1
+    if s["prefix_cache"] not in ("on", "off") or s["prefix_cache_scope"] not in (
+            "identity", "global"):
+        print("error: prefix_cache must be on or off, prefix_cache_scope identity or global",
+              file=sys.stderr)
+        return 2
     limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
-                    session_idle_timeout_s=float(s["session_idle_timeout"]))
+                    session_idle_timeout_s=float(s["session_idle_timeout"]),
+                    prefix_cache=s["prefix_cache"] == "on",
+                    prefix_cache_scope=s["prefix_cache_scope"])
     try:
         credentials = None
         if s["tls_cert"] or s["tls_key"]:
