@@ -43,8 +43,8 @@ from bench.serve_process import Server, metric_sum
 from bench.shapes import Shape
 
 REPO = Path(__file__).resolve().parents[1]
-# A Llama of ~34M parameters (9.4M outside the embeddings; GQA 6/2, head_dim 64, a 32k vocabulary): big enough that prefill
-# dominates like in real models, small enough to benchmark on two CPU cores.
+# A Llama of ~34M parameters (9.4M outside the embeddings; GQA 6/2, head_dim 64, a 32k
+# vocabulary): prefill dominates as in real models, yet it runs on two CPU cores.
 BENCH_SHAPE = Shape("llama-34m", "LlamaForCausalLM", dict(
     vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
