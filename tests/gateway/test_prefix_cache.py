@@ -208,10 +208,10 @@ class Harness:
                     if s.sequence_id == seq.seq_id)
 
 
-def on(test, blocks: int = 64) -> None:
+def on(test, blocks: int = 64, **scheduler) -> None:
     """Run `test(harness)` on a started scheduler; fail rather than hang."""
     async def main():
-        h = Harness(blocks)
+        h = Harness(blocks, **scheduler)
         h.scheduler.start()
         try:
             await asyncio.wait_for(test(h), 20)
@@ -369,3 +369,17 @@ def test_losing_the_workers_empties_the_prefix_cache():
         tokens, cached = await h.run(list(range(9)), 2)
         assert cached == 0 and tokens == greedy(list(range(9)), 2)
     on(body)
+
+
+def test_a_hit_composes_with_chunked_prefill():
+    async def body(h):
+        system = list(range(3, 3 + 2 * BLOCK + 1))
+        await h.run(system + [1, 2, 3, 4, 5], 2)
+        prompt = system + [9] * 7
+        seq = h.generate(prompt, 4)
+        tokens, _ = await drain(seq)
+        assert tokens == greedy(prompt, 4) and seq.cached_prompt_tokens == 2 * BLOCK
+        chunks = [s for r in h.pool.prefills for s in r.sequences if s.sequence_id == seq.seq_id]
+        assert [c.start_position for c in chunks] == [8, 11, 14]  # 3-token chunks after the hit
+        assert [len(c.prefix_token_ids) for c in chunks] == [8, 0, 0]
+    on(body, prefill_token_budget=3)

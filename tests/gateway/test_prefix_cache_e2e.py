@@ -170,3 +170,19 @@ def test_reset_cache_of_all_empties_the_prefix_cache(gateway):
     assert cached(gateway, prompt) == 0
     assert gateway.metrics.value("shardlm_prefix_cache_lookups_total") == lookups + 2
     assert gateway.metrics.value("shardlm_prefix_cache_hit_tokens_total") > 0
+
+
+def test_tensor_parallel_ranks_share_the_same_cached_blocks(llama_dir):
+    live = LiveGateway(2, Limits())
+    try:
+        list(live.stub.Load(gateway_pb2.LoadRequest(model_path=str(llama_dir), kv_cache=KV,
+                                                    dtype=common_pb2.DTYPE_FLOAT32)))
+        system = prefix(71, 2 * BLOCK + 3)
+        generate(live, system + [5], token="")
+        for turn, sampling in enumerate((GREEDY, SEEDED)):
+            prompt = system + [6 + turn, 7]
+            alone, _ = generate(live, prompt, token="", sampling=sampling, bypass=True)
+            reused, last = generate(live, prompt, token="", sampling=sampling)
+            assert reused == alone and last.usage.cached_tokens == 2 * BLOCK
+    finally:
+        live.close()
