@@ -66,7 +66,7 @@ class Model:
         """The key salt of a request's cached blocks: the model, the caller (when the scope is
         per identity) and the request's own salt."""
         namespace = f"{self.info.model_path}|{self.info.dtype}|{self.info.tensor_parallel_size}"
-        return prefix_salt(namespace, identity if scope == "identity" else "", salt)
+        return prefix_salt(namespace, "" if scope == "global" else identity, salt)
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -64,6 +64,7 @@ async def serve(s: dict) -> int:
     except (ShardLMError, OSError, ValueError) as exc:
         print(f"error: could not start workers: {exc}", file=sys.stderr)
         return 1
+    s["prefix_cache"] = {True: "on", False: "off"}.get(s["prefix_cache"], s["prefix_cache"])
     if s["prefix_cache"] not in ("on", "off") or s["prefix_cache_scope"] not in (
             "identity", "global"):
         print("error: prefix_cache must be on or off, prefix_cache_scope identity or global",

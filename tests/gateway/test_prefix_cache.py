@@ -383,3 +383,23 @@ def test_a_hit_composes_with_chunked_prefill():
         assert [c.start_position for c in chunks] == [8, 11, 14]  # 3-token chunks after the hit
         assert [len(c.prefix_token_ids) for c in chunks] == [8, 0, 0]
     on(body, prefill_token_budget=3)
+
+
+def test_serve_flags_and_config_keys_switch_and_scope_the_cache(tmp_path):
+    import argparse
+
+    from gateway.cli import _serve_parser, serve_settings
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers())
+    defaults = serve_settings(parser.parse_args(["serve"]))
+    assert (defaults["prefix_cache"], defaults["prefix_cache_scope"]) == ("on", "identity")
+    flags = serve_settings(parser.parse_args(
+        ["serve", "--prefix-cache", "off", "--prefix-cache-scope", "global"]))
+    assert (flags["prefix_cache"], flags["prefix_cache_scope"]) == ("off", "global")
+    config = tmp_path / "serve.toml"
+    config.write_text('prefix_cache = "off"\nprefix_cache_scope = "global"\n')
+    from_file = serve_settings(parser.parse_args(["serve", "--config", str(config)]))
+    assert (from_file["prefix_cache"], from_file["prefix_cache_scope"]) == ("off", "global")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefix-cache-scope", "everyone"])
