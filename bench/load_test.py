@@ -10,7 +10,10 @@ Checks, each a failure of the run (exit status 1) when it does not hold:
 * no call ends INTERNAL or UNKNOWN (client side) and the server counts none either;
 * every completed call streamed exactly the greedy tokens the same prompt gave alone before the
   load (prefix of a 48-token ignore_eos run), and every cancelled or expired one a prefix of them;
-* once the load ends, the KV cache is empty again (`shardlm_kv_blocks_used` from /metrics);
+* once the load ends, the KV cache is empty again (`shardlm_kv_blocks_used` from /metrics):
+  every block is free or a cached prefix block that no sequence holds (the prefix cache keeps
+  published blocks after their sequences end; `shardlm_prefix_cache_blocks` must equal
+  `shardlm_prefix_cache_idle_blocks`);
 * the gateway process's RSS at the end is within +10% of its RSS after warm-up (sampled once
   the first 20% of the run is over), so nothing grows with the number of calls served.
 
@@ -232,6 +235,9 @@ class Report:
     workers_rss_end_bytes: int = 0
     kv_blocks_used_end: float = -1.0
     kv_blocks_total: float = 0.0
+    prefix_cache_blocks_end: float = 0.0  # cached prefix blocks after the load...
+    prefix_cache_idle_blocks_end: float = 0.0  # ...of which no sequence holds (must be all)
+    prefix_cache_hit_tokens: float = 0.0
     server_codes: dict = field(default_factory=dict)
     preemptions: float = 0.0
     mismatches: list = field(default_factory=list)
@@ -278,6 +284,7 @@ def run(model: Path, *, streams: int, seconds: float, cancel_fraction: float, se
                          "INTERNAL", "UNKNOWN", "UNAVAILABLE")}
         report.preemptions = metric_sum(samples, "shardlm_preemptions_total")
         report.kv_blocks_total = metric_sum(samples, "shardlm_kv_blocks_total")
+        report.prefix_cache_hit_tokens = metric_sum(samples, "shardlm_prefix_cache_hit_tokens_total")
     _summarize(results, report)
     return report
 
@@ -286,9 +293,13 @@ def _settle_kv(server: Server, report: Report, timeout_s: float = 15.0) -> None:
     """The gauge follows the scheduler's iterations: give it a moment to reach zero."""
     deadline = time.monotonic() + timeout_s
     while True:
-        used = metric_sum(server.metrics(), "shardlm_kv_blocks_used")
+        samples = server.metrics()
+        used = metric_sum(samples, "shardlm_kv_blocks_used")
         if used == 0 or time.monotonic() > deadline:
             report.kv_blocks_used_end = used
+            report.prefix_cache_blocks_end = metric_sum(samples, "shardlm_prefix_cache_blocks")
+            report.prefix_cache_idle_blocks_end = metric_sum(samples,
+                                                             "shardlm_prefix_cache_idle_blocks")
             return
         time.sleep(0.1)
 
@@ -337,6 +348,9 @@ def _summarize(results: list[CallResult], r: Report) -> None:
         r.failures.append("no call completed")
     if r.kv_blocks_used_end != 0:
         r.failures.append(f"{r.kv_blocks_used_end:.0f} KV blocks still used after the load")
+    if r.prefix_cache_blocks_end != r.prefix_cache_idle_blocks_end:
+        r.failures.append(f"{r.prefix_cache_blocks_end - r.prefix_cache_idle_blocks_end:.0f} "
+                          "cached prefix blocks still held after the load")
     if r.rss_growth > RSS_GROWTH_LIMIT:
         r.failures.append(f"gateway RSS grew {r.rss_growth:+.1%} after warm-up "
                           f"({r.rss_warm_bytes >> 20} -> {r.rss_end_bytes >> 20} MiB)")
@@ -361,6 +375,9 @@ def table(r: Report) -> str:
         ("gateway RSS peak", f"{r.rss_peak_bytes / 2**20:.1f} MiB"),
         ("workers RSS end", f"{r.workers_rss_end_bytes / 2**20:.1f} MiB"),
         ("KV blocks used at end", f"{r.kv_blocks_used_end:.0f} of {r.kv_blocks_total:.0f}"),
+        ("prefix cache at end", f"{r.prefix_cache_blocks_end:.0f} blocks, "
+                                f"{r.prefix_cache_idle_blocks_end:.0f} idle"),
+        ("prefix cache hit tokens", f"{r.prefix_cache_hit_tokens:.0f}"),
         ("preemptions", f"{r.preemptions:.0f}"),
         ("server statuses", {k: int(v) for k, v in r.server_codes.items() if v}),
         ("result", "PASS" if r.ok else "FAIL: " + "; ".join(r.failures)),

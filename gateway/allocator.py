@@ -1,14 +1,28 @@
-"""The gateway's KV block allocator: which worker cache blocks each sequence holds.
+"""The gateway's KV block allocator: which worker cache blocks each sequence holds, and the
+prefix cache over them.
 
-It mirrors the workers' pool (`num_blocks` from their Load). Blocks are reference-counted so that
-a later prefix-sharing feature can hand one block to several sequences; today each block has one
-owner. In STATIC mode the pool is cut into fixed runs of blocks, one per sequence slot, and a
-sequence takes a whole slot at once (predictable memory, no churn).
+It mirrors the workers' pool (`num_blocks` from their Load). In STATIC mode the pool is cut into
+fixed runs of blocks, one per sequence slot, and a sequence takes a whole slot at once
+(predictable memory, no churn; no prefix cache).
+
+The prefix cache (paged mode): a full block whose tokens a sequence has computed is published
+under a key, a hash chain over every token up to its end, started from a salt (the model, and
+whoever may share it: see `prefix_salt`). A new sequence takes the longest run of published
+blocks that holds a beginning of its prompt instead of computing it. Blocks are reference-counted;
+a published block no sequence holds stays cached, on a least-recently-used list, and is reclaimed
+only when no free block is left. Only full blocks are ever shared and a sequence never writes
+into a published block (`rewind` hands it a private one), so shared blocks are immutable.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PREFIX_CACHE_SCOPES = ("identity", "global")
 
 
 class OutOfBlocks(Exception):
@@ -18,21 +32,41 @@ class OutOfBlocks(Exception):
         super().__init__(f"needs {needed} KV blocks, {free} free")
 
 
+def prefix_salt(namespace: str, identity: str, salt: str) -> bytes:
+    """The start of a key chain: blocks are shared only between requests with equal salts.
+    `namespace` names the model; `identity` is the caller's (empty when shared by all)."""
+    parts = (namespace, identity, salt)
+    return b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
+
+
+def _root_key(salt: bytes) -> bytes:
+    return hashlib.blake2b(salt, digest_size=16, person=b"shardlm-prefix").digest()
+
+
+def _chain_key(previous: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(previous + array("i", tokens).tobytes(), digest_size=16).digest()
+
+
 @dataclass
 class BlockTable:
     blocks: list[int]
+    keys: list[bytes] = field(default_factory=list)  # chain keys of the first full blocks
 
     def capacity(self, block_size: int) -> int:
         return len(self.blocks) * block_size
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, *, static_slot_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, static_slot_blocks: int = 0,
+                 prefix_cache: bool = False,
+                 on_evict: Callable[[], None] = lambda: None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.static_slot_blocks = static_slot_blocks
+        self.prefix_cache = prefix_cache and not static_slot_blocks
+        self._on_evict = on_evict
         self._refs = [0] * num_blocks
         if static_slot_blocks:
             slots = num_blocks // static_slot_blocks
@@ -41,17 +75,32 @@ class BlockAllocator:
         else:
             self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[int, BlockTable] = {}
+        self._by_key: dict[bytes, int] = {}  # published blocks
+        self._key_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # published, held by none; LRU first
 
     # ----------------------------------------------------------------- queries
     @property
     def free_blocks(self) -> int:
+        """Blocks a sequence can take now: free ones and cached ones no sequence holds."""
         if self.static_slot_blocks:
             return len(self._free_slots) * self.static_slot_blocks
-        return len(self._free)
+        return len(self._free) + len(self._idle)
 
     @property
     def used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
         return sum(1 for r in self._refs if r)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks holding a cached prefix, held by sequences or not."""
+        return len(self._key_of)
+
+    @property
+    def idle_cached_blocks(self) -> int:
+        """Cached blocks no sequence holds (reclaimed first when blocks run out)."""
+        return len(self._idle)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -75,7 +124,7 @@ class BlockAllocator:
             if tokens > self.static_slot_blocks * self.block_size:
                 return False
             return self.holds(sequence_id) or bool(self._free_slots)
-        return self.extra_blocks_needed(sequence_id, tokens) <= len(self._free)
+        return self.extra_blocks_needed(sequence_id, tokens) <= self.free_blocks
 
     # ----------------------------------------------------------------- changes
     def grow(self, sequence_id: int, tokens: int) -> None:
@@ -95,12 +144,12 @@ class BlockAllocator:
                     self._refs[b] = 1
             return
         needed = self.blocks_for(tokens) - len(table.blocks)
-        if needed > len(self._free):
+        if needed > self.free_blocks:
             if not table.blocks:
                 del self._tables[sequence_id]
-            raise OutOfBlocks(needed, len(self._free))
+            raise OutOfBlocks(needed, self.free_blocks)
         for _ in range(max(0, needed)):
-            block = self._free.pop()
+            block = self._take()
             self._refs[block] = 1
             table.blocks.append(block)
 
@@ -112,9 +161,11 @@ class BlockAllocator:
         keep = max(self.blocks_for(tokens), 0)
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
+        del table.keys[keep:]
 
     def free(self, sequence_id: int) -> bool:
-        """Return all the sequence's blocks; whether it held any table at all."""
+        """Return all the sequence's blocks (its published ones stay cached); whether it held
+        any table at all."""
         table = self._tables.pop(sequence_id, None)
         if table is None:
             return False
@@ -127,7 +178,89 @@ class BlockAllocator:
             self._release(block)
         return True
 
+    # ----------------------------------------------------------------- prefix cache
+    def attach_prefix(self, sequence_id: int, tokens: list[int], salt: bytes) -> int:
+        """For a sequence holding no blocks: hold the longest run of cached blocks that holds a
+        beginning of `tokens` (never its last token, whose logits must be computed). Returns
+        how many tokens they hold; 0 and no table when nothing matched."""
+        if not self.prefix_cache or sequence_id in self._tables:
+            return 0
+        table = BlockTable([])
+        key = _root_key(salt)
+        bs = self.block_size
+        for i in range((len(tokens) - 1) // bs):
+            key = _chain_key(key, tokens[i * bs:(i + 1) * bs])
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            self._idle.pop(block, None)
+            self._refs[block] += 1
+            table.blocks.append(block)
+            table.keys.append(key)
+        if table.blocks:
+            self._tables[sequence_id] = table
+        return len(table.blocks) * bs
+
+    def publish(self, sequence_id: int, tokens: list[int], cached: int, salt: bytes) -> None:
+        """Offer the full blocks among the sequence's first `cached` tokens (computed, never
+        written again) to later sequences with the same salt."""
+        table = self._tables.get(sequence_id)
+        if not self.prefix_cache or table is None:
+            return
+        bs = self.block_size
+        full = min(cached // bs, len(table.blocks))
+        if len(table.keys) >= full:
+            return
+        key = table.keys[-1] if table.keys else _root_key(salt)
+        for i in range(len(table.keys), full):
+            key = _chain_key(key, tokens[i * bs:(i + 1) * bs])
+            table.keys.append(key)
+            block = table.blocks[i]
+            if key not in self._by_key and block not in self._key_of:
+                self._by_key[key] = block
+                self._key_of[block] = key
+            # else another sequence published the same tokens first: this copy stays private
+
+    def rewind(self, sequence_id: int, position: int) -> int:
+        """The sequence writes its cache from `position` on. A published block there is shared
+        and immutable: it leaves the table with every block after it, and writing starts at
+        that block's first position instead (returned)."""
+        table = self._tables.get(sequence_id)
+        if table is None or self.static_slot_blocks:
+            return position
+        bs = self.block_size
+        first = position // bs
+        del table.keys[first:]
+        for i in range(first, len(table.blocks)):
+            if table.blocks[i] in self._key_of or self._refs[table.blocks[i]] > 1:
+                for block in table.blocks[i:]:
+                    self._release(block)
+                del table.blocks[i:]
+                return min(position, i * bs)
+        return position
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (the workers' caches were reset or lost). Blocks that
+        sequences hold stay theirs, now private."""
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._by_key.clear()
+        self._key_of.clear()
+
+    # ----------------------------------------------------------------- internals
+    def _take(self) -> int:
+        """A block to write: a free one, else the least recently used idle cached one."""
+        if self._free:
+            return self._free.pop()
+        block, _ = self._idle.popitem(last=False)
+        del self._by_key[self._key_of.pop(block)]
+        self._on_evict()
+        return block
+
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._idle[block] = None  # most recently used last
+            else:
+                self._free.append(block)

@@ -128,6 +128,12 @@ class ServeConfig:
         0, "KV cache budget per worker in MiB; 0: the worker's default", "kv cache", minimum=0)
     block_size: int = setting(DEFAULT_BLOCK_SIZE, "KV cache block size in tokens", "kv cache",
                               minimum=1)
+    prefix_cache: bool = setting(
+        True, "reuse the KV cache of prompt beginnings across requests and sessions", "kv cache")
+    prefix_cache_scope: str = setting(
+        "identity", "with --auth-tokens, who shares cached prefixes: each identity its own, or "
+        "everyone (global: a cache hit then reveals by its timing that someone sent the prompt)",
+        "kv cache", choices=("identity", "global"))
     # ---------------------------------------------------------------- limits
     max_new_tokens: int = setting(
         4096, "largest max_new_tokens a request may ask for", "limits", minimum=1)
@@ -164,7 +170,8 @@ class ServeConfig:
             max_new_tokens=self.max_new_tokens, default_max_new_tokens=self.default_max_new_tokens,
             session_idle_timeout_s=self.session_idle_timeout, max_waiting=self.max_waiting,
             max_running=self.max_running, prefill_token_budget=self.prefill_token_budget,
-            max_decode_steps=self.max_decode_steps, step_timeout_s=self.step_timeout)
+            max_decode_steps=self.max_decode_steps, step_timeout_s=self.step_timeout,
+            prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope)
 
     def kv_cache(self) -> common_pb2.KvCacheConfig:
         return common_pb2.KvCacheConfig(block_size=self.block_size,
@@ -215,6 +222,8 @@ class Limits:
     prefill_token_budget: int = default("prefill_token_budget")
     max_decode_steps: int = default("max_decode_steps")
     step_timeout_s: float = default("step_timeout")
+    prefix_cache: bool = default("prefix_cache")
+    prefix_cache_scope: str = default("prefix_cache_scope")
 
 
 @dataclass(frozen=True)

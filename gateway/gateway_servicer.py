@@ -30,11 +30,15 @@ from gateway.streaming import TokenStream
 from gateway.tokenizer import ChatMessage
 from gateway.validation import (
     Violations,
+    check_prefix_cache,
     check_prompt,
     check_sampling,
     check_session_id,
     check_stop,
 )
+
+PREFIX_CACHE_SCOPES = {"identity": gateway_pb2.PREFIX_CACHE_SCOPE_IDENTITY,
+                       "global": gateway_pb2.PREFIX_CACHE_SCOPE_GLOBAL}
 
 
 def _messages(request) -> list[dict[str, str]]:
@@ -48,6 +52,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     # ----------------------------------------------------------------- helpers
     def _identity(self, context) -> str:
         return current_identity.get().name
+
+    def _prefix_salt(self, model: Model, request) -> bytes | None:
+        """The key salt the request's blocks are shared under; None when it bypasses."""
+        if request.prefix_cache.bypass:
+            return None
+        return model.prefix_salt(current_identity.get().name, request.prefix_cache.salt,
+                                 self.rt.limits.prefix_cache_scope)
 
     def _max_new_limit(self, model: Model) -> int:
         return max_new_tokens_limit(self.rt.limits.max_new_tokens, model.max_context)
@@ -109,6 +120,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         check_prompt(request, v, vocab_size=model.info.vocab_size)
         if request.HasField("sampling"):
             check_sampling(request.sampling, v)
+        check_prefix_cache(request.prefix_cache, v)
         v.raise_if_any()
         owner = self._identity(context)
         session: Session | None = None
@@ -116,10 +128,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             session = model.sessions.acquire(request.session_id, owner)
         new_session = session is None
         scheduler = model.scheduler
-        seq = scheduler.new_sequence([], request.sampling) if session is None else session.seq
+        salt = self._prefix_salt(model, request)
+        seq = (scheduler.new_sequence([], request.sampling, prefix_salt=salt) if session is None
+               else session.seq)
         try:
             if session is not None:
                 self._check_free(model, seq)
+                if request.HasField("prefix_cache") and salt != seq.prefix_salt:
+                    raise InvalidArgumentError(
+                        "prefix_cache options are fixed by the session's first Prefill",
+                        reason="INVALID_FIELD", field_violations=[FieldViolation(
+                            "prefix_cache", "differs from the session's; leave it unset")])
             history = [] if session is None else session.chat_history()
             tokens = await asyncio.to_thread(self._encode, model, request, new_session, history)
             chat = request.WhichOneof("prompt") == "messages"
@@ -130,7 +149,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 else None
             scheduler.start_turn(seq, tokens, prefill_limits(model.max_context), rerendered=chat,
                                  sampling=new_sampling)
-            cached = seq.cached  # the cache kept for the new history
             if new_session:
                 session = model.sessions.create(seq, owner)
                 session.busy = True
@@ -140,7 +158,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             text = model.tokenizer.decode([event.token_id])
             session.add_reply_text(text)
             self.rt.metrics.prompt_tokens.inc(len(seq.tokens) - 1)
-            self.rt.metrics.cached_prompt_tokens.inc(cached)
+            cached = seq.cached_prompt_tokens
             timings = common_pb2.Timings(total_seconds=time.monotonic() - started,
                                          time_to_first_token_seconds=time.monotonic() - started)
             if seq.admitted_at is not None:
@@ -211,10 +229,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         check_sampling(request.sampling, v)
         check_stop(request.stop, v, max_new_tokens_limit=self._max_new_limit(model),
                    vocab_size=model.info.vocab_size)
+        check_prefix_cache(request.prefix_cache, v)
         v.raise_if_any()
         tokens = await asyncio.to_thread(self._encode, model, request, True, [])
         limits = self._limits(model, request.stop, len(tokens), strict=True)
-        seq = model.scheduler.new_sequence(tokens, request.sampling, ephemeral=True)
+        seq = model.scheduler.new_sequence(tokens, request.sampling, ephemeral=True,
+                                           prefix_salt=self._prefix_salt(model, request))
         usage = common_pb2.Usage(prompt_tokens=len(tokens))
         stream = TokenStream(model.tokenizer, seq, model.scheduler,
                              stop_sequences=list(request.stop.stop_sequences), usage=usage,
@@ -248,6 +268,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for session in targets:
             model.sessions.remove(session.session_id)
             model.scheduler.release(session.seq)
+        if request.all:
+            model.scheduler.clear_prefix_cache()
         capacity = model.capacity
         if request.HasField("kv_cache"):
             capacity = await self.rt.reset_cache(request.kv_cache)
@@ -284,4 +306,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             reply.model.CopyFrom(model.info)
             reply.capacity.CopyFrom(model.capacity)
             reply.max_context_length = model.max_context
+            allocator = model.allocator
+            reply.prefix_cache.CopyFrom(gateway_pb2.PrefixCacheStats(
+                enabled=allocator.prefix_cache, scope=PREFIX_CACHE_SCOPES[
+                    self.rt.limits.prefix_cache_scope],
+                cached_blocks=allocator.cached_blocks,
+                idle_blocks=allocator.idle_cached_blocks))
         return reply

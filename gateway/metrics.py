@@ -47,13 +47,31 @@ class Metrics:
             buckets=(16, 64, 256, 1024, 2048, 4096, 8192), registry=r)
         self.preemptions = Counter("shardlm_preemptions_total",
                                    "Running sequences preempted for KV blocks.", registry=r)
+        self.prefix_cache_lookups = Counter(
+            "shardlm_prefix_cache_lookups_total",
+            "Prefills that looked up a cached prefix (sequences holding no blocks).", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "shardlm_prefix_cache_hit_tokens_total",
+            "Prompt tokens found in the prefix cache by those lookups.", registry=r)
+        self.prefix_cache_evictions = Counter(
+            "shardlm_prefix_cache_evictions_total",
+            "Cached prefix blocks reclaimed for new tokens.", registry=r)
+        self.prefix_cache_blocks = Gauge(
+            "shardlm_prefix_cache_blocks", "KV blocks holding a cached prefix, in use or not.",
+            registry=r)
+        self.prefix_cache_idle_blocks = Gauge(
+            "shardlm_prefix_cache_idle_blocks",
+            "Cached prefix blocks no sequence holds (reclaimed first).", registry=r)
         self.worker_restarts = Counter("shardlm_worker_restarts_total",
                                        "Worker group restarts by the supervisor.", registry=r)
 
-    def observe_kv_cache(self, used_blocks: int, total_blocks: int) -> None:
+    def observe_kv_cache(self, used_blocks: int, total_blocks: int, cached_blocks: int = 0,
+                         idle_cached_blocks: int = 0) -> None:
         """Publish the KV block gauges: when a cache is built or dropped, and after each step."""
         self.kv_blocks_used.set(used_blocks)
         self.kv_blocks_total.set(total_blocks)
+        self.prefix_cache_blocks.set(cached_blocks)
+        self.prefix_cache_idle_blocks.set(idle_cached_blocks)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

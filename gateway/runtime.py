@@ -22,7 +22,7 @@ from shardlm.errors import (
 )
 from shardlm.worker.v1 import worker_pb2
 
-from gateway.allocator import BlockAllocator
+from gateway.allocator import BlockAllocator, prefix_salt
 from gateway.config import Limits, LoadOptions
 from gateway.metrics import Metrics
 from gateway.paths import check_model_path
@@ -49,6 +49,12 @@ class Model:
     def max_context(self) -> int:
         static = self.capacity.max_sequence_length
         return min(self.info.max_position_embeddings, static or self.info.max_position_embeddings)
+
+    def prefix_salt(self, identity: str, salt: str, scope: str) -> bytes:
+        """The key salt of a request's cached blocks: the model, the caller (when the scope is
+        per identity) and the request's own salt."""
+        namespace = f"{self.info.model_path}|{self.info.dtype}|{self.info.tensor_parallel_size}"
+        return prefix_salt(namespace, "" if scope == "global" else identity, salt)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -173,7 +179,9 @@ class Runtime:
         static = capacity.mode == common_pb2.KV_CACHE_MODE_STATIC
         slot_blocks = capacity.num_blocks // max(capacity.max_sequences, 1) if static else 0
         allocator = BlockAllocator(capacity.num_blocks, capacity.block_size,
-                                   static_slot_blocks=slot_blocks)
+                                   static_slot_blocks=slot_blocks,
+                                   prefix_cache=self.limits.prefix_cache,
+                                   on_evict=self.metrics.prefix_cache_evictions.inc)
         sessions = sessions or SessionStore(self.limits.session_idle_timeout_s)
         max_running = self.limits.max_running
         if static:

@@ -58,7 +58,7 @@ class Scheduler:
         self.pool = pool
         self.allocator = allocator
         self.sessions = sessions
-        self.caches = SequenceCaches(allocator, sessions)
+        self.caches = SequenceCaches(allocator, sessions, metrics)
         self.metrics = metrics
         self.prefill_token_budget = prefill_token_budget
         self.max_decode_steps = max_decode_steps
@@ -74,9 +74,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------- API for the service
     def new_sequence(self, tokens: list[int], sampling: common_pb2.SamplingParams, *,
-                     ephemeral: bool = False) -> Sequence:
-        """A sequence of `tokens`; `ephemeral` (a Generate's) is freed when its call ends."""
-        return Sequence(next(_SEQUENCE_IDS), list(tokens), sampling, ephemeral=ephemeral)
+                     ephemeral: bool = False, prefix_salt: bytes | None = None) -> Sequence:
+        """A sequence of `tokens`; `ephemeral` (a Generate's) is freed when its call ends. It
+        shares cached prefixes with the sequences of the same `prefix_salt` (None: bypass)."""
+        return Sequence(next(_SEQUENCE_IDS), list(tokens), sampling, ephemeral=ephemeral,
+                        prefix_salt=prefix_salt)
 
     @staticmethod
     def is_busy(seq: Sequence) -> bool:
@@ -175,6 +177,11 @@ class Scheduler:
         self._running.clear()
         self.caches.lose_all()
 
+    def clear_prefix_cache(self) -> None:
+        """ResetCache of all: no cached prefix is reused from now on."""
+        self.caches.clear_prefix_cache()
+        self._update_gauges()
+
     # ----------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
@@ -254,8 +261,10 @@ class Scheduler:
         batch: list[tuple[Sequence, int, list[int], bool]] = []
         while self._waiting and budget > 0 and len(self._running) + len(batch) < self.max_running:
             seq = self._waiting[0]
-            if seq.cached >= len(seq.tokens):
-                seq.cached = len(seq.tokens) - 1  # re-run the last token so one is sampled
+            self.caches.prefill_start(seq)
+            if seq.call_cached is None:  # the call's first prefill: what its prompt reused
+                seq.call_cached = seq.cached
+                self.metrics.cached_prompt_tokens.inc(seq.cached)
             seq.in_sync = False
             chunk = seq.uncached[:budget]
             need = self.allocator.extra_blocks_needed(seq.seq_id, seq.cached + len(chunk))
@@ -284,7 +293,8 @@ class Scheduler:
             worker_pb2.PrefillSequence(
                 sequence_id=seq.seq_id, token_ids=chunk, start_position=start,
                 block_table=self.allocator.table(seq.seq_id), sampling=seq.sampling,
-                stop=seq.worker_stop(), sample=final)
+                stop=seq.worker_stop(), sample=final,
+                prefix_token_ids=seq.tokens[:start] if seq.unsent_prefix else [])
             for seq, start, chunk, final in batch])
         self.metrics.prefill_batch_tokens.observe(sum(len(c) for _s, _st, c, _f in batch))
         try:
@@ -295,7 +305,8 @@ class Scheduler:
         tokens = {t.sequence_id: t for t in reply.tokens}
         now = time.monotonic()
         for seq, start, chunk, final in batch:
-            seq.cached = start + len(chunk)
+            seq.cached, seq.unsent_prefix = start + len(chunk), False
+            self.caches.publish(seq)
             if seq.admitted_at is None:
                 seq.admitted_at = now
                 self.metrics.queue_seconds.observe(now - seq.enqueued_at)
@@ -357,6 +368,8 @@ class Scheduler:
                 for token in step.tokens:
                     seq = by_id[token.sequence_id]
                     seq.cached += 1  # the fed token's K/V is cached now
+                    if seq.cached % self.allocator.block_size == 0:
+                        self.caches.publish(seq)  # a block is complete
                     if seq.phase is Phase.RUNNING:
                         self._accept_token(seq, token, counts=True)
                     else:  # finished (stop sequence) while the call ran on: keep history exact
@@ -395,8 +408,9 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self._waiting))
         self.metrics.running_sequences.set(len(self._running))
-        self.metrics.kv_blocks_used.set(self.allocator.used_blocks)
-        self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
+        a = self.allocator
+        self.metrics.observe_kv_cache(a.used_blocks, a.num_blocks, a.cached_blocks,
+                                      a.idle_cached_blocks)
 
 
 def _logprobs(token: worker_pb2.SequenceToken) -> common_pb2.Logprobs | None:

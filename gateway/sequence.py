@@ -59,6 +59,12 @@ class Sequence:
     phase: Phase = Phase.IDLE
     ephemeral: bool = False  # a Generate's sequence: freed when its call ends
     sampling_changed: bool = False  # the workers must be sent `sampling` with the next decode
+    # The prefix cache: the salt of the keys this sequence's blocks are shared under, or None
+    # when it bypasses the cache (neither reuses nor publishes blocks).
+    prefix_salt: bytes | None = None
+    # Its first `cached` tokens are cached blocks another sequence computed, which the workers
+    # have not seen as this sequence's: their ids go with its next prefill.
+    unsent_prefix: bool = False
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     # The current call (Prefill, Decode or Generate):
     limits: CallLimits = field(default_factory=lambda: CallLimits(0, 0))
@@ -69,6 +75,9 @@ class Sequence:
     finish_after: int | None = None  # a stop sequence matched: keep this many generated tokens
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
+    # Prompt tokens of this call that were not computed (cached before its first prefill);
+    # None until that prefill is scheduled.
+    call_cached: int | None = None
 
     @property
     def uncached(self) -> list[int]:
@@ -96,10 +105,16 @@ class Sequence:
         self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
         self.enqueued_at = time.monotonic()
         self.admitted_at = None
+        self.call_cached = None if self.needs_prefill else self.cached
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Usage: the prompt tokens this call took from the KV cache."""
+        return self.call_cached or 0
 
     def forget_cache(self) -> None:
         """The workers no longer hold this sequence: rebuild it from its history when used."""
-        self.cached, self.in_sync = 0, False
+        self.cached, self.in_sync, self.unsent_prefix = 0, False, False
 
     def extend_history(self, tokens: list[int]) -> None:
         """A new turn: append to the history; the cache stays valid."""

@@ -122,6 +122,7 @@ class TokenStream:
     def _final_usage(self) -> common_pb2.Usage:
         usage = common_pb2.Usage()
         usage.CopyFrom(self.usage)
+        usage.cached_tokens = self.seq.cached_prompt_tokens  # known once its prefill ran
         usage.generated_tokens = len(self.token_times)
         return usage
 

@@ -137,3 +137,12 @@ def check_prompt(request, v: Violations, *, vocab_size: int, allow_empty: bool =
                 v.add(f"token_ids.token_ids[{i}]", f"token id {t} is outside [0, {vocab_size})",
                       "TOKEN_OUT_OF_VOCABULARY")
                 break
+
+
+MAX_PREFIX_CACHE_SALT_BYTES = 256
+
+
+def check_prefix_cache(options, v: Violations) -> None:
+    """A request's PrefixCacheOptions."""
+    if len(options.salt.encode()) > MAX_PREFIX_CACHE_SALT_BYTES:
+        v.add("prefix_cache.salt", f"longer than {MAX_PREFIX_CACHE_SALT_BYTES} bytes")

@@ -118,6 +118,7 @@ def prefill_items(request: worker_pb2.PrefillRequest) -> list[PrefillItem]:
             sampling=sampling_from_proto(s.sampling),
             stop=stop_from_proto(s.stop),
             sample=s.sample,
+            prefix_token_ids=list(s.prefix_token_ids),
         )
         for s in request.sequences
     ]

@@ -325,14 +325,7 @@ class Engine:
                 field="token_ids",
             )
         self._check_block_table(item.block_table, end, item.sequence_id)
-        known = self.sequences.get(item.sequence_id)
-        if item.start_position > 0 and (known is None or known.num_cached < item.start_position):
-            raise SequenceNotCachedError(
-                f"sequence {item.sequence_id}: {item.start_position} tokens are not in this "
-                "worker's cache; prefill the whole history from position 0",
-                sequence_id=item.sequence_id,
-            )
-        prefix = known.tokens[: item.start_position] if known else []
+        prefix = self._prefix_of(item)
         seq = Sequence(
             sequence_id=item.sequence_id,
             tokens=prefix + list(item.token_ids),
@@ -343,6 +336,28 @@ class Engine:
         self._attach_sampler_state(seq)
         self.sequences[item.sequence_id] = seq
         return seq
+
+    def _prefix_of(self, item: PrefillItem) -> list[int]:
+        """The ids of the tokens before `start_position`: sent with the item when its first
+        blocks hold a prefix another sequence computed, else the ones this worker remembers."""
+        if item.prefix_token_ids:
+            if len(item.prefix_token_ids) != item.start_position:
+                raise InvalidRequestError(
+                    f"sequence {item.sequence_id}: prefix_token_ids holds "
+                    f"{len(item.prefix_token_ids)} tokens, start_position is "
+                    f"{item.start_position}",
+                    field="prefix_token_ids",
+                )
+            self._check_tokens(item.prefix_token_ids, item.sequence_id)
+            return list(item.prefix_token_ids)
+        known = self.sequences.get(item.sequence_id)
+        if item.start_position > 0 and (known is None or known.num_cached < item.start_position):
+            raise SequenceNotCachedError(
+                f"sequence {item.sequence_id}: {item.start_position} tokens are not in this "
+                "worker's cache; prefill the whole history from position 0",
+                sequence_id=item.sequence_id,
+            )
+        return known.tokens[: item.start_position] if known else []
 
     def _prepare_decode(self, item: DecodeItem, num_steps: int) -> Sequence:
         seq = self.sequences.get(item.sequence_id)

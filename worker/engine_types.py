@@ -36,6 +36,9 @@ class PrefillItem:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
     sample: bool = True  # False for a non-final chunk of a chunked prefill
+    # The ids of the first start_position tokens, when their K/V is a prefix another sequence
+    # computed (cached by the gateway) and this worker does not know the sequence.
+    prefix_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

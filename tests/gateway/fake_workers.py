@@ -43,8 +43,26 @@ class FakeWorkerPool:
         self.prefills: list[worker_pb2.PrefillRequest] = []
         self.decodes: list[worker_pb2.DecodeRequest] = []
         self.resets: list[int] = []
+        # (block, offset) -> the history whose last token's K/V the slot holds
+        self.slots: dict[tuple[int, int], list[int]] = {}
         self.fail_next_decode: ShardLMError | None = None
         self.step_delay_s = 0.0  # a decode step's duration, for tests that act mid-call
+
+    def _write_blocks(self, item: worker_pb2.PrefillSequence, prefix: list[int]) -> None:
+        """Record which token each written cache slot holds, refusing to overwrite a slot with
+        a different token than it holds for a sequence that shares the block."""
+        history = prefix + list(item.token_ids)
+        for position in range(item.start_position, len(history)):
+            block = item.block_table[position // self.block_size]
+            self.slots[(block, position % self.block_size)] = history[:position + 1]
+
+    def _check_prefix_blocks(self, item: worker_pb2.PrefillSequence) -> None:
+        """A cached prefix's blocks must hold exactly the prefix's tokens."""
+        prefix = list(item.prefix_token_ids)
+        for position in range(item.start_position):
+            block = item.block_table[position // self.block_size]
+            assert self.slots.get((block, position % self.block_size)) == prefix[:position + 1], \
+                f"block {block} does not hold the prefix at position {position}"
 
     def _check_table(self, table, tokens: int) -> None:
         assert len(table) * self.block_size >= tokens, (list(table), tokens)
@@ -68,10 +86,16 @@ class FakeWorkerPool:
         reply = worker_pb2.PrefillResponse()
         for item in request.sequences:
             known = self.sequences.get(item.sequence_id)
-            if item.start_position:
-                assert known is not None and len(known.cached) >= item.start_position, \
-                    "prefill from a position the worker does not hold"
-            prefix = known.cached[:item.start_position] if known else []
+            if item.prefix_token_ids:  # a cached prefix: its blocks are written already
+                assert len(item.prefix_token_ids) == item.start_position
+                self._check_prefix_blocks(item)
+                prefix = list(item.prefix_token_ids)
+            else:
+                if item.start_position:
+                    assert known is not None and len(known.cached) >= item.start_position, \
+                        "prefill from a position the worker does not hold"
+                prefix = known.cached[:item.start_position] if known else []
+            self._write_blocks(item, prefix)
             seq = FakeSequence(prefix + list(item.token_ids), stop=item.stop)
             self._check_table(item.block_table, len(seq.cached))
             self.sequences[item.sequence_id] = seq
@@ -87,6 +111,7 @@ class FakeWorkerPool:
             error, self.fail_next_decode = self.fail_next_decode, None
             raise error
         plan = []
+        item_tables: dict[int, list[int]] = {}
         for item in request.sequences:
             seq = self.sequences[item.sequence_id]
             assert seq.pending is not None, "decode of a sequence with no pending token"
@@ -96,12 +121,16 @@ class FakeWorkerPool:
             steps = min(request.num_steps, item.max_steps or request.num_steps)
             self._check_table(item.block_table, len(seq.cached) + steps)
             plan.append((item.sequence_id, seq, steps))
+            item_tables[item.sequence_id] = list(item.block_table)
         for step in range(request.num_steps):
             reply = worker_pb2.DecodeResponse(step=step)
             for sid, seq, steps in plan:
                 if seq.finished or step >= steps:
                     continue
                 seq.cached.append(seq.pending)
+                position = len(seq.cached) - 1
+                block = item_tables[sid][position // self.block_size]
+                self.slots[(block, position % self.block_size)] = list(seq.cached)
                 token = self._sample(seq)
                 token.sequence_id = sid
                 reply.tokens.append(token)

@@ -22,11 +22,46 @@ import builtins
 import collections.abc
 import google.protobuf.descriptor
 import google.protobuf.internal.containers
+import google.protobuf.internal.enum_type_wrapper
 import google.protobuf.message
 import shardlm.common.v1.common_pb2
+import sys
 import typing
 
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
+else:
+    import typing_extensions
+
 DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
+
+class _PrefixCacheScope:
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
+
+class _PrefixCacheScopeEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_PrefixCacheScope.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
+    PREFIX_CACHE_SCOPE_UNSPECIFIED: _PrefixCacheScope.ValueType  # 0
+    """Not reported (no model loaded)."""
+    PREFIX_CACHE_SCOPE_IDENTITY: _PrefixCacheScope.ValueType  # 1
+    """Blocks are shared only among requests of the same authenticated identity
+    (with authentication off, everyone is the same identity).
+    """
+    PREFIX_CACHE_SCOPE_GLOBAL: _PrefixCacheScope.ValueType  # 2
+    """Blocks are shared among all callers (the operator opted in)."""
+
+class PrefixCacheScope(_PrefixCacheScope, metaclass=_PrefixCacheScopeEnumTypeWrapper):
+    """Who may share cached prefix blocks."""
+
+PREFIX_CACHE_SCOPE_UNSPECIFIED: PrefixCacheScope.ValueType  # 0
+"""Not reported (no model loaded)."""
+PREFIX_CACHE_SCOPE_IDENTITY: PrefixCacheScope.ValueType  # 1
+"""Blocks are shared only among requests of the same authenticated identity
+(with authentication off, everyone is the same identity).
+"""
+PREFIX_CACHE_SCOPE_GLOBAL: PrefixCacheScope.ValueType  # 2
+"""Blocks are shared among all callers (the operator opted in)."""
+global___PrefixCacheScope = PrefixCacheScope
 
 @typing.final
 class LoadRequest(google.protobuf.message.Message):
@@ -213,6 +248,7 @@ class PrefillRequest(google.protobuf.message.Message):
     TOKEN_IDS_FIELD_NUMBER: builtins.int
     SAMPLING_FIELD_NUMBER: builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: builtins.int
+    PREFIX_CACHE_FIELD_NUMBER: builtins.int
     session_id: builtins.str
     """Session to extend. Empty starts a new session, whose id is returned. For an
     existing session the prompt is appended to its context (a new turn); the
@@ -244,6 +280,12 @@ class PrefillRequest(google.protobuf.message.Message):
         session's parameters.
         """
 
+    @property
+    def prefix_cache(self) -> global___PrefixCacheOptions:
+        """How this session uses the prefix cache. Fixed by the session's first
+        Prefill: a later Prefill may repeat the same options or leave them unset.
+        """
+
     def __init__(
         self,
         *,
@@ -253,9 +295,10 @@ class PrefillRequest(google.protobuf.message.Message):
         token_ids: global___TokenIds | None = ...,
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
         add_special_tokens: builtins.bool | None = ...,
+        prefix_cache: global___PrefixCacheOptions | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
     @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
     @typing.overload
@@ -473,6 +516,7 @@ class GenerateRequest(google.protobuf.message.Message):
     SAMPLING_FIELD_NUMBER: builtins.int
     STOP_FIELD_NUMBER: builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: builtins.int
+    PREFIX_CACHE_FIELD_NUMBER: builtins.int
     text: builtins.str
     """Raw text, tokenized by the gateway."""
     add_special_tokens: builtins.bool
@@ -499,6 +543,10 @@ class GenerateRequest(google.protobuf.message.Message):
         FINISH_REASON_CONTEXT_LENGTH.
         """
 
+    @property
+    def prefix_cache(self) -> global___PrefixCacheOptions:
+        """How this request uses the prefix cache."""
+
     def __init__(
         self,
         *,
@@ -508,9 +556,10 @@ class GenerateRequest(google.protobuf.message.Message):
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
         add_special_tokens: builtins.bool | None = ...,
+        prefix_cache: global___PrefixCacheOptions | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
     @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
     @typing.overload
@@ -674,6 +723,7 @@ class GetModelInfoResponse(google.protobuf.message.Message):
     SERVER_VERSION_FIELD_NUMBER: builtins.int
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: builtins.int
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: builtins.int
+    PREFIX_CACHE_FIELD_NUMBER: builtins.int
     loaded: builtins.bool
     """Whether a model is loaded and serving. When false, model and capacity are
     unset.
@@ -695,6 +745,10 @@ class GetModelInfoResponse(google.protobuf.message.Message):
     def capacity(self) -> shardlm.common.v1.common_pb2.KvCacheCapacity:
         """The allocated KV cache."""
 
+    @property
+    def prefix_cache(self) -> global___PrefixCacheStats:
+        """The prefix cache's configuration and contents."""
+
     def __init__(
         self,
         *,
@@ -704,8 +758,73 @@ class GetModelInfoResponse(google.protobuf.message.Message):
         server_version: builtins.str = ...,
         max_new_tokens_limit: builtins.int = ...,
         max_context_length: builtins.int = ...,
+        prefix_cache: global___PrefixCacheStats | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["capacity", b"capacity", "model", b"model"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["capacity", b"capacity", "loaded", b"loaded", "max_context_length", b"max_context_length", "max_new_tokens_limit", b"max_new_tokens_limit", "model", b"model", "server_version", b"server_version"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["capacity", b"capacity", "model", b"model", "prefix_cache", b"prefix_cache"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["capacity", b"capacity", "loaded", b"loaded", "max_context_length", b"max_context_length", "max_new_tokens_limit", b"max_new_tokens_limit", "model", b"model", "prefix_cache", b"prefix_cache", "server_version", b"server_version"]) -> None: ...
 
 global___GetModelInfoResponse = GetModelInfoResponse
+
+@typing.final
+class PrefixCacheOptions(google.protobuf.message.Message):
+    """How a request uses the prefix cache: the KV cache blocks of prompt
+    beginnings that earlier requests computed, reused instead of recomputed.
+    Reuse is observable through timing, so a block is only shared between
+    requests with the same key: the model, the caller's identity (when
+    authentication is on and the server's scope is PREFIX_CACHE_SCOPE_IDENTITY)
+    and the salt below.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    SALT_FIELD_NUMBER: builtins.int
+    BYPASS_FIELD_NUMBER: builtins.int
+    salt: builtins.str
+    """Share cached blocks only with requests that carry the same salt (at most
+    256 bytes). Empty: no salt.
+    """
+    bypass: builtins.bool
+    """Neither reuse cached blocks nor leave this request's blocks to others."""
+    def __init__(
+        self,
+        *,
+        salt: builtins.str = ...,
+        bypass: builtins.bool = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["bypass", b"bypass", "salt", b"salt"]) -> None: ...
+
+global___PrefixCacheOptions = PrefixCacheOptions
+
+@typing.final
+class PrefixCacheStats(google.protobuf.message.Message):
+    """The prefix cache of the loaded model."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: builtins.int
+    SCOPE_FIELD_NUMBER: builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: builtins.int
+    IDLE_BLOCKS_FIELD_NUMBER: builtins.int
+    enabled: builtins.bool
+    """Whether requests reuse cached prompt beginnings. Off in the static cache
+    mode and when the server was started with the cache disabled.
+    """
+    scope: global___PrefixCacheScope.ValueType
+    """Who may share cached blocks."""
+    cached_blocks: builtins.int
+    """KV cache blocks holding a cached prefix, in use or not."""
+    idle_blocks: builtins.int
+    """Cached blocks no sequence holds now: reclaimed, least recently used
+    first, when free blocks run out (before idle sessions are evicted).
+    """
+    def __init__(
+        self,
+        *,
+        enabled: builtins.bool = ...,
+        scope: global___PrefixCacheScope.ValueType = ...,
+        cached_blocks: builtins.int = ...,
+        idle_blocks: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cached_blocks", b"cached_blocks", "enabled", b"enabled", "idle_blocks", b"idle_blocks", "scope", b"scope"]) -> None: ...
+
+global___PrefixCacheStats = PrefixCacheStats

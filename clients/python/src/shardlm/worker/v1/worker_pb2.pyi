@@ -293,6 +293,7 @@ class PrefillSequence(google.protobuf.message.Message):
     SAMPLING_FIELD_NUMBER: builtins.int
     STOP_FIELD_NUMBER: builtins.int
     SAMPLE_FIELD_NUMBER: builtins.int
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: builtins.int
     sequence_id: builtins.int
     """Sequence id assigned by the gateway, unique among live sequences. The
     first Prefill of an id creates the sequence.
@@ -300,7 +301,8 @@ class PrefillSequence(google.protobuf.message.Message):
     start_position: builtins.int
     """Number of tokens of this sequence already in the KV cache: token_ids
     occupy positions start_position onwards. Must equal the sequence's cached
-    length (0 for a new sequence), otherwise SEQUENCE_NOT_CACHED.
+    length (0 for a new sequence) unless prefix_token_ids is set, otherwise
+    SEQUENCE_NOT_CACHED.
     """
     sample: builtins.bool
     """Sample a token after processing token_ids. False for a non-final chunk of
@@ -338,6 +340,16 @@ class PrefillSequence(google.protobuf.message.Message):
         Decode steps.
         """
 
+    @property
+    def prefix_token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
+        """The ids of the sequence's first start_position tokens, for a sequence this
+        worker does not hold: their keys and values are already in the first
+        blocks of block_table (a prefix cached by the gateway, computed by another
+        sequence). The sequence is then created from them, whatever the worker
+        remembered of its id. Empty: start_position must equal the sequence's
+        cached length on this worker.
+        """
+
     def __init__(
         self,
         *,
@@ -348,9 +360,10 @@ class PrefillSequence(google.protobuf.message.Message):
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
         sample: builtins.bool = ...,
+        prefix_token_ids: collections.abc.Iterable[builtins.int] | None = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "sample", b"sample", "sampling", b"sampling", "sequence_id", b"sequence_id", "start_position", b"start_position", "stop", b"stop", "token_ids", b"token_ids"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "prefix_token_ids", b"prefix_token_ids", "sample", b"sample", "sampling", b"sampling", "sequence_id", b"sequence_id", "start_position", b"start_position", "stop", b"stop", "token_ids", b"token_ids"]) -> None: ...
 
 global___PrefillSequence = PrefillSequence
 
