@@ -31,6 +31,9 @@ class Metrics:
         self.kv_blocks_used = Gauge("shardlm_kv_blocks_used", "KV cache blocks held.", registry=r)
         self.kv_blocks_total = Gauge("shardlm_kv_blocks_total", "KV cache blocks in the pool.",
                                      registry=r)
+        self.prefix_cache_blocks = Gauge(
+            "shardlm_prefix_cache_blocks",
+            "KV cache blocks held by the prefix cache (reusable prompt prefixes).", registry=r)
         self.prompt_tokens = Counter("shardlm_prompt_tokens_total",
                                      "Prompt tokens received.", registry=r)
         self.cached_prompt_tokens = Counter("shardlm_cached_prompt_tokens_total",

@@ -23,6 +23,7 @@ from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
 from gateway.runtime import SERVICE_NAME, Limits, Runtime
 from gateway.service import GatewayServicer
+from gateway.smg_service import add_smg_engine_service
 from worker.launcher import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
@@ -75,10 +76,12 @@ async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: in
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                  ("grpc.so_reuseport", 0)])
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(runtime), server)
+    api = GatewayServicer(runtime)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(api, server)
+    smg_engine = add_smg_engine_service(server, api)  # for the SMG router (gateway/smg_service.py)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
-             "grpc.health.v1.Health", reflection.SERVICE_NAME)
+             "grpc.health.v1.Health", reflection.SERVICE_NAME, smg_engine)
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, credentials) if credentials

@@ -23,6 +23,7 @@ from gateway.finish import (
     prefill_limits,
     prompt_too_long,
 )
+from gateway.load_report import load_report
 from gateway.runtime import Model, Runtime
 from gateway.sequence import ErrorEvent, Sequence
 from gateway.sessions import Session
@@ -285,3 +286,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             reply.capacity.CopyFrom(model.capacity)
             reply.max_context_length = model.max_context
         return reply
+
+    async def GetLoad(self, request, context) -> gateway_pb2.GetLoadResponse:
+        return load_report(self.rt)
