@@ -28,6 +28,7 @@ SERVE_DEFAULTS = {
     "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
     "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
     "worker_tls_key": None, "no_model": False,
+    "smg_port": None,  # the SMG engine API alone on this port (gateway/smg_service.py)
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,6 +62,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--worker-tls-ca", help="PEM CA for mutual TLS between gateway and workers")
     p.add_argument("--worker-tls-cert", help="PEM certificate workers serve and the gateway shows")
     p.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
+    p.add_argument("--smg-port", type=int, help="also serve the SMG router's engine API on this "
+                   "port, plaintext and without auth tokens (for a router inside the network)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

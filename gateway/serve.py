@@ -76,7 +76,8 @@ async def serve(s: dict) -> int:
             model_root = str(Path(s["model"]).resolve().parent)  # auth on: never load anywhere
         server = await start_gateway(group, host=s["host"], port=int(s["port"]), limits=limits,
                                      metrics_port=s["metrics_port"], credentials=credentials,
-                                     auth_tokens=tokens, model_root=model_root)
+                                     auth_tokens=tokens, model_root=model_root,
+                                     smg_port=s["smg_port"])
     except (OSError, ValueError, TypeError) as exc:
         group.close()
         print(f"error: {exc}", file=sys.stderr)

@@ -23,7 +23,7 @@ from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
 from gateway.runtime import SERVICE_NAME, Limits, Runtime
 from gateway.service import GatewayServicer
-from gateway.smg_service import add_smg_engine_service
+from gateway.smg_service import add_smg_engine_service, start_smg_server
 from worker.launcher import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
@@ -36,6 +36,7 @@ class GatewayServer:
     runtime: Runtime
     metrics: Metrics
     port: int
+    smg: tuple[grpc.aio.Server, int] | None = None  # the --smg-port listener and its port
 
     async def drain(self, grace_s: float = 30.0) -> None:
         """Stop taking calls, let the running ones finish (up to grace_s), then stop."""
@@ -49,6 +50,8 @@ class GatewayServer:
                 break
             await asyncio.sleep(0.05)
         await self.server.stop(grace=1.0)
+        if self.smg is not None:
+            await self.smg[0].stop(grace=1.0)
         await rt.close()
 
 
@@ -65,7 +68,8 @@ async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: in
                         limits: Limits | None = None, metrics_port: int | None = None,
                         credentials: grpc.ServerCredentials | None = None,
                         auth_tokens: dict[str, Identity] | None = None,
-                        model_root: str | None = None) -> GatewayServer:
+                        model_root: str | None = None,
+                        smg_port: int | None = None) -> GatewayServer:
     metrics = Metrics()
     health = health_aio.HealthServicer()
     runtime = Runtime(group, metrics, limits or Limits(), health, model_root)
@@ -92,5 +96,7 @@ async def start_gateway(group: WorkerGroup, *, host: str = "127.0.0.1", port: in
     await server.start()
     if metrics_port is not None:
         metrics.serve_http(metrics_port, host)
+    smg = (None if smg_port is None else
+           await start_smg_server(api, [ErrorInterceptor(metrics)], host, smg_port))
     assert SERVICE_NAME == names[0]
-    return GatewayServer(server, runtime, metrics, bound)
+    return GatewayServer(server, runtime, metrics, bound, smg)

@@ -1,5 +1,7 @@
 """The engine service the Shepherd Model Gateway (SMG) routes to: `vllm.grpc.engine.VllmEngine`
-from the `smg-grpc-proto` package, served beside ShardLM's own API on the gateway's port.
+from the `smg-grpc-proto` package, served beside ShardLM's own API on the gateway's port, and
+with `serve --smg-port` alone on a plaintext port of its own (SMG's gRPC client speaks neither
+TLS nor ShardLM's bearer tokens, so a gateway that requires them is reached there).
 
 Why the vLLM flavour: SMG tokenizes, applies the chat template and detokenizes itself and sends
 token ids, which ShardLM's Generate takes as they are; its sampling parameters map one to one
@@ -300,3 +302,17 @@ def add_smg_engine_service(server: grpc.aio.Server, api: GatewayServicer) -> str
     """Serve SMG's engine API on `server` beside ShardLM's; returns its full service name."""
     engine_pb2_grpc.add_VllmEngineServicer_to_server(SmgEngineServicer(api), server)
     return SERVICE_NAME
+
+
+async def start_smg_server(api: GatewayServicer, interceptors: list, host: str,
+                           port: int) -> tuple[grpc.aio.Server, int]:
+    """The engine API alone on a port of its own (serve --smg-port): plaintext and without
+    bearer tokens, because SMG's gRPC client sends neither; for a gateway whose main port uses
+    TLS or auth. Keep this port reachable by the router only (a NetworkPolicy in Kubernetes)."""
+    server = grpc.aio.server(interceptors=interceptors)
+    add_smg_engine_service(server, api)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    return server, bound
