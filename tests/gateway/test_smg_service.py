@@ -161,6 +161,9 @@ def test_load_report_in_both_apis(gateway, engine):
     assert report.loaded and report.block_size > 0
     assert report.kv_blocks_used + report.kv_blocks_free == report.kv_blocks_total
     assert report.prefix_cache_blocks == 0
+    metrics = gateway.metrics
+    assert metrics.value("shardlm_kv_blocks_total") == report.kv_blocks_total
+    assert metrics.value("shardlm_prefix_cache_blocks") == report.prefix_cache_blocks
     session = gateway.stub.Prefill(gateway_pb2.PrefillRequest(text="To be"))
     try:
         held = gateway.stub.GetLoad(gateway_pb2.GetLoadRequest())
