@@ -36,10 +36,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _http(url: str, body: dict | None = None, timeout: float = 60):
+def _http(url: str, body: dict | None = None, timeout: float = 60,
+          headers: dict | None = None):
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json",
+                                              **(headers or {})})
     return urllib.request.urlopen(request, timeout=timeout)
 
 
@@ -65,6 +67,7 @@ def router(replicas, tmp_path_factory):
     log = tmp_path_factory.mktemp("smg") / "smg.log"
     command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy",
                "round_robin", "--worker-urls", *[f"grpc://{g.address}" for g in replicas],
+               "--sticky-sessions", "--routing-key-headers", "x-shardlm-session",
                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                "--log-level", "warn"]
     with log.open("wb") as out:
@@ -103,9 +106,9 @@ def _reference(gateway) -> str:
     return "".join(m.text for m in reply)
 
 
-def _chat(base: str, model_id: str) -> dict:
+def _chat(base: str, model_id: str, headers: dict | None = None) -> dict:
     body = {"model": model_id, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
-    return json.load(_http(f"{base}/v1/chat/completions", body))
+    return json.load(_http(f"{base}/v1/chat/completions", body, headers=headers))
 
 
 def _chat_streamed(base: str, model_id: str) -> str:
@@ -136,6 +139,20 @@ def test_chat_through_smg_matches_shardlm(replicas, router):
         assert _visible(reply["choices"][0]["message"]["content"]) == expected
         assert reply["usage"]["completion_tokens"] <= MAX_TOKENS
     assert _visible(_chat_streamed(base, model_id)) == expected
+
+
+def _generate_calls(gateway) -> float:
+    return gateway.metrics.value("shardlm_requests_total", {"method": "Generate", "code": "OK"})
+
+
+def test_a_session_header_keeps_a_conversation_on_one_replica(replicas, router):
+    base, model_id = router
+    for session in ("conversation-a", "conversation-b"):
+        before = [_generate_calls(g) for g in replicas]
+        for _ in range(3):
+            _chat(base, model_id, headers={"x-shardlm-session": session})
+        served = [_generate_calls(g) - b for g, b in zip(replicas, before, strict=True)]
+        assert sorted(served) == [0, 3], (session, served)
 
 
 def test_smg_serves_on_when_a_replica_stops(replicas, router):
