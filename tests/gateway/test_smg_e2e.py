@@ -3,7 +3,8 @@
 `smg launch` routes OpenAI-style HTTP to the replicas' engine service over `grpc://` URLs and
 fetches the tokenizer from them (GetTokenizer): it is given no model path. A chat completion
 through SMG, streamed or not, gives the greedy text of ShardLM's own Generate for the same chat;
-with one replica stopped, SMG serves on from the other. Skipped where `smg` is not installed.
+requests with one x-shardlm-session header reach one replica (SMG's sticky sessions); with one
+replica stopped, SMG serves on from the other. Skipped where `smg` is not installed.
 """
 
 from __future__ import annotations
