@@ -16,12 +16,14 @@ install: $(STAMP)
 test: install
 	bash scripts/test.sh
 
-# Lint, contracts and generated-code freshness (CI runs this after the tests).
+# Lint, contracts, generated-code freshness and the deployment manifests (CI runs this after
+# the tests).
 check: install
 	$(PY) -m ruff check .
 	bash scripts/buf_lint.sh
 	$(PY) scripts/gen_proto.py --check
 	bash scripts/validate_compose.sh
+	$(PY) -m pytest -q tests/deploy/test_k8s.py
 
 proto: install
 	$(PY) scripts/gen_proto.py

@@ -114,6 +114,10 @@ class ServeConfig:
     metrics_port: int | None = setting(
         None, "serve Prometheus metrics on this port; unset: no metrics endpoint", "server",
         minimum=0, maximum=MAX_PORT)
+    smg_port: int | None = setting(
+        None, "also serve the SMG router's engine API on this port, plaintext and without auth "
+        "tokens (for a router inside the network); unset: only on --port", "server",
+        minimum=0, maximum=MAX_PORT)
     drain_grace: float = setting(
         30.0, "seconds in-flight calls get to finish at shutdown", "server", minimum=0)
     auth_tokens: str | None = setting(

@@ -25,6 +25,7 @@ from gateway.gateway_servicer import GatewayServicer
 from gateway.interceptors import ErrorInterceptor
 from gateway.metrics import Metrics
 from gateway.runtime import SERVICE_NAME, Runtime
+from gateway.smg_service import add_smg_engine_service, start_smg_server
 from gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
@@ -36,6 +37,7 @@ class GatewayServer:
     runtime: Runtime
     metrics: Metrics
     port: int
+    smg: tuple[grpc.aio.Server, int] | None = None  # the --smg-port listener and its port
 
     async def drain(self, grace_s: float = 30.0) -> None:
         """Stop taking calls, let the running ones finish (up to grace_s), then stop."""
@@ -49,6 +51,8 @@ class GatewayServer:
                 break
             await asyncio.sleep(0.05)
         await self.server.stop(grace=1.0)
+        if self.smg is not None:
+            await self.smg[0].stop(grace=1.0)
         await rt.close()
 
 
@@ -66,7 +70,8 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
                         credentials: grpc.ServerCredentials | None = None,
                         auth_tokens: dict[str, Identity] | None = None,
                         model_root: str | None = None,
-                        load_options: LoadOptions | None = None) -> GatewayServer:
+                        load_options: LoadOptions | None = None,
+                        smg_port: int | None = None) -> GatewayServer:
     metrics = Metrics()
     health = health_aio.HealthServicer()
     runtime = Runtime(group, metrics, limits or Limits(), health, model_root, load_options)
@@ -77,10 +82,12 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                  ("grpc.so_reuseport", 0)])
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(runtime), server)
+    api = GatewayServicer(runtime)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(api, server)
+    smg_engine = add_smg_engine_service(server, api)  # for the SMG router (gateway/smg_service.py)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
-             "grpc.health.v1.Health", reflection.SERVICE_NAME)
+             "grpc.health.v1.Health", reflection.SERVICE_NAME, smg_engine)
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
     try:
@@ -100,5 +107,7 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
             await server.stop(grace=None)
             await runtime.pool.close()
             raise OSError(f"cannot serve metrics on {host}:{metrics_port}: {exc.strerror}") from None
+    smg = (None if smg_port is None else
+           await start_smg_server(api, [ErrorInterceptor(metrics)], host, smg_port))
     assert SERVICE_NAME == names[0]
-    return GatewayServer(server, runtime, metrics, bound)
+    return GatewayServer(server, runtime, metrics, bound, smg)

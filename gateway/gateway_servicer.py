@@ -23,6 +23,7 @@ from gateway.finish import (
     prefill_limits,
     prompt_too_long,
 )
+from gateway.load_report import load_report
 from gateway.runtime import Model, Runtime
 from gateway.sequence import ErrorEvent, Sequence
 from gateway.sessions import Session
@@ -313,3 +314,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 cached_blocks=allocator.cached_blocks,
                 idle_blocks=allocator.idle_cached_blocks))
         return reply
+
+    async def GetLoad(self, request, context) -> gateway_pb2.GetLoadResponse:
+        return load_report(self.rt)

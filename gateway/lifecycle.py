@@ -96,6 +96,7 @@ def _check_before_start(cfg: ServeConfig) -> None:
         raise ValueError(f"model path {cfg.model} does not exist")
     check_port_free(cfg.host, cfg.port)
     check_port_free(cfg.host, cfg.metrics_port, "metrics")
+    check_port_free(cfg.host, cfg.smg_port, "the SMG engine API")
 
 
 def _start_workers(cfg: ServeConfig, tls: WorkerTLS | None, group: WorkerGroup | None = None
@@ -129,7 +130,7 @@ async def _start_gateway(cfg: ServeConfig, group: WorkerGroup) -> GatewayServer:
     return await start_gateway(group, host=cfg.host, port=cfg.port, limits=cfg.limits,
                                metrics_port=cfg.metrics_port, credentials=credentials,
                                auth_tokens=tokens, model_root=model_root,
-                               load_options=cfg.load_options)
+                               load_options=cfg.load_options, smg_port=cfg.smg_port)
 
 
 async def _load(cfg: ServeConfig, server: GatewayServer) -> None:

@@ -146,6 +146,7 @@ class Tokenizer:
         byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
         self._byte_ids = frozenset(i for i in byte_ids if i is not None)
         self._template = None
+        self._template_source = chat_template
         if chat_template is not None:
             try:
                 self._template = _template_env().from_string(chat_template)
@@ -182,6 +183,18 @@ class Tokenizer:
                    generation_config=_read_json(root / "generation_config.json"),
                    model_config=_read_json(root / "config.json"), chat_template=template,
                    byte_fallback=_uses_byte_fallback(spec.get("decoder")))
+
+    def hf_files(self) -> dict[str, str]:
+        """This tokenizer as a Hugging Face folder's files (tokenizer.json, and
+        tokenizer_config.json with the special tokens, BOS/EOS flags and chat template), for a
+        router that rebuilds it elsewhere; a GGUF checkpoint's included."""
+        bos = self._bos_text or (self.id_to_token(self._bos_id) if self._bos_id is not None
+                                 else None)
+        config = {"bos_token": bos, "eos_token": self._eos_text, "add_bos_token": self._add_bos,
+                  "add_eos_token": self._add_eos, "chat_template": self._template_source}
+        config = {key: value for key, value in config.items() if value is not None}
+        return {"tokenizer.json": self._backend.to_str(),
+                "tokenizer_config.json": json.dumps(config, ensure_ascii=False, indent=2)}
 
     def _lookup(self, text: str | None) -> int | None:
         return self._backend.token_to_id(text) if text else None

@@ -45,6 +45,7 @@ EXPECTED_METHODS = {
         "Generate": True,
         "Tokenize": False,
         "GetModelInfo": False,
+        "GetLoad": False,
     },
     "WorkerService": {
         "Load": True,

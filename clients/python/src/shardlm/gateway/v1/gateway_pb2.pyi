@@ -828,3 +828,72 @@ class PrefixCacheStats(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["cached_blocks", b"cached_blocks", "enabled", b"enabled", "idle_blocks", b"idle_blocks", "scope", b"scope"]) -> None: ...
 
 global___PrefixCacheStats = PrefixCacheStats
+
+@typing.final
+class GetLoadRequest(google.protobuf.message.Message):
+    """Request of GatewayService.GetLoad."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+
+global___GetLoadRequest = GetLoadRequest
+
+@typing.final
+class GetLoadResponse(google.protobuf.message.Message):
+    """Response of GatewayService.GetLoad: a snapshot of the replica's load. With no
+    model loaded every count is 0 and `loaded` is false. The same values are
+    exported as Prometheus gauges (shardlm_running_sequences,
+    shardlm_queue_length_requests, shardlm_kv_blocks_used, shardlm_kv_blocks_total,
+    shardlm_prefix_cache_blocks).
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    LOADED_FIELD_NUMBER: builtins.int
+    RUNNING_SEQUENCES_FIELD_NUMBER: builtins.int
+    WAITING_SEQUENCES_FIELD_NUMBER: builtins.int
+    KV_BLOCKS_USED_FIELD_NUMBER: builtins.int
+    KV_BLOCKS_FREE_FIELD_NUMBER: builtins.int
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: builtins.int
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: builtins.int
+    SESSIONS_FIELD_NUMBER: builtins.int
+    loaded: builtins.bool
+    """Whether a model is loaded and serving."""
+    running_sequences: builtins.int
+    """Sequences in the decode batch."""
+    waiting_sequences: builtins.int
+    """Sequences waiting for (re)prefill."""
+    kv_blocks_used: builtins.int
+    """KV cache blocks held by sequences and sessions."""
+    kv_blocks_free: builtins.int
+    """KV cache blocks free for new sequences."""
+    kv_blocks_total: builtins.int
+    """KV cache blocks in the pool (used plus free)."""
+    block_size: builtins.int
+    """Tokens per KV cache block."""
+    prefix_cache_blocks: builtins.int
+    """Blocks held by the prefix cache (reusable prompt prefixes that no running
+    sequence holds); 0 while the gateway keeps no prefix cache.
+    """
+    sessions: builtins.int
+    """Sessions that hold a KV cache (parked between calls or generating)."""
+    def __init__(
+        self,
+        *,
+        loaded: builtins.bool = ...,
+        running_sequences: builtins.int = ...,
+        waiting_sequences: builtins.int = ...,
+        kv_blocks_used: builtins.int = ...,
+        kv_blocks_free: builtins.int = ...,
+        kv_blocks_total: builtins.int = ...,
+        block_size: builtins.int = ...,
+        prefix_cache_blocks: builtins.int = ...,
+        sessions: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["block_size", b"block_size", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "loaded", b"loaded", "prefix_cache_blocks", b"prefix_cache_blocks", "running_sequences", b"running_sequences", "sessions", b"sessions", "waiting_sequences", b"waiting_sequences"]) -> None: ...
+
+global___GetLoadResponse = GetLoadResponse

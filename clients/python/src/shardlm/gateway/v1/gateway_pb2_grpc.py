@@ -50,6 +50,11 @@ class GatewayServiceStub(object):
                 request_serializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
                 )
+        self.GetLoad = channel.unary_unary(
+                '/shardlm.gateway.v1.GatewayService/GetLoad',
+                request_serializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetLoadResponse.FromString,
+                )
 
 
 class GatewayServiceServicer(object):
@@ -114,6 +119,14 @@ class GatewayServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """Reports the replica's load, for routers and autoscalers: the scheduler's
+        queues and the KV cache's blocks. Cheap; safe to poll every second.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +164,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
                     response_serializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetLoadRequest.FromString,
+                    response_serializer=shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -279,5 +297,22 @@ class GatewayService(object):
         return grpc.experimental.unary_unary(request, target, '/shardlm.gateway.v1.GatewayService/GetModelInfo',
             shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
             shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/shardlm.gateway.v1.GatewayService/GetLoad',
+            shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetLoadRequest.SerializeToString,
+            shardlm_dot_gateway_dot_v1_dot_gateway__pb2.GetLoadResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

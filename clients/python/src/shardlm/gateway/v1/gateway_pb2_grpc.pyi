@@ -92,6 +92,14 @@ class GatewayServiceStub:
     ]
     """Describes the loaded model, the KV cache and the server's limits."""
 
+    GetLoad: grpc.UnaryUnaryMultiCallable[
+        shardlm.gateway.v1.gateway_pb2.GetLoadRequest,
+        shardlm.gateway.v1.gateway_pb2.GetLoadResponse,
+    ]
+    """Reports the replica's load, for routers and autoscalers: the scheduler's
+    queues and the KV cache's blocks. Cheap; safe to poll every second.
+    """
+
 class GatewayServiceAsyncStub:
     """The ShardLM gateway."""
 
@@ -150,6 +158,14 @@ class GatewayServiceAsyncStub:
         shardlm.gateway.v1.gateway_pb2.GetModelInfoResponse,
     ]
     """Describes the loaded model, the KV cache and the server's limits."""
+
+    GetLoad: grpc.aio.UnaryUnaryMultiCallable[
+        shardlm.gateway.v1.gateway_pb2.GetLoadRequest,
+        shardlm.gateway.v1.gateway_pb2.GetLoadResponse,
+    ]
+    """Reports the replica's load, for routers and autoscalers: the scheduler's
+    queues and the KV cache's blocks. Cheap; safe to poll every second.
+    """
 
 class GatewayServiceServicer(metaclass=abc.ABCMeta):
     """The ShardLM gateway."""
@@ -223,5 +239,15 @@ class GatewayServiceServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[shardlm.gateway.v1.gateway_pb2.GetModelInfoResponse, collections.abc.Awaitable[shardlm.gateway.v1.gateway_pb2.GetModelInfoResponse]]:
         """Describes the loaded model, the KV cache and the server's limits."""
+
+    @abc.abstractmethod
+    def GetLoad(
+        self,
+        request: shardlm.gateway.v1.gateway_pb2.GetLoadRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[shardlm.gateway.v1.gateway_pb2.GetLoadResponse, collections.abc.Awaitable[shardlm.gateway.v1.gateway_pb2.GetLoadResponse]]:
+        """Reports the replica's load, for routers and autoscalers: the scheduler's
+        queues and the KV cache's blocks. Cheap; safe to poll every second.
+        """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...
