@@ -27,6 +27,9 @@ TORCH_LIBRARY(shardlm, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   // CPU only: on a GPU, cuBLAS already streams skinny products at bandwidth.
   m.def("skinny_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // CPU only: W stays in GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8); on a GPU
+  // quantized weights are dequantized at load.
+  m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor blocks, int qtype, Tensor? bias) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
@@ -46,6 +49,7 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("rotary_embedding", &shardlm::rotary_embedding_cpu);
   m.impl("silu_and_mul", &shardlm::silu_and_mul_cpu);
   m.impl("skinny_linear", &shardlm::skinny_linear_cpu);
+  m.impl("quant_linear", &shardlm::quant_linear_cpu);
   m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);
   m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
   m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);

@@ -13,25 +13,42 @@
 
 namespace shardlm::cpu {
 
-// Whether to take the AVX2 paths (simd.h): the CPU and OS support AVX2, FMA
-// and F16C, and the environment does not set SHARDLM_CPU_SIMD=0 (which forces
-// the portable loops, to test or time them). Decided once per process.
-inline bool use_avx2() {
-  static const bool enabled = [] {
+// The widest instruction set the CPU kernels use, decided once per process:
+// what the CPU and OS support, capped by SHARDLM_CPU_SIMD ("portable" or "0"
+// forces the portable loops, "avx2" caps at AVX2, "avx512" or unset takes the
+// best), so each path can be tested and timed on one machine.
+enum class SimdLevel { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline SimdLevel simd_level() {
+  static const SimdLevel level = [] {
 #if SHARDLM_HAVE_AVX2
-    const char* env = std::getenv("SHARDLM_CPU_SIMD");
-    if (env != nullptr && std::strcmp(env, "0") == 0) {
-      return false;
+    SimdLevel cap = SimdLevel::kAvx512;
+    if (const char* env = std::getenv("SHARDLM_CPU_SIMD")) {
+      if (std::strcmp(env, "0") == 0 || std::strcmp(env, "portable") == 0) {
+        cap = SimdLevel::kPortable;
+      } else if (std::strcmp(env, "avx2") == 0) {
+        cap = SimdLevel::kAvx2;
+      }
     }
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    SimdLevel best = SimdLevel::kPortable;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      best = __builtin_cpu_supports("avx512f") ? SimdLevel::kAvx512 : SimdLevel::kAvx2;
+    }
+    return std::min(cap, best);
 #else
-    return false;
+    return SimdLevel::kPortable;
 #endif
   }();
-  return enabled;
+  return level;
 }
+
+// Whether to take the AVX2 paths (simd.h).
+inline bool use_avx2() { return simd_level() >= SimdLevel::kAvx2; }
+
+// Whether to take the AVX-512F paths (also AVX2, FMA and F16C).
+inline bool use_avx512() { return simd_level() >= SimdLevel::kAvx512; }
 
 template <typename T>
 inline float to_f(T v) {
