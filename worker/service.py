@@ -126,6 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     device=device,
                     comm=comm,
                     cache_config=convert.cache_config_from_proto(request.kv_cache),
+                    quantize=request.quantize,
                     progress=lambda f, m: events.put(("progress", f, m)),
                 )
                 events.put(("done", engine, None))
