@@ -120,34 +120,69 @@ SHARDLM_AVX2 inline void quants_avx2(const uint8_t* qs, __m256 q[4]) {
   }
 }
 
+// block_at with the float16 scale and offset widened together by one F16C
+// conversion, not in software.
+template <int64_t kType>
+SHARDLM_AVX2 inline Block block_f16c(const uint8_t* p) {
+  int32_t header;
+  std::memcpy(&header, p, sizeof header);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(header));
+  const float d = _mm_cvtss_f32(dm);
+  if constexpr (kType == kQ4_0) return {d, -8.f * d, p + 2};
+  if constexpr (kType == kQ4_1) return {d, _mm_cvtss_f32(_mm_movehdup_ps(dm)), p + 4};
+  return {d, 0.f, p + 2};  // kQ8_0
+}
+
+// Adds block b's products with input rows m0.. to vacc / macc.
+template <int64_t kType, int kRows>
+SHARDLM_AVX2 inline void block_avx2(__m256* vacc, float* macc, const uint8_t* w,
+                                    const Activations& a, int64_t m0, int64_t b, int64_t k) {
+  using namespace cpu::avx2;
+  const Block blk = block_f16c<kType>(w + b * block_bytes(kType));
+  __m256 q[4];
+  quants_avx2<kType>(blk.qs, q);
+  const __m256 d = _mm256_set1_ps(blk.d);
+  const int64_t blocks = k / kBlock;
+  for (int r = 0; r < kRows; ++r) {
+    const float* x = a.x + (m0 + r) * k + b * kBlock;
+    const __m256 t01 = _mm256_fmadd_ps(q[1], load8(x + 8), _mm256_mul_ps(q[0], load8(x)));
+    const __m256 t23 = _mm256_fmadd_ps(q[3], load8(x + 24), _mm256_mul_ps(q[2], load8(x + 16)));
+    vacc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(t01, t23), vacc[r]);
+    macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
+  }
+}
+
+// One or two input rows alternate two sets of accumulators between even and
+// odd blocks, so consecutive blocks do not wait on one FMA chain; more rows
+// are independent chains already.
 template <int64_t kType, int kRows>
 SHARDLM_AVX2 void row_avx2(float* acc, const uint8_t* w, const Activations& a, int64_t m0,
                            int64_t k) {
   using namespace cpu::avx2;
+  constexpr int kSets = kRows <= 2 ? 2 : 1;
   const int64_t blocks = k / kBlock;
-  const int64_t bytes = block_bytes(kType);
-  __m256 vacc[kRows];
-  float macc[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    vacc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
-  }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const Block blk = block_at<kType>(w + b * bytes);
-    __m256 q[4];
-    quants_avx2<kType>(blk.qs, q);
-    const __m256 d = _mm256_set1_ps(blk.d);
+  __m256 vacc[kSets][kRows];
+  float macc[kSets][kRows];
+  for (int s = 0; s < kSets; ++s) {
     for (int r = 0; r < kRows; ++r) {
-      const float* x = a.x + (m0 + r) * k + b * kBlock;
-      __m256 t = _mm256_mul_ps(q[0], load8(x));
-      t = _mm256_fmadd_ps(q[1], load8(x + 8), t);
-      t = _mm256_fmadd_ps(q[2], load8(x + 16), t);
-      t = _mm256_fmadd_ps(q[3], load8(x + 24), t);
-      vacc[r] = _mm256_fmadd_ps(d, t, vacc[r]);
-      macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
+      vacc[s][r] = _mm256_setzero_ps();
+      macc[s][r] = 0.f;
     }
   }
-  for (int r = 0; r < kRows; ++r) acc[r] = hsum(vacc[r]) + macc[r];
+  int64_t b = 0;
+  for (; b + kSets <= blocks; b += kSets) {
+    for (int s = 0; s < kSets; ++s) block_avx2<kType, kRows>(vacc[s], macc[s], w, a, m0, b + s, k);
+  }
+  for (; b < blocks; ++b) block_avx2<kType, kRows>(vacc[0], macc[0], w, a, m0, b, k);
+  for (int r = 0; r < kRows; ++r) {
+    __m256 v = vacc[0][r];
+    float m = macc[0][r];
+    for (int s = 1; s < kSets; ++s) {
+      v = _mm256_add_ps(v, vacc[s][r]);
+      m += macc[s][r];
+    }
+    acc[r] = hsum(v) + m;
+  }
 }
 
 // ---- AVX-512F: a block is two vectors of 16 quants -----------------------------------
@@ -168,30 +203,45 @@ SHARDLM_AVX512 inline void quants_avx512(const uint8_t* qs, __m512 q[2]) {
 }
 
 template <int64_t kType, int kRows>
+SHARDLM_AVX512 inline void block_avx512(__m512* vacc, float* macc, const uint8_t* w,
+                                        const Activations& a, int64_t m0, int64_t b, int64_t k) {
+  const Block blk = block_f16c<kType>(w + b * block_bytes(kType));
+  __m512 q[2];
+  quants_avx512<kType>(blk.qs, q);
+  const __m512 d = _mm512_set1_ps(blk.d);
+  const int64_t blocks = k / kBlock;
+  for (int r = 0; r < kRows; ++r) {
+    const float* x = a.x + (m0 + r) * k + b * kBlock;
+    const __m512 t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16),
+                                     _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
+    vacc[r] = _mm512_fmadd_ps(d, t, vacc[r]);
+    macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
+  }
+}
+
+// As row_avx2, with 32 registers: two accumulator sets for any number of rows.
+template <int64_t kType, int kRows>
 SHARDLM_AVX512 void row_avx512(float* acc, const uint8_t* w, const Activations& a, int64_t m0,
                                int64_t k) {
   const int64_t blocks = k / kBlock;
-  const int64_t bytes = block_bytes(kType);
-  __m512 vacc[kRows];
-  float macc[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    vacc[r] = _mm512_setzero_ps();
-    macc[r] = 0.f;
-  }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const Block blk = block_at<kType>(w + b * bytes);
-    __m512 q[2];
-    quants_avx512<kType>(blk.qs, q);
-    const __m512 d = _mm512_set1_ps(blk.d);
+  __m512 vacc[2][kRows];
+  float macc[2][kRows];
+  for (int s = 0; s < 2; ++s) {
     for (int r = 0; r < kRows; ++r) {
-      const float* x = a.x + (m0 + r) * k + b * kBlock;
-      const __m512 t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16),
-                                       _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
-      vacc[r] = _mm512_fmadd_ps(d, t, vacc[r]);
-      macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
+      vacc[s][r] = _mm512_setzero_ps();
+      macc[s][r] = 0.f;
     }
   }
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_reduce_add_ps(vacc[r]) + macc[r];
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    block_avx512<kType, kRows>(vacc[0], macc[0], w, a, m0, b, k);
+    block_avx512<kType, kRows>(vacc[1], macc[1], w, a, m0, b + 1, k);
+  }
+  if (b < blocks) block_avx512<kType, kRows>(vacc[0], macc[0], w, a, m0, b, k);
+  for (int r = 0; r < kRows; ++r) {
+    acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(vacc[0][r], vacc[1][r])) + macc[0][r] +
+             macc[1][r];
+  }
 }
 #endif
 
