@@ -28,6 +28,7 @@ SERVE_DEFAULTS = {
     "drain_grace": 30.0, "auth_tokens": None, "tls_cert": None, "tls_key": None,
     "tls_client_ca": None, "model_root": None, "worker_tls_ca": None, "worker_tls_cert": None,
     "worker_tls_key": None, "no_model": False,
+    "quantize": None,
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -44,6 +45,10 @@ def _serve_parser(sub) -> None:
     group.add_argument("--devices", help="comma-separated GPU ids, one worker each (e.g. 0,2)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
     p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"),
+                   help="CPU linear weights: int8 / int4 quantize them at load (weight-only, "
+                   "32-weight blocks), none dequantizes a GGUF file's blocks; default: a GGUF "
+                   "file's Q8_0 / Q4_0 / Q4_1 blocks stay packed, other weights dense")
     p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 50051; 0 picks one)")
     p.add_argument("--workers", help="comma-separated addresses of workers started elsewhere")

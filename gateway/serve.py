@@ -64,6 +64,7 @@ async def serve(s: dict) -> int:
     except (ShardLMError, OSError, ValueError) as exc:
         print(f"error: could not start workers: {exc}", file=sys.stderr)
         return 1
+    group.quantize = s["quantize"] or ""
     limits = Limits(max_new_tokens=int(s["max_new_tokens"]),
                     session_idle_timeout_s=float(s["session_idle_timeout"]))
     try:

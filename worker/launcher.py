@@ -104,6 +104,8 @@ class WorkerGroup:
     def __init__(self, handles: list[WorkerHandle], tls: WorkerTLS | None = None) -> None:
         self.handles = handles
         self.tls = tls
+        # How every Load keeps linear weights (worker LoadRequest.quantize; serve --quantize).
+        self.quantize = ""
 
     @property
     def world_size(self) -> int:
@@ -192,7 +194,7 @@ class WorkerGroup:
         def request(rank: int, unique_id: bytes = b"") -> worker_pb2.LoadRequest:
             return worker_pb2.LoadRequest(
                 model_path=model_path, dtype=dtype, device=self.handles[rank].device,
-                rank=rank, world_size=world, kv_cache=kv_cache,
+                rank=rank, world_size=world, kv_cache=kv_cache, quantize=self.quantize,
                 comm=worker_pb2.CommunicatorConfig(backend=backend, init_address=init_address,
                                                    nccl_unique_id=unique_id,
                                                    timeout_seconds=comm_timeout_s))
