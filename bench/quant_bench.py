@@ -41,9 +41,10 @@ def kernel_table(budget_s: float, prefill_rows: int) -> None:
             dtype = torch.bfloat16 if kind == "bf16" else torch.float32
             nbytes = weight.nbytes if kind.startswith("Q") else weight.numel() * weight.itemsize
             x1 = torch.randn(1, k, dtype=dtype)
-            us = best_us(lambda: ops.linear(x1, weight), budget_s)
+            us = best_us(lambda x1=x1, w=weight: ops.linear(x1, w), budget_s)
             xm = torch.randn(prefill_rows, k, dtype=dtype)
-            ms = best_us(lambda: ops.linear(xm, weight), budget_s, min_calls=3) / 1e3
+            ms = best_us(lambda xm=xm, w=weight: ops.linear(xm, w), budget_s,
+                         min_calls=3) / 1e3
             gflops = 2 * prefill_rows * n * k / (ms * 1e6)
             print(f"{name:10} {f'{n}x{k}':>12} {kind:>6} {us:9.1f} {nbytes / us / 1e3:7.1f} "
                   f"{ms:10.2f} {gflops:8.1f}")
