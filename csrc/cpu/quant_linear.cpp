@@ -43,11 +43,30 @@ constexpr int64_t kGemvMaxRows = 8;
 
 // The input as float32 and its per-block sums; thread-local, grows only.
 struct Activations {
-  const float* x;   // [M, K]
-  const float* xs;  // [M, K / 32]
+  const float* x;         // [M, K]
+  const float* xs;        // [M, K / 32]
+  const float* nibble_x;  // x in the AVX2 4-bit order (quants_avx2), or null
 };
 
-Activations prepare_input(const at::Tensor& input, int64_t m, int64_t k) {
+// Whether the 4-bit AVX2 path runs (it reads Activations::nibble_x).
+bool nibble_order(int64_t qtype) {
+  return qtype != kQ8_0 && cpu::use_avx2() && !cpu::use_avx512();
+}
+
+// Per block, lane l of group g (8 lanes) holds weight 4g + l / 2 + 16 (l % 2).
+const float* to_nibble_order(const float* x, int64_t count) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  for (int64_t base = 0; base < count; base += kBlock) {
+    for (int64_t lane = 0; lane < kBlock; ++lane) {
+      const int64_t g = lane / 8, l = lane % 8;
+      buffer[base + lane] = x[base + 4 * g + l / 2 + 16 * (l % 2)];
+    }
+  }
+  return buffer.data();
+}
+
+Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int64_t k) {
   thread_local std::vector<float> converted, sums;
   const float* x = nullptr;
   if (input.scalar_type() == at::kFloat) {
@@ -67,7 +86,7 @@ Activations prepare_input(const at::Tensor& input, int64_t m, int64_t k) {
     for (int64_t t = 0; t < kBlock; ++t) s += x[i * kBlock + t];
     sums[i] = s;
   }
-  return {x, sums.data()};
+  return {x, sums.data(), nibble_order(qtype) ? to_nibble_order(x, m * k) : nullptr};
 }
 
 // ---- portable ---------------------------------------------------------------------
@@ -102,21 +121,24 @@ void row_scalar(float* acc, const uint8_t* w, const Activations& a, int64_t m0, 
 template <int64_t kType>
 SHARDLM_AVX2 inline void quants_avx2(const uint8_t* qs, __m256 q[4]) {
   if constexpr (kType == kQ8_0) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    // Eight quants per 64-bit load: the widening takes its operand from memory.
+    for (int g = 0; g < 4; ++g) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * g));
+      q[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    }
   } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(v, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    // Without shuffles: lane l of group g takes nibble l of bytes 4g..4g+3, so
+    // the quants come in nibble order (byte 4g's low and high nibble, byte
+    // 4g+1's, ...) and are multiplied with the input in that order
+    // (Activations::nibble_x).
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    for (int g = 0; g < 4; ++g) {
+      int32_t word;
+      std::memcpy(&word, qs + 4 * g, sizeof word);
+      const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
+      q[g] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+    }
   }
 }
 
@@ -143,8 +165,9 @@ SHARDLM_AVX2 inline void block_avx2(__m256* vacc, float* macc, const uint8_t* w,
   quants_avx2<kType>(blk.qs, q);
   const __m256 d = _mm256_set1_ps(blk.d);
   const int64_t blocks = k / kBlock;
+  const float* xbase = kType == kQ8_0 ? a.x : a.nibble_x;
   for (int r = 0; r < kRows; ++r) {
-    const float* x = a.x + (m0 + r) * k + b * kBlock;
+    const float* x = xbase + (m0 + r) * k + b * kBlock;
     const __m256 t01 = _mm256_fmadd_ps(q[1], load8(x + 8), _mm256_mul_ps(q[0], load8(x)));
     const __m256 t23 = _mm256_fmadd_ps(q[3], load8(x + 24), _mm256_mul_ps(q[2], load8(x + 16)));
     vacc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(t01, t23), vacc[r]);
@@ -333,7 +356,7 @@ void tiled_gemm(at::Tensor& out, const Activations& a, const uint8_t* w,
 template <int64_t kType>
 void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
                         const std::optional<at::Tensor>& bias, int64_t m, int64_t n, int64_t k) {
-  const Activations a = prepare_input(input, m, k);
+  const Activations a = prepare_input(input, kType, m, k);
   const auto* w = blocks.const_data_ptr<uint8_t>();
   if (m > kGemvMaxRows) {
     tiled_gemm<kType>(out, a, w, bias, m, n, k);
