@@ -86,7 +86,8 @@ Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int
     for (int64_t t = 0; t < kBlock; ++t) s += x[i * kBlock + t];
     sums[i] = s;
   }
-  return {x, sums.data(), nibble_order(qtype) ? to_nibble_order(x, m * k) : nullptr};
+  const bool nibbles = m <= kGemvMaxRows && nibble_order(qtype);  // only the GEMV reads it
+  return {x, sums.data(), nibbles ? to_nibble_order(x, m * k) : nullptr};
 }
 
 // ---- portable ---------------------------------------------------------------------
