@@ -165,6 +165,48 @@ LinearDims check_skinny_linear(const at::Tensor& out, const at::Tensor& input,
   return d;
 }
 
+LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
+                              const at::Tensor& blocks, int64_t qtype,
+                              const std::optional<at::Tensor>& bias) {
+  const char* op = "quant_linear";
+  int64_t block_bytes = 0;
+  switch (qtype) {
+    case 2: block_bytes = 18; break;  // Q4_0
+    case 3: block_bytes = 20; break;  // Q4_1
+    case 8: block_bytes = 34; break;  // Q8_0
+    default: TORCH_CHECK(false, op, ": GGML type ", qtype, " is not supported (Q4_0 = 2, "
+                         "Q4_1 = 3, Q8_0 = 8)");
+  }
+  check_float(input, "input", op);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
+              ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
+              " ", blocks.sizes());
+  TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
+              " bytes is not a whole number of ", block_bytes, "-byte blocks");
+  TORCH_CHECK(input.dim() == 2, op, ": input must be [M, K], got ", input.sizes());
+  const LinearDims d{input.size(0), blocks.size(0), blocks.size(1) / block_bytes * 32};
+  TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
+              " features but the blocks hold ", d.k);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == d.m && out.size(1) == d.n, op,
+              ": out must have shape [", d.m, ", ", d.n, "], got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), op, ": input and out must share a "
+              "dtype, got ", input.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK(input.is_contiguous() && blocks.is_contiguous() && out.is_contiguous(), op,
+              ": input, blocks and out must be contiguous");
+  TORCH_CHECK(input.device().is_cpu(), op, ": runs on CPU only; dequantize the weights for ",
+              input.device());
+  check_same_device(input, blocks, "blocks", op);
+  check_same_device(input, out, "out", op);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == d.n && bias->is_contiguous(), op,
+                ": bias must be a contiguous [", d.n, "] tensor, got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == input.scalar_type(), op, ": bias dtype ",
+                bias->scalar_type(), " != input dtype ", input.scalar_type());
+    check_same_device(input, *bias, "bias", op);
+  }
+  return d;
+}
+
 namespace {
 // query/key for rotary: [T, heads*head_size] or [T, heads, head_size].
 void rope_layout(const at::Tensor& t, const char* name, int64_t num_tokens, int64_t head_size,

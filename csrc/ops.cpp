@@ -28,6 +28,9 @@ TORCH_LIBRARY(shardlm, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   // CPU only: on a GPU, cuBLAS already streams skinny products at bandwidth.
   m.def("skinny_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // CPU only: W stays in GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8); on a GPU
+  // quantized weights are dequantized at load.
+  m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor blocks, int qtype, Tensor? bias) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
@@ -47,20 +50,25 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("rotary_embedding", &shardlm::rotary_embedding_cpu);
   m.impl("silu_and_mul", &shardlm::silu_and_mul_cpu);
   m.impl("skinny_linear", &shardlm::skinny_linear_cpu);
+  m.impl("quant_linear", &shardlm::quant_linear_cpu);
   m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);
   m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
   m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);
 }
 
 namespace {
-// set_cpu_simd(enabled: bool) -> None: lets (True) or stops (False) the CPU
-// kernels from taking their AVX2 paths, for the whole process.
+// set_cpu_simd(level: int) -> None: caps the CPU kernels' paths for the whole
+// process: 0 portable, 1 AVX2, 2 AVX-512 (each only where the CPU has it).
 PyObject* set_cpu_simd(PyObject* /*self*/, PyObject* arg) {
-  const int enabled = PyObject_IsTrue(arg);
-  if (enabled < 0) {
+  const long level = PyLong_AsLong(arg);
+  if (level == -1 && PyErr_Occurred()) {
     return nullptr;
   }
-  shardlm::cpu::simd_allowed().store(enabled != 0);
+  if (level < 0 || level > 2) {
+    PyErr_SetString(PyExc_ValueError, "set_cpu_simd: level must be 0, 1 or 2");
+    return nullptr;
+  }
+  shardlm::cpu::simd_cap().store(static_cast<int>(level));
   Py_RETURN_NONE;
 }
 
@@ -72,7 +80,8 @@ PyObject* cpu_simd_active(PyObject* /*self*/, PyObject* /*unused*/) {
 
 PyMethodDef shardlm_methods[] = {
     {"set_cpu_simd", set_cpu_simd, METH_O,
-     "set_cpu_simd(enabled: bool) -> None: allow or forbid the CPU kernels' AVX2 paths."},
+     "set_cpu_simd(level: int) -> None: cap the CPU kernels' paths (0 portable, 1 AVX2, "
+     "2 AVX-512)."},
     {"cpu_simd_active", cpu_simd_active, METH_NOARGS,
      "cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths."},
     {nullptr, nullptr, 0, nullptr},

@@ -31,6 +31,12 @@ struct LinearDims {
 LinearDims check_skinny_linear(const at::Tensor& out, const at::Tensor& input,
                                const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
+// quant_linear: out [M, N] = input [M, K] @ W [N, K]^T (+ bias [N]) with W as
+// `blocks`, uint8 [N, K / 32 * bytes per block] of GGML type `qtype`.
+LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
+                              const at::Tensor& blocks, int64_t qtype,
+                              const std::optional<at::Tensor>& bias);
+
 struct RopeDims {
   int64_t num_tokens;
   int64_t q_heads, k_heads;
@@ -76,6 +82,8 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
 void skinny_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias);
+void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
+                      int64_t qtype, const std::optional<at::Tensor>& bias);
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
 void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,

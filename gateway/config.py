@@ -165,7 +165,12 @@ class ServeConfig:
     cuda_graph_max_context: int = setting(
         DEFAULT_CUDA_GRAPH_MAX_CONTEXT, "longest context (tokens) a decode CUDA graph serves",
         "engine", minimum=1, maximum=(1 << 32) - 1)
-    cpu_simd: bool = setting(True, "let the CPU kernels take their AVX2 paths", "engine")
+    cpu_simd: bool = setting(True, "let the CPU kernels take their SIMD (AVX2, AVX-512) paths",
+                             "engine")
+    quantize: str | None = setting(
+        None, "CPU linear weights: int8 / int4 quantize them at load (weight-only, 32-weight "
+        "blocks), none dequantizes a GGUF file's blocks; unset: a GGUF file's Q8_0 / Q4_0 / Q4_1 "
+        "blocks stay packed, other weights dense", "engine", choices=("none", "int8", "int4"))
 
     # ---------------------------------------------------------------- views
     @property
@@ -190,7 +195,8 @@ class ServeConfig:
 
     @property
     def load_options(self) -> LoadOptions:
-        return LoadOptions(engine=self.engine_options(), comm_timeout_s=self.comm_timeout)
+        return LoadOptions(engine=self.engine_options(), comm_timeout_s=self.comm_timeout,
+                           quantize=self.quantize or "")
 
     def dtype_enum(self) -> int:
         """The Load dtype: DTYPE_UNSPECIFIED (the worker's default for its device) when unset."""
@@ -233,10 +239,12 @@ class Limits:
 @dataclass(frozen=True)
 class LoadOptions:
     """What every worker Load carries besides the model: the engine options (an empty message
-    keeps the workers' defaults) and how long the ranks wait for each other."""
+    keeps the workers' defaults), how long the ranks wait for each other, and how linear
+    weights are kept (worker LoadRequest.quantize; "" is the workers' default)."""
 
     engine: worker_pb2.EngineOptions = field(default_factory=worker_pb2.EngineOptions)
     comm_timeout_s: float = default("comm_timeout")
+    quantize: str = ""
 
 
 def check(cfg: ServeConfig, sources: dict[str, str]) -> ServeConfig:

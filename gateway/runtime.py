@@ -142,7 +142,8 @@ class Runtime:
                 complete = await self.pool.load(
                     model_path, dtype=dtype, kv_cache=kv_cache, progress=progress,
                     engine_options=self.load_options.engine,
-                    comm_timeout_s=self.load_options.comm_timeout_s)
+                    comm_timeout_s=self.load_options.comm_timeout_s,
+                    quantize=self.load_options.quantize)
             except ShardLMError:
                 await self._restore(previous)
                 raise

@@ -139,6 +139,7 @@ class WorkerPool:
         kv_cache: common_pb2.KvCacheConfig | None = None,
         engine_options: worker_pb2.EngineOptions | None = None,
         comm_timeout_s: float = 0.0,
+        quantize: str = "",
         progress: Callable[[common_pb2.LoadProgress], None] = lambda _p: None,
     ) -> worker_pb2.LoadComplete:
         """Load on every rank at once; rank 0's LoadComplete, or the first rank's error (which
@@ -156,7 +157,7 @@ class WorkerPool:
                     unique_id: bytes = b"") -> worker_pb2.LoadRequest:
             return worker_pb2.LoadRequest(
                 model_path=model_path, dtype=dtype, device=self.devices[rank], rank=rank,
-                world_size=world, kv_cache=kv_cache, engine=engine_options,
+                world_size=world, kv_cache=kv_cache, engine=engine_options, quantize=quantize,
                 comm=worker_pb2.CommunicatorConfig(backend=backend, init_address=init_address,
                                                    nccl_unique_id=unique_id,
                                                    timeout_seconds=comm_timeout_s))

@@ -39,6 +39,7 @@ from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from worker.layers import Parallel
 from worker.loader import CheckpointSource, load_checkpoint_config, open_checkpoint
 from worker.model import TransformerModel, tap_names
+from worker.quant import check_mode as check_quantize_mode
 from worker.sampling import (
     SampledToken,
     TokenHistory,
@@ -110,17 +111,20 @@ class Engine:
         comm: Communicator | None = None,
         cache_config: CacheConfig | None = None,
         options: EngineOptions | None = None,
+        quantize: str = "",
         progress: Callable[[float, str], None] = lambda _f, _m: None,
     ) -> Engine:
+        """`quantize`: how linear weights are kept on CPU (worker.quant.QUANTIZE_MODES)."""
         options = options or EngineOptions()
         ops.set_cpu_simd(options.cpu_simd)
         model_dir = Path(model_dir)
+        check_quantize_mode(quantize)
         device = torch.device(device)
         cfg = load_checkpoint_config(model_dir)
         torch_dtype = _resolve_dtype(dtype, cfg, device)
         comm = comm or SingleRankCommunicator()
         parallel = Parallel(comm)
-        with open_checkpoint(model_dir, device, torch_dtype) as reader:
+        with open_checkpoint(model_dir, device, torch_dtype, quantize) as reader:
             model = TransformerModel(cfg, parallel, reader, device, progress)
             source = CheckpointSource(reader.format, tuple(reader.tensor_types))
         eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)

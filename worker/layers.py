@@ -17,6 +17,10 @@ from worker import ops
 from worker.comm import Communicator
 from worker.errors import TensorParallelError
 from worker.loader import CheckpointReader
+from worker.quant import QuantizedWeight, fuse_rows, read_linear
+
+#: A linear layer's weight: dense, or kept in GGML blocks on CPU (worker.quant).
+LinearWeight = torch.Tensor | QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class ColumnParallelLinear:
     by rank and the slices are concatenated, so one matmul per layer replaces two or three.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: LinearWeight, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
 
@@ -68,7 +72,7 @@ class ColumnParallelLinear:
     ) -> ColumnParallelLinear:
         read = dict(shard_dim=0, rank=parallel.rank, world_size=parallel.world_size)
         weights = [
-            reader.read(f"{n}.weight", (o, in_features), **read)
+            read_linear(reader, f"{n}.weight", (o, in_features), **read)
             for n, o in zip(names, out_features, strict=True)
         ]
         biases = (
@@ -77,7 +81,7 @@ class ColumnParallelLinear:
             else None
         )
         return cls(
-            torch.cat(weights).contiguous(), torch.cat(biases).contiguous() if biases else None
+            fuse_rows(weights, reader.dtype), torch.cat(biases).contiguous() if biases else None
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,7 @@ class ColumnParallelLinear:
 class RowParallelLinear:
     """y = sum_over_ranks(x_r W_r^T) + b with W's columns (input features) split over ranks."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parallel: Parallel) -> None:
+    def __init__(self, weight: LinearWeight, bias: torch.Tensor | None, parallel: Parallel) -> None:
         self.weight = weight
         self.bias = bias
         self.parallel = parallel
@@ -102,7 +106,8 @@ class RowParallelLinear:
         in_features: int,
         bias: bool,
     ) -> RowParallelLinear:
-        weight = reader.read(
+        weight = read_linear(
+            reader,
             f"{name}.weight",
             (out_features, in_features),
             shard_dim=1,
@@ -155,7 +160,7 @@ class VocabParallelEmbedding:
 class ParallelLMHead:
     """Logits over the vocabulary: each rank computes its rows' logits, all-gather restores all."""
 
-    def __init__(self, weight: torch.Tensor, parallel: Parallel) -> None:
+    def __init__(self, weight: LinearWeight, parallel: Parallel) -> None:
         self.weight = weight
         self.parallel = parallel
 

@@ -41,6 +41,8 @@ class CheckpointReader(Protocol):
     """Reads named tensors (slices of them) in ShardLM's naming and layout."""
 
     format: str  # "safetensors" or "gguf"
+    device: torch.device
+    quantize: str  # how linear weights are kept in memory: worker.quant.QUANTIZE_MODES
 
     @property
     def tensor_types(self) -> list[str]:
@@ -92,13 +94,18 @@ def load_checkpoint_config(path: str | Path) -> ModelConfig:
     return gguf_config(open_gguf(gguf_path))
 
 
-def open_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) -> CheckpointReader:
-    """The reader for the checkpoint at `path` (a Hugging Face folder or a GGUF file)."""
+def open_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
+                    quantize: str = "") -> CheckpointReader:
+    """The reader for the checkpoint at `path` (a Hugging Face folder or a GGUF file); `quantize`
+    is how the layers keep linear weights (worker.quant.read_linear)."""
     gguf_path = _gguf_path(path)
     if gguf_path is None:
         from worker.safetensors_reader import SafetensorsReader
 
-        return SafetensorsReader(path, device, dtype)
-    from worker.gguf.reader import GGUFCheckpointReader
+        reader: CheckpointReader = SafetensorsReader(path, device, dtype)
+    else:
+        from worker.gguf.reader import GGUFCheckpointReader
 
-    return GGUFCheckpointReader(gguf_path, device, dtype)
+        reader = GGUFCheckpointReader(gguf_path, device, dtype)
+    reader.quantize = quantize
+    return reader

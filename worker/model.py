@@ -23,6 +23,7 @@ from worker.layers import (
     VocabParallelEmbedding,
 )
 from worker.loader import CheckpointReader
+from worker.quant import read_linear
 
 Taps = dict[str, torch.Tensor]
 
@@ -140,16 +141,15 @@ class TransformerModel:
             progress((i + 1) / (cfg.num_layers + 1), f"loaded layer {i + 1}/{cfg.num_layers}")
         self.norm = reader.read("model.norm.weight", (cfg.hidden_size,))
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
-        if tied:
-            head = self.embed.weight
-        else:
-            head = reader.read(
-                "lm_head.weight",
-                (cfg.vocab_size, cfg.hidden_size),
-                shard_dim=0,
-                rank=parallel.rank,
-                world_size=parallel.world_size,
-            )
+        head = read_linear(
+            reader,
+            "model.embed_tokens.weight" if tied else "lm_head.weight",
+            (cfg.vocab_size, cfg.hidden_size),
+            shard_dim=0,
+            rank=parallel.rank,
+            world_size=parallel.world_size,
+            dense=self.embed.weight if tied else None,
+        )
         self.lm_head = ParallelLMHead(head, parallel)
         # A tied checkpoint may still carry a copy of lm_head; it is the same tensor, not unknown.
         reader.check_all_consumed(optional=lambda n: tied and n == "lm_head.weight")

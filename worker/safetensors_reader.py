@@ -31,6 +31,7 @@ class SafetensorsReader:
         self.model_dir = Path(model_dir)
         self.device = device
         self.dtype = dtype
+        self.quantize = ""  # set by open_checkpoint
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
         self._where: dict[str, str] = self._index()

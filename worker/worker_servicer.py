@@ -161,6 +161,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     comm=comm,
                     cache_config=convert.cache_config_from_proto(request.kv_cache),
                     options=convert.engine_options_from_proto(request.engine),
+                    quantize=request.quantize,
                     progress=lambda f, m: events.put(("progress", f, m)),
                 )
                 events.put(("done", engine, None))

@@ -13,34 +13,47 @@
 
 namespace shardlm::cpu {
 
-// Whether the CPU and OS support the AVX2 paths (simd.h): AVX2, FMA and F16C.
+// The instruction sets the CPU kernels use, widest last.
+enum class SimdLevel { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The widest level the CPU and OS support (AVX2 needs FMA and F16C too).
 // Probed once per process.
-inline bool cpu_has_avx2() {
-  static const bool supported = [] {
+inline SimdLevel cpu_simd_support() {
+  static const SimdLevel best = [] {
 #if SHARDLM_HAVE_AVX2
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c"))) {
+      return SimdLevel::kPortable;
+    }
+    return __builtin_cpu_supports("avx512f") ? SimdLevel::kAvx512 : SimdLevel::kAvx2;
 #else
-    return false;
+    return SimdLevel::kPortable;
 #endif
   }();
-  return supported;
+  return best;
 }
 
-// The process-wide switch that set_cpu_simd() (ops.cpp, called from Python
-// with the worker's EngineOptions) flips: false forces the portable loops, to
-// test or time them. On by default.
-inline std::atomic<bool>& simd_allowed() {
-  static std::atomic<bool> allowed{true};
-  return allowed;
+// The process-wide cap that set_cpu_simd() (ops.cpp, called from Python with
+// the worker's EngineOptions, or by tests to force a path) sets; the widest
+// level by default.
+inline std::atomic<int>& simd_cap() {
+  static std::atomic<int> cap{static_cast<int>(SimdLevel::kAvx512)};
+  return cap;
 }
 
-// Whether to take the AVX2 paths: supported and not switched off. Read once per
-// kernel call, so a switch takes effect from the next call on.
-inline bool use_avx2() {
-  return simd_allowed().load(std::memory_order_relaxed) && cpu_has_avx2();
+// The level the kernels take now: supported and not capped. Read once per
+// kernel call, so a new cap takes effect from the next call on.
+inline SimdLevel simd_level() {
+  return static_cast<SimdLevel>(std::min(simd_cap().load(std::memory_order_relaxed),
+                                         static_cast<int>(cpu_simd_support())));
 }
+
+// Whether to take the AVX2 paths (simd.h).
+inline bool use_avx2() { return simd_level() >= SimdLevel::kAvx2; }
+
+// Whether to take the AVX-512F paths (also AVX2, FMA and F16C).
+inline bool use_avx512() { return simd_level() >= SimdLevel::kAvx512; }
 
 template <typename T>
 inline float to_f(T v) {

@@ -25,6 +25,7 @@ class LiveWorker:
 class LiveWorkers:
     def __init__(self, world_size: int) -> None:
         self.group = WorkerGroup.spawn(world_size)
+        self.quantize = ""  # what every load sends as LoadRequest.quantize
         self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS)
                          for a in self.group.addresses]
         self.handles = [LiveWorker(h.rank, worker_pb2_grpc.WorkerServiceStub(channel), h.process)
@@ -32,6 +33,8 @@ class LiveWorkers:
 
     def load(self, model_path: str, **options) -> worker_pb2.LoadComplete:
         """Load on every rank (WorkerPool.load's keywords); rank 0's LoadComplete."""
+        options.setdefault("quantize", self.quantize)
+
         async def load() -> worker_pb2.LoadComplete:
             pool = WorkerPool(self.group.addresses, devices=self.group.devices,
                               step_timeout_s=Limits().step_timeout_s)

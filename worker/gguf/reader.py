@@ -35,6 +35,7 @@ class GGUFCheckpointReader:
         self.architecture = self.file.get("general.architecture")
         self.device = device
         self.dtype = dtype
+        self.quantize = ""  # set by open_checkpoint
         # Tensors ShardLM does not know keep their GGUF name, so the leftover check can name them.
         self._tensors: dict[str, GGUFTensor] = {
             shardlm_name(t.name) or t.name: t for t in self.file.tensors.values()}

@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from worker.quant import QuantizedWeight
+
 from . import reference
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "linear",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "quant_linear",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -60,6 +63,7 @@ _OP_NAMES = (
     "rotary_embedding",
     "silu_and_mul",
     "skinny_linear",
+    "quant_linear",
     "reshape_and_cache",
     "paged_attention_decode",
     "paged_attention_prefill",
@@ -79,12 +83,23 @@ if _C is not None:
 _ops = torch.ops.shardlm if _C is not None else None
 
 
-def set_cpu_simd(enabled: bool) -> None:
-    """Allow (the default) or forbid the CPU kernels' AVX2 paths, for the whole process; the
-    portable loops compute the same results. The worker calls this on Load with its
+SIMD_LEVELS = ("portable", "avx2", "avx512")
+
+
+def set_cpu_simd(enabled: bool | str) -> None:
+    """Allow (True, the default: the widest path the CPU has) or forbid (False: the portable
+    loops) the CPU kernels' SIMD paths for the whole process, or cap them at a level of
+    SIMD_LEVELS (to test or time each path; a level the CPU lacks falls back to the next
+    narrower one). Every path computes the same results. The worker calls this on Load with its
     EngineOptions; nothing reads the environment for it."""
+    if isinstance(enabled, str):
+        if enabled not in SIMD_LEVELS:
+            raise ValueError(f"SIMD level must be one of {', '.join(SIMD_LEVELS)}, not {enabled!r}")
+        level = SIMD_LEVELS.index(enabled)
+    else:
+        level = len(SIMD_LEVELS) - 1 if enabled else 0
     if _C is not None:
-        _C.set_cpu_simd(bool(enabled))
+        _C.set_cpu_simd(level)
 
 
 def cpu_simd_active() -> bool:
@@ -170,8 +185,31 @@ def skinny_linear(
 SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: sys.maxsize, torch.float16: sys.maxsize}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for the model's layers: decode-sized CPU batches take skinny_linear."""
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` on CPU with W kept in GGML blocks (see :mod:`worker.quant`): x [M, K]
+    float32 / bfloat16 / float16, the result in x's dtype, accumulated in float32 against the
+    unrounded x. Few rows unpack blocks in registers; many rows dequantize tiles of W for a
+    GEMM. Equals ``x @ W.dequantize().T`` up to summation order."""
+    if USE_REFERENCE:
+        return reference.quant_linear(x, weight.blocks, weight.qtype, bias, out=out)
+    if out is None:
+        out = x.new_empty((x.shape[0], weight.shape[0]))
+    _ops.quant_linear(out, x, weight.blocks, weight.ggml_type, bias)
+    return out
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` for the model's layers: a QuantizedWeight takes quant_linear, decode-sized
+    dense CPU batches take skinny_linear."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x.contiguous(), weight, bias)
     if (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS.get(x.dtype, 0)
             and x.is_contiguous()):
         return skinny_linear(x, weight, bias)

@@ -171,3 +171,23 @@ def paged_attention_prefill(
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         out[start:end] = _attend(q[start:end], keys, values, scale, q_pos)
     return out
+
+
+def quant_linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: str,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ W.T + bias with W the float32 dequantized blocks, in float32, rounded once to x's
+    dtype."""
+    from worker.quant import dequantize_blocks
+
+    w = dequantize_blocks(blocks, qtype)
+    result = torch.nn.functional.linear(
+        x.float(), w, bias.float() if bias is not None else None).to(x.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

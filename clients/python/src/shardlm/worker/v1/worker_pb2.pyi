@@ -162,6 +162,7 @@ class LoadRequest(google.protobuf.message.Message):
     COMM_FIELD_NUMBER: builtins.int
     KV_CACHE_FIELD_NUMBER: builtins.int
     ENGINE_FIELD_NUMBER: builtins.int
+    QUANTIZE_FIELD_NUMBER: builtins.int
     model_path: builtins.str
     """Checkpoint on this worker's filesystem: a Hugging Face directory, or a
     GGUF file (or a directory holding exactly one).
@@ -177,6 +178,13 @@ class LoadRequest(google.protobuf.message.Message):
     world_size: builtins.int
     """Number of ranks the model is sharded over (the tensor-parallel size). 0 is
     read as 1.
+    """
+    quantize: builtins.str
+    """How linear weights are kept in memory on CPU (on a GPU every weight is
+    dequantized at load): "" keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks
+    packed and reads other types dense; "none" reads every weight dense;
+    "int8" / "int4" also quantize the dense weights at load, weight-only, per
+    32-weight block (into Q8_0 / Q4_1). Anything else is INVALID_ARGUMENT.
     """
     @property
     def comm(self) -> global___CommunicatorConfig:
@@ -204,9 +212,10 @@ class LoadRequest(google.protobuf.message.Message):
         comm: global___CommunicatorConfig | None = ...,
         kv_cache: shardlm.common.v1.common_pb2.KvCacheConfig | None = ...,
         engine: global___EngineOptions | None = ...,
+        quantize: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["comm", b"comm", "engine", b"engine", "kv_cache", b"kv_cache"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["comm", b"comm", "device", b"device", "dtype", b"dtype", "engine", b"engine", "kv_cache", b"kv_cache", "model_path", b"model_path", "rank", b"rank", "world_size", b"world_size"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["comm", b"comm", "device", b"device", "dtype", b"dtype", "engine", b"engine", "kv_cache", b"kv_cache", "model_path", b"model_path", "quantize", b"quantize", "rank", b"rank", "world_size", b"world_size"]) -> None: ...
 
 global___LoadRequest = LoadRequest
 

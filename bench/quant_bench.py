@@ -1,0 +1,120 @@
+"""Quantized weights kept packed (worker.quant) against dense ones, on CPU.
+
+    python -m bench.quant_bench                   # the linear kernels at SmolLM2-135M shapes
+    python -m bench.quant_bench --model FILE.gguf # also batch-1 decode and prefill of the model
+
+Kernels: the fastest of many calls of one linear layer (weights streamed from memory, not
+cache, for the large ones), as GB/s of weight bytes read at batch 1 and as GFLOP/s at a
+512-row prefill: float32 and bfloat16 `skinny_linear` against `quant_linear` on Q8_0 and Q4_1.
+
+Model: the same GGUF file loaded twice in float32, blocks packed (`quantize=""`) and dequantized
+at load (`quantize="none"`); decode tok/s over a fixed number of greedy steps after a short
+prompt and prefill tok/s of a 512-token prompt, as medians of runs alternated between the two,
+plus whether both chose the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.ops_cpu_bench import best_us
+from worker import ops
+from worker.quant import quantize
+
+# SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, intermediate 1536, vocab 49152.
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
+          "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def kernel_table(budget_s: float, prefill_rows: int) -> None:
+    print(f"{'layer':10} {'N x K':>12} {'kind':>6} {'M=1 µs':>9} {'GB/s':>7} "
+          f"{f'M={prefill_rows} ms':>10} {'GFLOP/s':>8}")
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k) / k**0.5
+        variants = {"fp32": w, "bf16": w.bfloat16(), "Q8_0": quantize(w, "int8"),
+                    "Q4_1": quantize(w, "int4")}
+        for kind, weight in variants.items():
+            dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+            nbytes = weight.nbytes if kind.startswith("Q") else weight.numel() * weight.itemsize
+            x1 = torch.randn(1, k, dtype=dtype)
+            us = best_us(lambda x1=x1, w=weight: ops.linear(x1, w), budget_s)
+            xm = torch.randn(prefill_rows, k, dtype=dtype)
+            ms = best_us(lambda xm=xm, w=weight: ops.linear(xm, w), budget_s,
+                         min_calls=3) / 1e3
+            gflops = 2 * prefill_rows * n * k / (ms * 1e6)
+            print(f"{name:10} {f'{n}x{k}':>12} {kind:>6} {us:9.1f} {nbytes / us / 1e3:7.1f} "
+                  f"{ms:10.2f} {gflops:8.1f}")
+
+
+def _decode_run(engine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+    from worker.engine import DecodeItem, PrefillItem, StopParams
+
+    engine.reset()
+    blocks = list(range((len(prompt) + steps) // 16 + 2))
+    out = engine.prefill([PrefillItem(0, prompt, 0, blocks,
+                                      stop=StopParams(max_new_tokens=steps + 1))])
+    tokens = [out.tokens[0].token.token_id]
+    t0 = time.perf_counter()
+    for step in engine.decode([DecodeItem(0, blocks, steps)], steps):
+        tokens += [t.token.token_id for t in step.tokens]
+    return steps / (time.perf_counter() - t0), tokens
+
+
+def _prefill_run(engine, prompt: list[int]) -> float:
+    from worker.engine import PrefillItem, StopParams
+
+    engine.reset()
+    blocks = list(range(len(prompt) // 16 + 2))
+    t0 = time.perf_counter()
+    engine.prefill([PrefillItem(0, prompt, 0, blocks, stop=StopParams(max_new_tokens=1))])
+    return len(prompt) / (time.perf_counter() - t0)
+
+
+def model_table(path: str, steps: int, prefill_tokens: int, rounds: int) -> None:
+    from worker.engine import Engine
+    from worker.kv_cache import CacheConfig
+
+    cache = CacheConfig(block_size=16, num_blocks=max(64, prefill_tokens // 16 + 4))
+    engines = {mode or "packed": Engine.load(path, dtype="float32", cache_config=cache,
+                                             quantize=mode) for mode in ("", "none")}
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40000, (16,), generator=gen).tolist()
+    long_prompt = torch.randint(100, 40000, (prefill_tokens,), generator=gen).tolist()
+    decode = {name: [] for name in engines}
+    prefill = {name: [] for name in engines}
+    tokens = {}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            rate, tokens[name] = _decode_run(engine, prompt, steps)
+            decode[name].append(rate)
+            prefill[name].append(_prefill_run(engine, long_prompt))
+    for name in engines:
+        print(f"{name:7} decode {statistics.median(decode[name]):7.1f} tok/s   "
+              f"prefill({prefill_tokens}) {statistics.median(prefill[name]):7.1f} tok/s")
+    same = sum(a == b for a, b in zip(tokens["packed"], tokens["none"], strict=True))
+    print(f"greedy tokens equal: {same}/{len(tokens['packed'])}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per kernel case")
+    p.add_argument("--prefill-rows", type=int, default=512)
+    p.add_argument("--model", help="a GGUF file to time end to end")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per model run")
+    p.add_argument("--rounds", type=int, default=3, help="alternated model runs per variant")
+    p.add_argument("--no-kernels", action="store_true", help="only the model")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if not args.no_kernels:
+        kernel_table(args.budget, args.prefill_rows)
+    if args.model:
+        model_table(args.model, args.steps, args.prefill_rows, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

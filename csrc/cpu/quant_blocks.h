@@ -1,0 +1,68 @@
+// GGML block formats that the quantized linear kernel (quant_linear.cpp) reads
+// as they are stored in a GGUF file: 32 weights per block, a float16 scale d
+// and, for Q4_1, a float16 offset m, then the quants.
+//
+//   Q4_0 (type 2):  d, 16 bytes of nibbles   w = d * (q - 8)
+//   Q4_1 (type 3):  d, m, 16 bytes           w = d * q + m
+//   Q8_0 (type 8):  d, 32 int8               w = d * q
+//
+// In the 4-bit types byte i holds weight i in its low nibble and weight i + 16
+// in its high nibble. Every format is read as w = d * q + m with q an integer
+// (m = -8 d for Q4_0, 0 for Q8_0), so one kernel serves all three.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace shardlm::cpu::quant {
+
+constexpr int64_t kBlock = 32;  // weights per block
+
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+// Bytes of one block of `qtype`, or 0 when the kernel does not read that type.
+inline int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: return 0;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// A block's scale, offset and quants: w[i] = d * q[i] + m.
+struct Block {
+  float d, m;
+  const uint8_t* qs;
+};
+
+template <int64_t kType>
+inline Block block_at(const uint8_t* p) {
+  const float d = half_at(p);
+  if constexpr (kType == kQ4_0) return {d, -8.f * d, p + 2};
+  if constexpr (kType == kQ4_1) return {d, half_at(p + 2), p + 4};
+  return {d, 0.f, p + 2};  // kQ8_0
+}
+
+// The block's integer quants q[0..31] as floats, in weight order.
+template <int64_t kType>
+inline void quants_scalar(const Block& b, float* q) {
+  if constexpr (kType == kQ8_0) {
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(static_cast<int8_t>(b.qs[i]));
+  } else {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<float>(b.qs[i] & 0x0f);
+      q[i + 16] = static_cast<float>(b.qs[i] >> 4);
+    }
+  }
+}
+
+}  // namespace shardlm::cpu::quant

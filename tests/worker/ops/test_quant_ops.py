@@ -1,0 +1,178 @@
+"""quant_linear against its reference, opcheck, and its AVX-512 / AVX2 / portable paths.
+
+Blocks come from the `gguf` package's own quantizer, so the kernel is checked on the layout
+llama.cpp writes; the int8 / int4 load-time quantizer is checked against its error bound.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from worker import ops
+from worker.errors import InvalidRequestError
+from worker.ops import reference
+from worker.quant import (
+    BLOCK,
+    QuantizedWeight,
+    cat_rows,
+    check_mode,
+    dequantize_blocks,
+    quantize,
+)
+
+if ops.USE_REFERENCE:
+    pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
+
+QTYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Float32 results differ from the reference in summation order only.
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+       torch.bfloat16: {"atol": 3e-2, "rtol": 1.6e-2},
+       torch.float16: {"atol": 4e-3, "rtol": 2e-3}}
+
+
+def ggml_weight(n: int, k: int, qtype: str, seed: int = 0) -> QuantizedWeight:
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
+    return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), (n, k))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_blocks_equals_ggml(qtype):
+    w = ggml_weight(9, 256, qtype)
+    expected = gguf.quants.dequantize(w.blocks.numpy(), gguf.GGMLQuantizationType[qtype])
+    torch.testing.assert_close(dequantize_blocks(w.blocks, qtype), torch.from_numpy(expected),
+                               atol=0, rtol=0)
+
+
+SHAPES = [(m, n, k) for m in (1, 2, 3, 17, 64, 512)
+          for n, k in ((1, 32), (7, 256), (67, 576), (129, 1536)) if m < 512 or n * k <= 67 * 576]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_quant_linear_matches_reference(qtype, m, n, k):
+    w = ggml_weight(n, k, qtype, seed=m)
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen) * 2
+    bias = torch.randn(n, generator=gen)
+    expected = reference.quant_linear(x, w.blocks, qtype, bias)
+    torch.testing.assert_close(ops.quant_linear(x, w, bias), expected, **TOL[torch.float32])
+    torch.testing.assert_close(ops.quant_linear(x, w), reference.quant_linear(x, w.blocks, qtype),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_half_activations_are_widened_not_the_weights_rounded(dtype, m):
+    w = ggml_weight(33, 512, "Q4_1")
+    x = torch.randn(m, 512).to(dtype)
+    bias = torch.randn(33).to(dtype)
+    out = ops.quant_linear(x, w, bias)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, reference.quant_linear(x, w.blocks, "Q4_1", bias), **TOL[dtype])
+
+
+def test_linear_dispatches_on_a_quantized_weight():
+    w = ggml_weight(10, 64, "Q8_0")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(ops.linear(x, w), x @ w.dequantize().T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme,qtype,levels", [("int8", "Q8_0", 254), ("int4", "Q4_1", 15)])
+def test_quantizer_error_is_within_half_a_step(scheme, qtype, levels):
+    w = torch.randn(13, 128) * torch.rand(13, 1) * 3
+    w[0, :BLOCK] = 0  # an all-zero block has scale 0
+    q = quantize(w, scheme)
+    assert q.qtype == qtype and q.shape == (13, 128) and q.blocks.dtype == torch.uint8
+    blocks = w.reshape(13, -1, BLOCK)
+    spread = blocks.amax(-1) - blocks.amin(-1) if qtype == "Q4_1" else 2 * blocks.abs().amax(-1)
+    # Half a quantization step, plus the float16 rounding of the scale and offset.
+    bound = (spread / levels * 0.5 * 1.01 + 2e-3 * blocks.abs().amax(-1)).repeat_interleave(BLOCK, 1)
+    assert ((q.dequantize() - w).abs() <= bound + 1e-7).all()
+    assert (q.dequantize()[0, :BLOCK] == 0).all()
+
+
+def test_quantizer_writes_what_ggml_reads():
+    q = quantize(torch.randn(4, 64), "int4")
+    expected = gguf.quants.dequantize(q.blocks.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    torch.testing.assert_close(q.dequantize(), torch.from_numpy(expected), atol=0, rtol=0)
+
+
+def test_fused_rows_keep_their_blocks_and_mixed_types_do_not_fuse():
+    a, b = ggml_weight(4, 64, "Q4_1", 1), ggml_weight(2, 64, "Q4_1", 2)
+    fused = cat_rows([a, b])
+    assert fused.shape == (6, 64)
+    torch.testing.assert_close(fused.dequantize(), torch.cat((a.dequantize(), b.dequantize())))
+    assert cat_rows([a, ggml_weight(2, 64, "Q8_0")]) is None
+
+
+def test_unknown_quantize_mode_names_the_field():
+    with pytest.raises(InvalidRequestError) as err:
+        check_mode("int3")
+    assert err.value.metadata["field"] == "quantize"
+
+
+def test_bad_inputs_are_rejected_with_a_message():
+    w = ggml_weight(4, 64, "Q8_0")
+    with pytest.raises(RuntimeError, match="features but the blocks hold 64"):
+        torch.ops.shardlm.quant_linear(torch.empty(1, 4), torch.randn(1, 32), w.blocks, 8, None)
+    with pytest.raises(RuntimeError, match="GGML type 12 is not supported"):
+        torch.ops.shardlm.quant_linear(torch.empty(1, 4), torch.randn(1, 64), w.blocks, 12, None)
+    with pytest.raises(RuntimeError, match="whole number of 20-byte blocks"):
+        torch.ops.shardlm.quant_linear(torch.empty(1, 4), torch.randn(1, 64), w.blocks, 3, None)
+
+
+def test_opcheck():
+    w = ggml_weight(7, 64, "Q4_1")
+    for m in (1, 12):
+        x = torch.randn(m, 64)
+        torch.library.opcheck(torch.ops.shardlm.quant_linear,
+                              (torch.empty(m, 7), x, w.blocks, 3, torch.randn(7)))
+
+
+# ------------------------------------------------------------------ AVX-512 / AVX2 / portable
+
+_SCRIPT = """
+import sys, torch
+from worker import ops
+from worker.quant import QuantizedWeight
+ops.set_cpu_simd(sys.argv[3])
+inp = torch.load(sys.argv[1])
+out = {name: ops.quant_linear(a["x"], QuantizedWeight(a["qtype"], a["blocks"], a["shape"]), a["b"])
+       for name, a in inp.items()}
+torch.save(out, sys.argv[2])
+"""
+
+
+def _run(tmp_path, inputs_file, level: str):
+    out_file = tmp_path / f"out_{level}.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    subprocess.run([sys.executable, "-c", _SCRIPT, str(inputs_file), str(out_file), level], env=env,
+                   check=True, timeout=300)
+    return torch.load(out_file)
+
+
+def test_avx512_avx2_and_portable_paths_agree(tmp_path):
+    inputs = {}
+    for qtype in QTYPES:
+        for m in (1, 2, 3, 4, 5, 9):
+            w = ggml_weight(37, 288, qtype, seed=m)
+            inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, 288), "qtype": qtype,
+                                        "blocks": w.blocks, "shape": w.shape,
+                                        "b": torch.randn(37)}
+    inputs_file = tmp_path / "inputs.pt"
+    torch.save(inputs, inputs_file)
+    runs = {level: _run(tmp_path, inputs_file, level) for level in ("avx512", "avx2", "portable")}
+    for name, a in inputs.items():
+        expected = reference.quant_linear(a["x"], a["blocks"], a["qtype"], a["b"])
+        for level, out in runs.items():
+            torch.testing.assert_close(out[name], expected, **TOL[torch.float32],
+                                       msg=lambda msg, n=name, lv=level: f"{lv} {n}: {msg}")

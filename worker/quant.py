@@ -1,0 +1,149 @@
+"""Linear weights kept block-quantized in memory on CPU.
+
+A `QuantizedWeight` holds a weight matrix as GGML blocks of 32 weights (Q8_0, Q4_0 or Q4_1: a
+float16 scale, for Q4_1 a float16 offset, then the quants), exactly as a GGUF file stores them.
+`ops.linear` multiplies it with `ops.quant_linear`, which unpacks the blocks in registers and
+accumulates in float32 against unrounded activations, so a 4-bit weight costs a sixth of the
+memory traffic of its bfloat16 form and the result equals the dequantized product up to
+summation order.
+
+Where weights come from (`read_linear`):
+- a GGUF tensor of a kernel type stays packed (a rank's row slice, or a column slice on block
+  boundaries); any other type (F16, K-quants, ...) is dequantized at load as before;
+- `quantize="int8"` / `"int4"` quantizes the remaining dense weights at load, weight-only, per
+  32-weight block: int8 symmetric into Q8_0, int4 with scale and minimum into Q4_1;
+- `quantize="none"` dequantizes everything, and on a GPU every weight is dense (dequantized at
+  load) because there is no quantized CUDA kernel yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.errors import InvalidRequestError
+
+#: GGML type ids of the block formats `ops.quant_linear` reads.
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+BLOCK = 32  # weights per block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+#: `--quantize` choices: "" keeps a GGUF file's kernel-type blocks packed (on CPU) and reads the
+#: rest dense, "none" reads everything dense, "int8" / "int4" also quantize dense weights.
+QUANTIZE_SCHEMES = {"int8": "Q8_0", "int4": "Q4_1"}
+QUANTIZE_MODES = ("", "none", *QUANTIZE_SCHEMES)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [N, K] weight as GGML blocks: `blocks` is uint8 [N, K / 32 * bytes per block]."""
+
+    qtype: str
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def ggml_type(self) -> int:
+        return GGML_TYPES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_blocks(self.blocks, self.qtype).to(dtype)
+
+
+def check_mode(quantize: str) -> str:
+    """`quantize` if it is a known mode, else an InvalidRequestError naming the field."""
+    if quantize not in QUANTIZE_MODES:
+        raise InvalidRequestError(
+            f"quantize must be one of {', '.join(repr(m) for m in QUANTIZE_MODES)}, "
+            f"got {quantize!r}", field="quantize")
+    return quantize
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 [N, K] of GGML blocks, computed as GGML does (the reference of quant_linear)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == "Q8_0":
+        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
+    qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
+    if qtype == "Q4_0":
+        return (d * (q - 8)).reshape(n, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(n, -1)
+
+
+def _halves(values: torch.Tensor) -> torch.Tensor:
+    """float16 values [n, nb, 1] as their bytes [n, nb, 2]."""
+    return values.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """Weight-only block quantization of a [N, K] weight (K a multiple of 32): "int8" gives Q8_0
+    (d = max|w| / 127, q = round(w / d)), "int4" gives Q4_1 (d = (max - min) / 15, m = min,
+    q = round((w - m) / d)); scales are rounded to float16 before the quants are chosen."""
+    qtype = QUANTIZE_SCHEMES[scheme]
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"cannot quantize a weight of {k} input features in blocks of {BLOCK}")
+    w = weight.detach().float().cpu().reshape(n, k // BLOCK, BLOCK)
+    if qtype == "Q8_0":
+        d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = (w * inv).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        packed = torch.cat((_halves(d), q), dim=-1)
+    else:
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        d = ((hi - lo) / 15).half().float()
+        m = lo.half().float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((w - m) * inv).round().clamp(0, 15).to(torch.uint8)
+        nibbles = q[..., :16] | (q[..., 16:] << 4)
+        packed = torch.cat((_halves(d), _halves(m), nibbles), dim=-1)
+    return QuantizedWeight(qtype, packed.reshape(n, -1).contiguous(), (n, k))
+
+
+def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """The weights stacked by rows (fused q/k/v, gate/up), or None when their types differ."""
+    if len({w.qtype for w in weights}) != 1 or len({w.shape[1] for w in weights}) != 1:
+        return None
+    blocks = torch.cat([w.blocks for w in weights]).contiguous()
+    return QuantizedWeight(weights[0].qtype, blocks, (blocks.shape[0], weights[0].shape[1]))
+
+
+def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | None = None,
+                rank: int = 0, world_size: int = 1,
+                dense: torch.Tensor | None = None) -> torch.Tensor | QuantizedWeight:
+    """A linear layer's weight slice: packed when the reader's quantize mode and the device allow
+    it (see the module notes), else dense in the serving dtype. `dense`, when given, is the slice
+    already read (a tied embedding) and is returned when no packed form is made."""
+    mode = reader.quantize
+    if reader.device.type != "cpu" or mode == "none":
+        return dense if dense is not None else reader.read(
+            name, shape, shard_dim=shard_dim, rank=rank, world_size=world_size)
+    packed = reader.read_packed(name, shape, shard_dim=shard_dim, rank=rank,
+                                world_size=world_size)
+    if packed is not None and packed.qtype in GGML_TYPES:
+        return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
+    if dense is None:
+        dense = reader.read(name, shape, shard_dim=shard_dim, rank=rank, world_size=world_size)
+    if mode in QUANTIZE_SCHEMES and dense.dim() == 2 and dense.shape[1] % BLOCK == 0:
+        return quantize(dense, mode)
+    return dense
+
+
+def fuse_rows(weights: list[torch.Tensor | QuantizedWeight],
+              dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    """Row-stacked weights for one GEMM: packed when all are packed alike, else dense."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        fused = cat_rows(weights)
+        if fused is not None:
+            return fused
+    dense = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
+    return torch.cat(dense).contiguous()
