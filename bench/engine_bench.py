@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from bench.shapes import SHAPES, build_checkpoint, parameter_count
-from worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
-from worker.errors import CacheCapacityError
-from worker.kv_cache import CacheConfig
+from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
+from shardlm_server.worker.errors import CacheCapacityError
+from shardlm_server.worker.kv_cache import CacheConfig
 
 OOM_ERRORS = (torch.OutOfMemoryError, CacheCapacityError)
 

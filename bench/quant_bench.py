@@ -22,8 +22,8 @@ import time
 import torch
 
 from bench.ops_cpu_bench import best_us
-from worker import ops
-from worker.quant import quantize
+from shardlm_server.worker import ops
+from shardlm_server.worker.quant import quantize
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, intermediate 1536, vocab 49152.
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
@@ -51,7 +51,7 @@ def kernel_table(budget_s: float, prefill_rows: int) -> None:
 
 
 def _decode_run(engine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    from worker.engine import DecodeItem, PrefillItem, StopParams
+    from shardlm_server.worker.engine import DecodeItem, PrefillItem, StopParams
 
     engine.reset()
     blocks = list(range((len(prompt) + steps) // 16 + 2))
@@ -65,7 +65,7 @@ def _decode_run(engine, prompt: list[int], steps: int) -> tuple[float, list[int]
 
 
 def _prefill_run(engine, prompt: list[int]) -> float:
-    from worker.engine import PrefillItem, StopParams
+    from shardlm_server.worker.engine import PrefillItem, StopParams
 
     engine.reset()
     blocks = list(range(len(prompt) // 16 + 2))
@@ -75,8 +75,8 @@ def _prefill_run(engine, prompt: list[int]) -> float:
 
 
 def model_table(path: str, steps: int, prefill_tokens: int, rounds: int) -> None:
-    from worker.engine import Engine
-    from worker.kv_cache import CacheConfig
+    from shardlm_server.worker.engine import Engine
+    from shardlm_server.worker.kv_cache import CacheConfig
 
     cache = CacheConfig(block_size=16, num_blocks=max(64, prefill_tokens // 16 + 4))
     engines = {mode or "packed": Engine.load(path, dtype="float32", cache_config=cache,

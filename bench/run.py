@@ -32,8 +32,8 @@ from bench import engine_bench as eb
 from bench import roofline, stack_bench
 from bench.report import get, print_report
 from bench.shapes import CPU_DEFAULT, GPU_DEFAULT, SHAPES, build_checkpoint, parameter_count
-from worker.decode_runner import GraphConfig
-from worker.engine import EngineOptions
+from shardlm_server.worker.decode_runner import GraphConfig
+from shardlm_server.worker.engine import EngineOptions
 
 SECTIONS = ("engine", "baselines", "stack")
 

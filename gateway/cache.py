@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.allocator import BlockAllocator
-from gateway.metrics import Metrics
-from gateway.sequence import Phase, Sequence
-from gateway.sessions import SessionStore
+from shardlm_server.gateway.allocator import BlockAllocator
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.sequence import Phase, Sequence
+from shardlm_server.gateway.sessions import SessionStore
 
 log = logging.getLogger("shardlm.gateway")
 

@@ -19,7 +19,7 @@ import sys
 
 
 def _serve_parser(sub) -> None:
-    from gateway.config_sources import add_serve_arguments
+    from shardlm_server.gateway.config_sources import add_serve_arguments
 
     p = sub.add_parser("serve", help="start the gateway and its workers, load a model, serve",
                        description="Settings come from flags, then the --config file, then "
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardlm")
     _serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    from gateway.config import ConfigError
-    from gateway.config_sources import from_args
+    from shardlm_server.gateway.config import ConfigError
+    from shardlm_server.gateway.config_sources import from_args
 
     try:
         config = from_args(args)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from gateway.lifecycle import serve
+    from shardlm_server.gateway.lifecycle import serve
 
     try:
         return asyncio.run(serve(config))

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gateway.config import (
+from shardlm_server.gateway.config import (
     GROUPS,
     SETTINGS,
     ConfigError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the first generated ones, so its leading space comes out right.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import FieldViolation, InvalidArgumentError, ResourceExhaustedError
 
-from gateway.allocator import BlockAllocator
+from shardlm_server.gateway.allocator import BlockAllocator
 
 UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 

@@ -19,14 +19,14 @@ from grpc_reflection.v1alpha import reflection
 from shardlm.constants import DEFAULT_HOST, MAX_REQUEST_BYTES
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from gateway.auth import AuthInterceptor, Identity
-from gateway.config import Limits, LoadOptions
-from gateway.gateway_servicer import GatewayServicer
-from gateway.interceptors import ErrorInterceptor
-from gateway.metrics import Metrics
-from gateway.runtime import SERVICE_NAME, Runtime
-from gateway.smg_service import add_smg_engine_service, start_smg_server
-from gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.auth import AuthInterceptor, Identity
+from shardlm_server.gateway.config import Limits, LoadOptions
+from shardlm_server.gateway.gateway_servicer import GatewayServicer
+from shardlm_server.gateway.interceptors import ErrorInterceptor
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.runtime import SERVICE_NAME, Runtime
+from shardlm_server.gateway.smg_service import add_smg_engine_service, start_smg_server
+from shardlm_server.gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
 

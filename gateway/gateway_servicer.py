@@ -14,22 +14,22 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import FailedPreconditionError, FieldViolation, InvalidArgumentError
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from gateway import __version__
-from gateway.auth import current_identity, require_admin
-from gateway.finish import (
+from shardlm_server.gateway import __version__
+from shardlm_server.gateway.auth import current_identity, require_admin
+from shardlm_server.gateway.finish import (
     CallLimits,
     call_limits,
     max_new_tokens_limit,
     prefill_limits,
     prompt_too_long,
 )
-from gateway.load_report import load_report
-from gateway.runtime import Model, Runtime
-from gateway.sequence import ErrorEvent, Sequence
-from gateway.sessions import Session
-from gateway.streaming import TokenStream
-from gateway.tokenizer import ChatMessage
-from gateway.validation import (
+from shardlm_server.gateway.load_report import load_report
+from shardlm_server.gateway.runtime import Model, Runtime
+from shardlm_server.gateway.sequence import ErrorEvent, Sequence
+from shardlm_server.gateway.sessions import Session
+from shardlm_server.gateway.streaming import TokenStream
+from shardlm_server.gateway.tokenizer import ChatMessage
+from shardlm_server.gateway.validation import (
     Violations,
     check_prefix_cache,
     check_prompt,

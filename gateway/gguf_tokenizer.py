@@ -16,7 +16,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from gateway.tokenizer import Tokenizer, TokenizerError
+from shardlm_server.gateway.tokenizer import Tokenizer, TokenizerError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 from shardlm.errors import ShardLMError
 
-from gateway.metrics import Metrics
-from gateway.tokenizer import TokenizerError
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.tokenizer import TokenizerError
 
 log = logging.getLogger("shardlm.gateway")
 

@@ -21,12 +21,12 @@ from typing import TypeVar
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 
-from gateway.auth import load_tokens
-from gateway.config import ServeConfig
-from gateway.default_model import DefaultModelMissing, default_model_path
-from gateway.gateway_server import GatewayServer, server_credentials, start_gateway
-from gateway.supervisor import Supervisor
-from gateway.worker_processes import WorkerGroup, WorkerTLS
+from shardlm_server.gateway.auth import load_tokens
+from shardlm_server.gateway.config import ServeConfig
+from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.gateway_server import GatewayServer, server_credentials, start_gateway
+from shardlm_server.gateway.supervisor import Supervisor
+from shardlm_server.gateway.worker_processes import WorkerGroup, WorkerTLS
 
 log = logging.getLogger("shardlm.serve")
 T = TypeVar("T")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardlm.gateway.v1 import gateway_pb2
 
-from gateway.runtime import Runtime
+from shardlm_server.gateway.runtime import Runtime
 
 
 def load_report(runtime: Runtime) -> gateway_pb2.GetLoadResponse:

@@ -14,7 +14,7 @@ from shardlm.errors import (
     PermissionDeniedError,
 )
 
-from gateway.validation import clip
+from shardlm_server.gateway.validation import clip
 
 MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
                        "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",

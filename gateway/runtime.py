@@ -22,15 +22,15 @@ from shardlm.errors import (
 )
 from shardlm.worker.v1 import worker_pb2
 
-from gateway.allocator import BlockAllocator, prefix_salt
-from gateway.config import Limits, LoadOptions
-from gateway.metrics import Metrics
-from gateway.paths import check_model_path
-from gateway.scheduler import Scheduler
-from gateway.sessions import SessionStore
-from gateway.tokenizer import Tokenizer, TokenizerError
-from gateway.worker_client import WorkerPool
-from gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.allocator import BlockAllocator, prefix_salt
+from shardlm_server.gateway.config import Limits, LoadOptions
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.paths import check_model_path
+from shardlm_server.gateway.scheduler import Scheduler
+from shardlm_server.gateway.sessions import SessionStore
+from shardlm_server.gateway.tokenizer import Tokenizer, TokenizerError
+from shardlm_server.gateway.worker_client import WorkerPool
+from shardlm_server.gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
 SERVICE_NAME = "shardlm.gateway.v1.GatewayService"

@@ -26,13 +26,13 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ResourceExhaustedError, ShardLMError
 from shardlm.worker.v1 import worker_pb2
 
-from gateway.allocator import BlockAllocator
-from gateway.cache import SequenceCaches
-from gateway.finish import UNFINISHED, CallLimits
-from gateway.metrics import Metrics
-from gateway.sequence import ErrorEvent, FinishEvent, Phase, Sequence, TokenEvent
-from gateway.sessions import SessionStore
-from gateway.worker_client import WorkerPool
+from shardlm_server.gateway.allocator import BlockAllocator
+from shardlm_server.gateway.cache import SequenceCaches
+from shardlm_server.gateway.finish import UNFINISHED, CallLimits
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.sequence import ErrorEvent, FinishEvent, Phase, Sequence, TokenEvent
+from shardlm_server.gateway.sessions import SessionStore
+from shardlm_server.gateway.worker_client import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 # Sequence ids are unique for the life of the process: sessions outlive a scheduler (a worker

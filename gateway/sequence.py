@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from shardlm.common.v1 import common_pb2
 
-from gateway.finish import CallLimits
+from shardlm_server.gateway.finish import CallLimits
 
 
 class Phase(StrEnum):

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 from shardlm.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
-from gateway.sequence import Phase, Sequence
-from gateway.validation import clip
+from shardlm_server.gateway.sequence import Phase, Sequence
+from shardlm_server.gateway.validation import clip
 
 
 @dataclass

@@ -36,10 +36,10 @@ from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as engine_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc
 
-from gateway import __version__
-from gateway.gateway_servicer import GatewayServicer
-from gateway.load_report import load_report
-from gateway.runtime import Model
+from shardlm_server.gateway import __version__
+from shardlm_server.gateway.gateway_servicer import GatewayServicer
+from shardlm_server.gateway.load_report import load_report
+from shardlm_server.gateway.runtime import Model
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 512 << 10

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from shardlm.common.v1 import common_pb2
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.metrics import Metrics
-from gateway.scheduler import Scheduler
-from gateway.sequence import ErrorEvent, FinishEvent, Sequence, TokenEvent
-from gateway.stop import StopSequenceMatcher
-from gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.detokenizer import IncrementalDetokenizer
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.scheduler import Scheduler
+from shardlm_server.gateway.sequence import ErrorEvent, FinishEvent, Sequence, TokenEvent
+from shardlm_server.gateway.stop import StopSequenceMatcher
+from shardlm_server.gateway.tokenizer import Tokenizer
 
 
 @dataclass

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from shardlm.errors import ShardLMError, UnavailableError
 
-from gateway.runtime import Runtime
-from gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.runtime import Runtime
+from shardlm_server.gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.supervisor")
 

@@ -19,7 +19,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.token_bytes import TokenBytes
+from shardlm_server.gateway.token_bytes import TokenBytes
 
 ALLOWED_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -156,7 +156,7 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> Tokenizer:
         """The tokenizer of a Hugging Face folder, or of a GGUF file (or a folder holding one)."""
-        from gateway.gguf_tokenizer import find_gguf_file, load_gguf_tokenizer
+        from shardlm_server.gateway.gguf_tokenizer import find_gguf_file, load_gguf_tokenizer
 
         gguf_file = find_gguf_file(folder)
         if gguf_file is not None:

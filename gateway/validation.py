@@ -12,7 +12,7 @@ import math
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import FieldViolation, InvalidArgumentError
 
-from gateway.tokenizer import ALLOWED_ROLES
+from shardlm_server.gateway.tokenizer import ALLOWED_ROLES
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256

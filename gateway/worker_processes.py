@@ -21,7 +21,7 @@ import grpc
 from shardlm.constants import DEFAULT_HOST, DEFAULT_WORKER_START_TIMEOUT_S
 from shardlm.errors import UnavailableError
 
-WORKER_MODULE = "worker"  # run with `python -m`; the gateway never imports it
+WORKER_MODULE = "shardlm_server.worker"  # run with `python -m`; the gateway never imports it
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.tokenizer import Tokenizer
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
-from worker.kv_cache import CacheConfig
+from shardlm_server.gateway.tokenizer import Tokenizer
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.kv_cache import CacheConfig
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "shakespeare-tiny"
 NEW_TOKENS = 40

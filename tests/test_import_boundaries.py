@@ -54,4 +54,4 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     module.write_text("def f():\n    from worker.engine import Engine\n    from .. import x\n"
                       "import worker\n")
     found = imported_modules(module, tmp_path / "gateway", "gateway")
-    assert found == [(2, "worker.engine"), (3, "gateway"), (4, "worker")]
+    assert found == [(2, "shardlm_server.worker.engine"), (3, "gateway"), (4, "worker")]

@@ -1,5 +1,5 @@
 import sys
 
-from worker.worker_server import main
+from shardlm_server.worker.worker_server import main
 
 sys.exit(main())

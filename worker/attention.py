@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker import ops
+from shardlm_server.worker import ops
 
 
 @dataclass

@@ -9,8 +9,8 @@ from itertools import accumulate
 
 import torch
 
-from worker.attention import AttentionMetadata
-from worker.transfer import to_device
+from shardlm_server.worker.attention import AttentionMetadata
+from shardlm_server.worker.transfer import to_device
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.errors import CheckpointError, UnsupportedArchitectureError
+from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 

@@ -15,8 +15,8 @@ from shardlm.constants import (
 )
 from shardlm.worker.v1 import worker_pb2
 
-from worker.decode_runner import GraphConfig
-from worker.engine import (
+from shardlm_server.worker.decode_runner import GraphConfig
+from shardlm_server.worker.engine import (
     DTYPES,
     DecodeItem,
     Engine,
@@ -26,8 +26,8 @@ from worker.engine import (
     StepOutput,
     StopParams,
 )
-from worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
-from worker.sampling import SamplingParams
+from shardlm_server.worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
+from shardlm_server.worker.sampling import SamplingParams
 
 # Dtype enum <-> the engine's names and torch dtypes, derived from the one list of names.
 DTYPE_BY_ENUM = {common_pb2.Dtype.Value(dtype_enum_name(name)): name for name in DTYPE_NAMES}

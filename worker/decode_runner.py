@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from shardlm.constants import DEFAULT_CUDA_GRAPH_MAX_BATCH, DEFAULT_CUDA_GRAPH_MAX_CONTEXT
 
-from worker.attention import AttentionMetadata
-from worker.model import Taps, TransformerModel
-from worker.transfer import pinned_if_cuda, to_device
+from shardlm_server.worker.attention import AttentionMetadata
+from shardlm_server.worker.model import Taps, TransformerModel
+from shardlm_server.worker.transfer import pinned_if_cuda, to_device
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from shardlm.constants import DTYPE_NAMES
 
-from worker import ops
-from worker.batch import build_prefill_batch, slot_of
-from worker.comm import Communicator, SingleRankCommunicator
-from worker.config import ModelConfig
-from worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
-from worker.engine_types import (  # noqa: F401 - the engine's API types, re-exported
+from shardlm_server.worker import ops
+from shardlm_server.worker.batch import build_prefill_batch, slot_of
+from shardlm_server.worker.comm import Communicator, SingleRankCommunicator
+from shardlm_server.worker.config import ModelConfig
+from shardlm_server.worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
+from shardlm_server.worker.engine_types import (  # noqa: F401 - the engine's API types, re-exported
     DecodeItem,
     FinishReason,
     PrefillItem,
@@ -33,19 +33,19 @@ from worker.engine_types import (  # noqa: F401 - the engine's API types, re-exp
     StopParams,
     TokenOutput,
 )
-from worker.eos import checkpoint_eos_ids
-from worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
-from worker.kv_cache import CacheCapacity, CacheConfig, KVCache
-from worker.layers import Parallel
-from worker.loader import CheckpointSource, load_checkpoint_config, open_checkpoint
-from worker.model import TransformerModel, tap_names
-from worker.quant import check_mode as check_quantize_mode
-from worker.sampling import (
+from shardlm_server.worker.eos import checkpoint_eos_ids
+from shardlm_server.worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
+from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache
+from shardlm_server.worker.layers import Parallel
+from shardlm_server.worker.loader import CheckpointSource, load_checkpoint_config, open_checkpoint
+from shardlm_server.worker.model import TransformerModel, tap_names
+from shardlm_server.worker.quant import check_mode as check_quantize_mode
+from shardlm_server.worker.sampling import (
     SampledToken,
     TokenHistory,
 )
-from worker.step_sampler import PendingSample, StepSampler
-from worker.transfer import to_device
+from shardlm_server.worker.step_sampler import PendingSample, StepSampler
+from shardlm_server.worker.transfer import to_device
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from enum import StrEnum
 
 import torch
 
-from worker.sampling import SampledToken, SamplingParams, TokenHistory
+from shardlm_server.worker.sampling import SampledToken, SamplingParams, TokenHistory
 
 
 class FinishReason(StrEnum):

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker import ops
-from worker.comm import Communicator
-from worker.errors import TensorParallelError
-from worker.loader import CheckpointReader
-from worker.quant import QuantizedWeight, fuse_rows, read_linear
+from shardlm_server.worker import ops
+from shardlm_server.worker.comm import Communicator
+from shardlm_server.worker.errors import TensorParallelError
+from shardlm_server.worker.loader import CheckpointReader
+from shardlm_server.worker.quant import QuantizedWeight, fuse_rows, read_linear
 
 #: A linear layer's weight: dense, or kept in GGML blocks on CPU (worker.quant).
 LinearWeight = torch.Tensor | QuantizedWeight

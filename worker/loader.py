@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from worker.config import ModelConfig, load_config
+from shardlm_server.worker.config import ModelConfig, load_config
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class CheckpointReader(Protocol):
 
 
 def _gguf_path(path: str | Path) -> Path | None:
-    from worker.gguf.file import find_gguf
+    from shardlm_server.worker.gguf.file import find_gguf
 
     return find_gguf(path)
 
@@ -88,8 +88,8 @@ def load_checkpoint_config(path: str | Path) -> ModelConfig:
     gguf_path = _gguf_path(path)
     if gguf_path is None:
         return load_config(path)
-    from worker.gguf.config import gguf_config
-    from worker.gguf.file import open_gguf
+    from shardlm_server.worker.gguf.config import gguf_config
+    from shardlm_server.worker.gguf.file import open_gguf
 
     return gguf_config(open_gguf(gguf_path))
 
@@ -100,11 +100,11 @@ def open_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
     is how the layers keep linear weights (worker.quant.read_linear)."""
     gguf_path = _gguf_path(path)
     if gguf_path is None:
-        from worker.safetensors_reader import SafetensorsReader
+        from shardlm_server.worker.safetensors_reader import SafetensorsReader
 
         reader: CheckpointReader = SafetensorsReader(path, device, dtype)
     else:
-        from worker.gguf.reader import GGUFCheckpointReader
+        from shardlm_server.worker.gguf.reader import GGUFCheckpointReader
 
         reader = GGUFCheckpointReader(gguf_path, device, dtype)
     reader.quantize = quantize

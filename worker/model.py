@@ -12,18 +12,18 @@ from collections.abc import Callable
 
 import torch
 
-from worker import ops
-from worker.attention import AttentionMetadata, PagedAttention
-from worker.config import ModelConfig
-from worker.layers import (
+from shardlm_server.worker import ops
+from shardlm_server.worker.attention import AttentionMetadata, PagedAttention
+from shardlm_server.worker.config import ModelConfig
+from shardlm_server.worker.layers import (
     ColumnParallelLinear,
     Parallel,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from worker.loader import CheckpointReader
-from worker.quant import read_linear
+from shardlm_server.worker.loader import CheckpointReader
+from shardlm_server.worker.quant import read_linear
 
 Taps = dict[str, torch.Tensor]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.errors import InvalidRequestError
+from shardlm_server.worker.errors import InvalidRequestError
 
 #: GGML type ids of the block formats `ops.quant_linear` reads.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}

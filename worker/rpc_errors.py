@@ -16,8 +16,8 @@ import grpc
 import torch
 from shardlm.errors import FieldViolation, ShardLMError
 
-from worker.comm import CommunicatorError
-from worker.errors import EngineError
+from shardlm_server.worker.comm import CommunicatorError
+from shardlm_server.worker.errors import EngineError
 
 log = logging.getLogger("shardlm.worker")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.errors import CheckpointError
+from shardlm_server.worker.errors import CheckpointError
 
 # Buffers some exporters write that carry no weights the engine needs (it recomputes them).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

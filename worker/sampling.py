@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.transfer import to_device, to_host_async
+from shardlm_server.worker.transfer import to_device, to_host_async
 
 MAX_TOP_LOGPROBS = 20
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.comm import Communicator
-from worker.engine_types import Sequence
-from worker.sampling import (
+from shardlm_server.worker.comm import Communicator
+from shardlm_server.worker.engine_types import Sequence
+from shardlm_server.worker.sampling import (
     DeviceSample,
     SampledToken,
     SamplingRow,

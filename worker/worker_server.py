@@ -22,9 +22,9 @@ import grpc
 from shardlm.constants import DEFAULT_HOST, MAX_WORKER_MESSAGE_BYTES, WORKER_KEEPALIVE_MS
 from shardlm.worker.v1 import worker_pb2_grpc
 
-from worker.parent_watch import watch_parent
-from worker.rpc_errors import ErrorMappingInterceptor
-from worker.worker_servicer import WorkerServicer
+from shardlm_server.worker.parent_watch import watch_parent
+from shardlm_server.worker.rpc_errors import ErrorMappingInterceptor
+from shardlm_server.worker.worker_servicer import WorkerServicer
 
 
 def build_server(address: str, credentials: grpc.ServerCredentials | None = None,

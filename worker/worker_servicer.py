@@ -21,10 +21,10 @@ from shardlm.constants import DEFAULT_COMM_TIMEOUT_S
 from shardlm.errors import FieldViolation, InvalidArgumentError, ShardLMError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from worker import convert
-from worker.comm import Communicator, create_communicator, new_nccl_unique_id, open_store
-from worker.comm.gloo import format_address, parse_address
-from worker.engine import Engine
+from shardlm_server.worker import convert
+from shardlm_server.worker.comm import Communicator, create_communicator, new_nccl_unique_id, open_store
+from shardlm_server.worker.comm.gloo import format_address, parse_address
+from shardlm_server.worker.engine import Engine
 
 log = logging.getLogger("shardlm.worker")
 

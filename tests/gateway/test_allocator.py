@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.allocator import BlockAllocator, OutOfBlocks
+from shardlm_server.gateway.allocator import BlockAllocator, OutOfBlocks
 
 
 def test_grow_hands_out_low_ids_and_only_what_is_needed():

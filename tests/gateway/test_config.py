@@ -13,13 +13,13 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from gateway import cli
-from gateway.config import SETTINGS, ConfigError, Limits, ServeConfig, default, env_var, flag
-from gateway.config_sources import add_serve_arguments, resolve
-from gateway.worker_client import WorkerPool
-from worker import ops
-from worker.decode_runner import GraphConfig
-from worker.worker_servicer import WorkerServicer
+from shardlm_server.gateway import cli
+from shardlm_server.gateway.config import SETTINGS, ConfigError, Limits, ServeConfig, default, env_var, flag
+from shardlm_server.gateway.config_sources import add_serve_arguments, resolve
+from shardlm_server.gateway.worker_client import WorkerPool
+from shardlm_server.worker import ops
+from shardlm_server.worker.decode_runner import GraphConfig
+from shardlm_server.worker.worker_servicer import WorkerServicer
 
 
 def config(argv: list[str] = (), environ: dict[str, str] | None = None) -> ServeConfig:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.detokenizer import IncrementalDetokenizer
+from shardlm_server.gateway.tokenizer import Tokenizer
 from tests.checkpoints import write_tokenizer
 
 SENTENCE = "Hello 世界! 你好，天气很好。🙂🚀 café naïve 👩‍👩‍👧"

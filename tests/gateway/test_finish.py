@@ -6,8 +6,8 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import InvalidArgumentError, ResourceExhaustedError
 
-from gateway.allocator import BlockAllocator
-from gateway.finish import CallLimits, call_limits, max_new_tokens_limit
+from shardlm_server.gateway.allocator import BlockAllocator
+from shardlm_server.gateway.finish import CallLimits, call_limits, max_new_tokens_limit
 
 C = common_pb2
 

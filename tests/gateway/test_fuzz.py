@@ -34,9 +34,9 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import DOMAIN
 from shardlm.gateway.v1 import gateway_pb2
 
-from gateway.gateway_server import MAX_REQUEST_BYTES
-from gateway.runtime import Limits
-from gateway.tokenizer import ALLOWED_ROLES
+from shardlm_server.gateway.gateway_server import MAX_REQUEST_BYTES
+from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.tokenizer import ALLOWED_ROLES
 from tests.gateway.conftest import LiveGateway
 
 SERVICE = "/shardlm.gateway.v1.GatewayService/"

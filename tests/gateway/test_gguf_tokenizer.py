@@ -9,8 +9,8 @@ import json
 import gguf
 import pytest
 
-from gateway.default_model import DefaultModelMissing, default_model_path
-from gateway.tokenizer import Tokenizer, TokenizerError
+from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.tokenizer import Tokenizer, TokenizerError
 from tests.checkpoints import TOKENIZER_TEXT
 from tests.gguf_files import CHAT_TEMPLATE, byte_level_vocab
 

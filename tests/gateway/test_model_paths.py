@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from shardlm.errors import FailedPreconditionError, PermissionDeniedError
 
-from gateway.paths import check_model_path
+from shardlm_server.gateway.paths import check_model_path
 
 
 def test_a_gguf_file_inside_the_root_is_accepted(tmp_path):

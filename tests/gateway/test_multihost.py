@@ -26,7 +26,7 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
-from gateway.runtime import Limits
+from shardlm_server.gateway.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 from tests.gateway.test_e2e import collect, greedy
 
@@ -191,7 +191,7 @@ def cluster(network, llama_dir, tmp_path):
         return processes[-1]
 
     try:
-        workers = [start(host, ["-m", "worker", "--host", network.address(host),
+        workers = [start(host, ["-m", "shardlm_server.worker", "--host", network.address(host),
                                 "--port", str(WORKER_PORT), *extra], f"worker-{host}.log")
                    for host, extra in (("a", ["--comm-port", str(COMM_PORT)]), ("b", []))]
         for worker in workers:
@@ -200,7 +200,7 @@ def cluster(network, llama_dir, tmp_path):
         gateway = start("g", ["-m", "shardlm", "serve", "--workers", addresses,
                               "--model", str(llama_dir), "--dtype", "float32",
                               "--host", "127.0.0.1", "--port", str(GATEWAY_PORT),
-                              "--kv-cache-mb", "16"], "gateway.log")
+                              "--kv-cache-mb", "16"], "shardlm_server.gateway.log")
         gateway.expect("ready: ", 120)
 
         def client(*args: str) -> Process:

@@ -12,12 +12,12 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import UnavailableError
 
-from gateway.allocator import BlockAllocator, prefix_salt
-from gateway.finish import CallLimits, prefill_limits
-from gateway.metrics import Metrics
-from gateway.scheduler import Scheduler
-from gateway.sequence import Sequence
-from gateway.sessions import SessionStore
+from shardlm_server.gateway.allocator import BlockAllocator, prefix_salt
+from shardlm_server.gateway.finish import CallLimits, prefill_limits
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.scheduler import Scheduler
+from shardlm_server.gateway.sequence import Sequence
+from shardlm_server.gateway.sessions import SessionStore
 from tests.gateway.fake_workers import FakeWorkerPool, greedy
 from tests.gateway.test_scheduler import drain, until
 
@@ -388,8 +388,8 @@ def test_a_hit_composes_with_chunked_prefill():
 def test_serve_flags_and_config_keys_switch_and_scope_the_cache(tmp_path):
     import argparse
 
-    from gateway.config import ConfigError
-    from gateway.config_sources import add_serve_arguments, resolve
+    from shardlm_server.gateway.config import ConfigError
+    from shardlm_server.gateway.config_sources import add_serve_arguments, resolve
 
     def settings(argv: list[str], environ: dict[str, str] | None = None):
         parser = argparse.ArgumentParser()

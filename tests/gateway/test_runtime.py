@@ -14,8 +14,8 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import FailedPreconditionError
 from shardlm.worker.v1 import worker_pb2
 
-from gateway.metrics import Metrics
-from gateway.runtime import Limits, Runtime
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.runtime import Limits, Runtime
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-tiny"
 NUM_BLOCKS = 96

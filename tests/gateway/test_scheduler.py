@@ -11,12 +11,12 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import ResourceExhaustedError, UnavailableError
 
-from gateway.allocator import BlockAllocator
-from gateway.finish import CallLimits, prefill_limits
-from gateway.metrics import Metrics
-from gateway.scheduler import Scheduler
-from gateway.sequence import ErrorEvent, FinishEvent, Phase, Sequence, TokenEvent
-from gateway.sessions import SessionStore
+from shardlm_server.gateway.allocator import BlockAllocator
+from shardlm_server.gateway.finish import CallLimits, prefill_limits
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.scheduler import Scheduler
+from shardlm_server.gateway.sequence import ErrorEvent, FinishEvent, Phase, Sequence, TokenEvent
+from shardlm_server.gateway.sessions import SessionStore
 from tests.gateway.fake_workers import FakeWorkerPool, greedy
 
 BLOCK = 4

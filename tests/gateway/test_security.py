@@ -12,9 +12,9 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from gateway.auth import load_tokens
-from gateway.gateway_server import server_credentials
-from gateway.runtime import Limits
+from shardlm_server.gateway.auth import load_tokens
+from shardlm_server.gateway.gateway_server import server_credentials
+from shardlm_server.gateway.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
@@ -137,7 +137,7 @@ def test_load_cannot_escape_the_model_root(secured, path):
 def test_gateway_and_workers_talk_mutual_tls(pki, llama_dir):
     from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
-    from gateway.worker_processes import WorkerTLS
+    from shardlm_server.gateway.worker_processes import WorkerTLS
 
     tls = WorkerTLS(str(pki / "ca.pem"), str(pki / "server.pem"), str(pki / "server.key"))
     gateway = LiveGateway(2, Limits(), worker_tls=tls)

@@ -9,7 +9,7 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
-from gateway.runtime import Limits
+from shardlm_server.gateway.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 
 BLOCKS = 12  # block size 16: room for three sessions of ~60 tokens, not four

@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2 as engine_pb2  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc  # noqa: E402
 
-from gateway.tokenizer import Tokenizer  # noqa: E402
+from shardlm_server.gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.gateway.smg_fixtures import chat_checkpoint, loaded_gateway  # noqa: E402
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.stop import StopSequenceMatcher
+from shardlm_server.gateway.stop import StopSequenceMatcher
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[list[str], bool]:

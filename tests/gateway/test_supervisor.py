@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from shardlm.errors import UnavailableError
 
-from gateway.supervisor import Supervisor
-from gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.supervisor import Supervisor
+from shardlm_server.gateway.worker_processes import WorkerGroup
 
 ADDRESSES = ["10.0.0.1:50061", "10.0.0.2:50061"]
 

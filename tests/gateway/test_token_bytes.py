@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
-from gateway.token_bytes import TokenBytes, byte_level_alphabet
-from gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.token_bytes import TokenBytes, byte_level_alphabet
+from shardlm_server.gateway.tokenizer import Tokenizer
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-tiny"
 TEXT = "héllo wörld ✓"

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from gateway.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from shardlm_server.gateway.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from tests.checkpoints import write_tokenizer
 
 LLAMA3_TEMPLATE = (

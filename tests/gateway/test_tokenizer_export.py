@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.default_model import DefaultModelMissing, default_model_path
-from gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.tokenizer import Tokenizer
 
 TEXTS = ["What is the capital of France?", "  spaces, café 🙂 and 你好\n", "<|im_start|>x"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]

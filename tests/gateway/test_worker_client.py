@@ -9,7 +9,7 @@ import asyncio
 import grpc
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from gateway.worker_client import WorkerPool, rendezvous_host
+from shardlm_server.gateway.worker_client import WorkerPool, rendezvous_host
 
 REPORTED = "node-a.internal:29500"
 

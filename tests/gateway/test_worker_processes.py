@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import worker_processes
-from gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway import worker_processes
+from shardlm_server.gateway.worker_processes import WorkerGroup
 
 
 def spawned_env(monkeypatch) -> dict[str, str]:

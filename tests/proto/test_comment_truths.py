@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import InvalidRequestError
-from worker.kv_cache import (
+from shardlm_server.worker.errors import InvalidRequestError
+from shardlm_server.worker.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CPU_BUDGET_BYTES,
     DEFAULT_GPU_MEMORY_FRACTION,
     CacheConfig,
     CacheMode,
 )
-from worker.worker_servicer import DEFAULT_COMM_TIMEOUT_S
+from shardlm_server.worker.worker_servicer import DEFAULT_COMM_TIMEOUT_S
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "shardlm"
 COMMON = (PROTO / "common" / "v1" / "common.proto").read_text(encoding="utf-8")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import grpc
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from gateway.config import Limits
-from gateway.worker_client import CHANNEL_OPTIONS, WorkerPool
-from gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.config import Limits
+from shardlm_server.gateway.worker_client import CHANNEL_OPTIONS, WorkerPool
+from shardlm_server.gateway.worker_processes import WorkerGroup
 
 
 @dataclass

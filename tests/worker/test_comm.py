@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.comm import (
+from shardlm_server.worker.comm import (
     Communicator,
     CommunicatorError,
     GlooCommunicator,
@@ -35,7 +35,7 @@ from worker.comm import (
     create_communicator,
     new_nccl_unique_id,
 )
-from worker.comm.nccl import NcclCommunicator, _blocks_to_last_dim, unique_id_to_tuple
+from shardlm_server.worker.comm.nccl import NcclCommunicator, _blocks_to_last_dim, unique_id_to_tuple
 
 CPU = torch.device("cpu")
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None

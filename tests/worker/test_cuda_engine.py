@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.checkpoints import LLAMA, build_checkpoint
-from worker import ops
-from worker.decode_runner import GraphConfig
-from worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
-from worker.kv_cache import CacheConfig
+from shardlm_server.worker import ops
+from shardlm_server.worker.decode_runner import GraphConfig
+from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
+from shardlm_server.worker.kv_cache import CacheConfig
 
 pytestmark = [
     pytest.mark.cuda,

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import decode_runner
-from worker.decode_runner import (
+from shardlm_server.worker import decode_runner
+from shardlm_server.worker.decode_runner import (
     GraphConfig,
     StepBuffers,
     batch_buckets,
     context_buckets,
     pick_bucket,
 )
-from worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
-from worker.kv_cache import CacheConfig
-from worker.sampling import SamplingParams
+from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
+from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.sampling import SamplingParams
 
 BLOCK = 8
 PER_SEQ = 12  # blocks per sequence: 96 tokens

@@ -5,10 +5,10 @@ from __future__ import annotations
 from shardlm.constants import DEFAULT_CUDA_GRAPH_MAX_BATCH, DEFAULT_CUDA_GRAPH_MAX_CONTEXT
 from shardlm.worker.v1 import worker_pb2
 
-from worker import convert, ops
-from worker.decode_runner import GraphConfig
-from worker.engine import Engine, EngineOptions
-from worker.kv_cache import CacheConfig
+from shardlm_server.worker import convert, ops
+from shardlm_server.worker.decode_runner import GraphConfig
+from shardlm_server.worker.engine import Engine, EngineOptions
+from shardlm_server.worker.kv_cache import CacheConfig
 
 
 def test_empty_options_are_the_defaults():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.checkpoints import load_reference
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
-from worker.kv_cache import CacheConfig
-from worker.sampling import SamplingParams
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.sampling import SamplingParams
 
 BLOCK = 16
 BLOCKS_PER_SEQ = 16  # 256 tokens per test sequence

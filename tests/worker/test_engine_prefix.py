@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine import DecodeItem, Engine, PrefillItem
-from worker.errors import InvalidRequestError, SequenceNotCachedError
-from worker.kv_cache import CacheConfig
-from worker.sampling import SamplingParams
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem
+from shardlm_server.worker.errors import InvalidRequestError, SequenceNotCachedError
+from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.sampling import SamplingParams
 
 BLOCK = 4
 

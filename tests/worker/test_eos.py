@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
-from worker.eos import checkpoint_eos_ids
-from worker.kv_cache import CacheConfig
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.eos import checkpoint_eos_ids
+from shardlm_server.worker.kv_cache import CacheConfig
 
 
 def write(folder, name: str, data) -> None:

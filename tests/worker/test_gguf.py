@@ -18,12 +18,12 @@ from tests.gguf_files import (
     every_type_once,
     write_gguf,
 )
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
-from worker.errors import CheckpointError, UnsupportedArchitectureError
-from worker.gguf.file import SUPPORTED_TYPES
-from worker.gguf.reader import GGUFCheckpointReader
-from worker.kv_cache import CacheConfig
-from worker.loader import checkpoint_format, load_checkpoint_config
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
+from shardlm_server.worker.gguf.file import SUPPORTED_TYPES
+from shardlm_server.worker.gguf.reader import GGUFCheckpointReader
+from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.loader import checkpoint_format, load_checkpoint_config
 
 ALL_TYPES = [t for t in SUPPORTED_TYPES if t != T.F32] + [T.F32]
 BLOCKS = list(range(16))
@@ -198,7 +198,7 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 def test_a_safetensors_checkpoint_reports_its_format_and_dtypes(llama_dir):
     from shardlm.common.v1 import common_pb2
 
-    from worker.convert import model_info_to_proto
+    from shardlm_server.worker.convert import model_info_to_proto
 
     engine = Engine.load(llama_dir, dtype="float32",
                          cache_config=CacheConfig(block_size=16, num_blocks=8))

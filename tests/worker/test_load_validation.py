@@ -7,7 +7,7 @@ import pytest
 from shardlm.errors import InvalidArgumentError
 from shardlm.worker.v1 import worker_pb2
 
-from worker.worker_servicer import _validate_comm, _validate_load
+from shardlm_server.worker.worker_servicer import _validate_comm, _validate_load
 
 
 def _request(world_size: int, backend: int, **comm) -> worker_pb2.LoadRequest:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.gguf_files import GGUFSpec, T, write_gguf
-from worker.engine import DecodeItem, Engine, PrefillItem, StopParams
-from worker.errors import InvalidRequestError
-from worker.kv_cache import CacheConfig
-from worker.quant import BLOCK, QuantizedWeight, quantize
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.errors import InvalidRequestError
+from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.quant import BLOCK, QuantizedWeight, quantize
 
 BLOCKS = list(range(16))
 CACHE = CacheConfig(block_size=16, num_blocks=64)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from shardlm.errors import InvalidArgumentError
 
-from worker.comm import CommunicatorError, GlooCommunicator, open_store
-from worker.comm.gloo import format_address, parse_address
-from worker.worker_servicer import WorkerServicer
+from shardlm_server.worker.comm import CommunicatorError, GlooCommunicator, open_store
+from shardlm_server.worker.comm.gloo import format_address, parse_address
+from shardlm_server.worker.worker_servicer import WorkerServicer
 
 
 def test_rank0_opens_the_store_on_a_free_port_and_the_others_meet_it_there():

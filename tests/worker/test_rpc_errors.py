@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import torch
 
-from worker.comm import CommunicatorError
-from worker.errors import CheckpointError, InvalidRequestError, SequenceNotCachedError
-from worker.rpc_errors import to_shardlm_error
+from shardlm_server.worker.comm import CommunicatorError
+from shardlm_server.worker.errors import CheckpointError, InvalidRequestError, SequenceNotCachedError
+from shardlm_server.worker.rpc_errors import to_shardlm_error
 
 
 def test_engine_errors_keep_reason_and_field():

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.config import ModelConfig, parse_config
-from worker.errors import CheckpointError, UnsupportedArchitectureError
-from worker.gguf.file import GGUFFile, T
+from shardlm_server.worker.config import ModelConfig, parse_config
+from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
+from shardlm_server.worker.gguf.file import GGUFFile, T
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from worker.errors import CheckpointError
+from shardlm_server.worker.errors import CheckpointError
 
 T = gguf.GGMLQuantizationType
 # The tensor types ShardLM dequantizes at load, in the order the docs list them.

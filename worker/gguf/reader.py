@@ -16,12 +16,12 @@ import gguf
 import numpy as np
 import torch
 
-from worker.config import ModelConfig
-from worker.errors import CheckpointError
-from worker.gguf.config import gguf_config
-from worker.gguf.file import GGUFTensor, open_gguf
-from worker.gguf.names import hf_rows, is_rotary_permuted, shardlm_name
-from worker.loader import PackedTensor
+from shardlm_server.worker.config import ModelConfig
+from shardlm_server.worker.errors import CheckpointError
+from shardlm_server.worker.gguf.config import gguf_config
+from shardlm_server.worker.gguf.file import GGUFTensor, open_gguf
+from shardlm_server.worker.gguf.names import hf_rows, is_rotary_permuted, shardlm_name
+from shardlm_server.worker.loader import PackedTensor
 
 
 class GGUFCheckpointReader:

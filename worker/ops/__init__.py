@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from worker.quant import QuantizedWeight
+from shardlm_server.worker.quant import QuantizedWeight
 
 from . import reference
 

@@ -182,7 +182,7 @@ def quant_linear(
 ) -> torch.Tensor:
     """x @ W.T + bias with W the float32 dequantized blocks, in float32, rounded once to x's
     dtype."""
-    from worker.quant import dequantize_blocks
+    from shardlm_server.worker.quant import dequantize_blocks
 
     w = dequantize_blocks(blocks, qtype)
     result = torch.nn.functional.linear(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import ops
+from shardlm_server.worker import ops
 
 from .test_ops import TOL, make_paged_cache
 

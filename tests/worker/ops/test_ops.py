@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from worker import ops
-from worker.ops import reference as ref
+from shardlm_server.worker import ops
+from shardlm_server.worker.ops import reference as ref
 
 if ops.USE_REFERENCE:
     pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from worker import ops
-from worker.errors import InvalidRequestError
-from worker.ops import reference
-from worker.quant import (
+from shardlm_server.worker import ops
+from shardlm_server.worker.errors import InvalidRequestError
+from shardlm_server.worker.ops import reference
+from shardlm_server.worker.quant import (
     BLOCK,
     QuantizedWeight,
     cat_rows,
@@ -142,8 +142,8 @@ def test_opcheck():
 
 _SCRIPT = """
 import sys, torch
-from worker import ops
-from worker.quant import QuantizedWeight
+from shardlm_server.worker import ops
+from shardlm_server.worker.quant import QuantizedWeight
 ops.set_cpu_simd(sys.argv[3])
 inp = torch.load(sys.argv[1])
 out = {name: ops.quant_linear(a["x"], QuantizedWeight(a["qtype"], a["blocks"], a["shape"]), a["b"])
