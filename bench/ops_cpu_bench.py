@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardlm_server.worker import ops  # noqa: F401  (loads worker._C, registers torch.ops.shardlm)
+from shardlm_server.worker import ops  # noqa: F401  (loads shardlm_server.worker._C, registers torch.ops.shardlm)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 768, 12, 4, 64, 2048, 16
 EPS = 1e-5

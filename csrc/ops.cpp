@@ -2,7 +2,7 @@
 //
 // The ops are plain dispatcher ops (torch.ops.shardlm.*), so the Python
 // module itself exports nothing but build metadata. We use the bare CPython
-// API instead of pybind11: importing `worker._C` only has to dlopen the .so
+// API instead of pybind11: importing `shardlm_server.worker._C` only has to dlopen the .so
 // (which runs the static registrars below), and skipping pybind11's headers
 // keeps the build noticeably faster.
 #include <Python.h>

@@ -6,7 +6,8 @@
 
 Every `serve` setting (gateway/config.py) can also come from a TOML or JSON file given with
 --config (keys are the flag names with underscores) or an environment variable SHARDLM_<NAME>;
-flags win over the file, the file over the environment. `python -m gateway.cli` runs the whole
+flags win over the file, the file over the environment. `python -m shardlm_server.gateway.cli`
+runs the whole
 `shardlm` command.
 """
 

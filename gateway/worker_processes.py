@@ -1,6 +1,6 @@
 """Start and stop the gateway's local worker processes, or name workers started elsewhere.
 
-Local workers are child processes (`python -m worker`), one per GPU on CUDA (each seeing only its
+Local workers are child processes (`python -m shardlm_server.worker`), one per GPU on CUDA (each seeing only its
 own device) or N ranks on CPU. Each is told the gateway's pid (`--parent-pid`) and exits when the
 gateway is gone, so a gateway killed without warning leaves no worker behind. Workers on other
 hosts are given by address and are never started or stopped here. Talking to the workers (health,

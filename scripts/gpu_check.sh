@@ -68,7 +68,7 @@ command -v "$PYTHON" >/dev/null || { echo "error: no Python at '$PYTHON' (set PY
 OUT_DIR=${OUT_DIR:-$ROOT/gpu-check-out}
 mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd)
 SCRATCH=${GPU_CHECK_SCRATCH:-${TMPDIR:-/tmp}/shardlm-gpu-check}
-TREE=$SCRATCH/tree SITE=$SCRATCH/site STEPS=$SCRATCH/steps.tsv BENCH_DIR=$SCRATCH/bench
+TREE=$SCRATCH/tree SITE=$SCRATCH/site STEPS=$SCRATCH/steps.tsv BENCH_DIR=$SCRATCH/bench VIEW=$SCRATCH/view
 JOBS=${MAX_JOBS:-$(nproc)}
 SUMMARY=("$PYTHON" "$ROOT/scripts/gpu_summary.py")
 PROBE=("$PYTHON" "$ROOT/scripts/gpu_probe.py")
@@ -140,8 +140,9 @@ setup_environment() {
         --target "$SITE" $wheels || { echo "error: installing the wheels failed" >&2; exit 3; }
     fi
   fi
-  # The scratch tree first, so its gateway/, worker/ (with the new build) and stubs are imported.
-  export PYTHONPATH=$TREE/clients/python/src:$TREE:$SITE${PYTHONPATH:+:$PYTHONPATH}
+  # The scratch tree first, so its gateway/, worker/ (with the new build) and stubs are imported:
+  # $VIEW/shardlm_server/{gateway,worker} link to the tree's folders under their installed names.
+  export PYTHONPATH=$VIEW:$TREE/clients/python/src:$TREE:$SITE${PYTHONPATH:+:$PYTHONPATH}
   export PYTHONUNBUFFERED=1
   unset SHARDLM_NO_CUDA SHARDLM_OPS
   local probe_args=(check --out "$OUT_DIR/env.txt")
@@ -156,6 +157,9 @@ copy_tree() {
   tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./.whl --exclude=./.gpu-build \
     --exclude=./.cache --exclude=./build --exclude='*.so' --exclude=./gpu-check-out \
     --exclude=./bench/results -cf - . | tar -C "$TREE" -xf -
+  rm -rf "$VIEW" && mkdir -p "$VIEW/shardlm_server"
+  ln -s "$TREE/gateway" "$VIEW/shardlm_server/gateway"
+  ln -s "$TREE/worker" "$VIEW/shardlm_server/worker"
 }
 
 # The build's identity: sources, build script, torch, Python and GPU architecture.
@@ -198,8 +202,8 @@ build() {
 }
 
 verify_build() {
-  (cd "$TREE" && "$PYTHON" -c 'import torch, worker.ops as o
-assert o.CUDA_BUILT, "worker._C was built without its CUDA kernels"
+  (cd "$TREE" && "$PYTHON" -c 'import torch, shardlm_server.worker.ops as o
+assert o.CUDA_BUILT, "shardlm_server.worker._C was built without its CUDA kernels"
 print("ops load with CUDA kernels; torch", torch.__version__, "on", torch.cuda.get_device_name(0))')
 }
 

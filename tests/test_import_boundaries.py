@@ -12,13 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SDK = ROOT / "clients" / "python" / "src" / "shardlm"
-FORBIDDEN = {"gateway": {"worker"}, "worker": {"gateway"}, "shardlm": {"gateway", "worker"}}
-PACKAGES = {"gateway": ROOT / "gateway", "worker": ROOT / "worker", "shardlm": SDK}
+GATEWAY, WORKER = "shardlm_server.gateway", "shardlm_server.worker"
+FORBIDDEN = {GATEWAY: {WORKER}, WORKER: {GATEWAY}, "shardlm": {GATEWAY, WORKER}}
+PACKAGES = {GATEWAY: ROOT / "gateway", WORKER: ROOT / "worker", "shardlm": SDK}
 
 
 def imported_modules(path: Path, package_dir: Path, package: str) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import statement in the file."""
-    here = [package, *path.parent.relative_to(package_dir).parts]
+    here = [*package.split("."), *path.parent.relative_to(package_dir).parts]
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
@@ -38,7 +39,8 @@ def crossings(package: str) -> list[str]:
     bad = []
     for path in sorted(package_dir.rglob("*.py")):
         for line, module in imported_modules(path, package_dir, package):
-            if module.split(".")[0] in FORBIDDEN[package]:
+            if any(module == other or module.startswith(other + ".")
+                   for other in FORBIDDEN[package]):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     return bad
 
@@ -51,7 +53,7 @@ def test_no_imports_across_the_boundary(package):
 def test_the_walk_sees_imports_inside_functions(tmp_path):
     module = tmp_path / "gateway" / "sub" / "m.py"
     module.parent.mkdir(parents=True)
-    module.write_text("def f():\n    from worker.engine import Engine\n    from .. import x\n"
-                      "import worker\n")
-    found = imported_modules(module, tmp_path / "gateway", "gateway")
-    assert found == [(2, "shardlm_server.worker.engine"), (3, "gateway"), (4, "worker")]
+    module.write_text("def f():\n    from shardlm_server.worker.engine import Engine\n"
+                      "    from .. import x\nimport shardlm_server.worker\n")
+    found = imported_modules(module, tmp_path / "gateway", GATEWAY)
+    assert found == [(2, WORKER + ".engine"), (3, GATEWAY), (4, WORKER)]

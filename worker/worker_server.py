@@ -1,4 +1,4 @@
-"""`shardlm worker` / `python -m worker`: serve the worker API on a TCP port or a unix socket.
+"""`shardlm worker` / `python -m shardlm_server.worker`: serve the worker API on a TCP port or a unix socket.
 
 Prints one line `READY <address>` on stdout once it accepts calls, so the gateway that started it
 can wait for it. SIGTERM / SIGINT stop it gracefully (in-flight calls get a short grace period),

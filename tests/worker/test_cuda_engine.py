@@ -4,7 +4,7 @@ float32 on the GPU gives the CPU's greedy tokens exactly; bfloat16 gives its log
 bfloat16 rounding. Prefill and decode cross block boundaries (prompts one short of, at and one
 past a block), chunked prefills agree with whole ones, and a 16k-token context runs through the
 captured graphs' largest context bucket with the CPU's tokens. Needs a GPU and a CUDA build of
-worker._C; selected by `pytest -m cuda` (scripts/gpu_check.sh).
+shardlm_server.worker._C; selected by `pytest -m cuda` (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shardlm_server.worker.kv_cache import CacheConfig
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not (torch.cuda.is_available() and ops.CUDA_BUILT),
-                       reason="needs a GPU and a CUDA build of worker._C"),
+                       reason="needs a GPU and a CUDA build of shardlm_server.worker._C"),
 ]
 
 BLOCK = 16

@@ -1,12 +1,12 @@
 """ShardLM's compiled ops (``torch.ops.shardlm.*``) with typed Python wrappers.
 
-Importing this package loads ``worker._C`` (which registers the CPU and, when
+Importing this package loads ``shardlm_server.worker._C`` (which registers the CPU and, when
 built with CUDA, the CUDA kernels) and registers fake implementations so the
 ops work under FakeTensor / ``torch.compile`` / ``torch.library.opcheck``.
 
 Set ``SHARDLM_OPS=reference`` to route every function to the plain-PyTorch
 implementations in :mod:`worker.ops.reference` (slow; for debugging). In that
-mode a missing ``worker._C`` is tolerated.
+mode a missing ``shardlm_server.worker._C`` is tolerated.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ try:
 except ImportError as exc:
     if not USE_REFERENCE:
         raise ImportError(
-            f"ShardLM's compiled ops (worker._C) could not be loaded: {exc}. Build them from "
+            f"ShardLM's compiled ops (shardlm_server.worker._C) could not be loaded: {exc}. Build them from "
             f"the repository root with `{INSTALL_COMMAND}` (using the same Python environment "
             "and torch), or set SHARDLM_OPS=reference to use the slow PyTorch reference ops."
         ) from exc
     _C = None
 
-#: True when worker._C was built with CUDA kernels (False for CPU-only builds).
+#: True when shardlm_server.worker._C was built with CUDA kernels (False for CPU-only builds).
 CUDA_BUILT = bool(_C is not None and _C.cuda_built)
 
 _OP_NAMES = (

@@ -2,7 +2,7 @@
 registration and dispatch checked for every op that has a CUDA implementation.
 
 The CPU side runs in test_ops.py on the same cases; this file needs a GPU and a CUDA build of
-worker._C, and is selected by `pytest -m cuda` (scripts/gpu_check.sh).
+shardlm_server.worker._C, and is selected by `pytest -m cuda` (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.worker.ops.test_ops import CUDA_OK, _opcheck_cases
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not CUDA_OK, reason="needs a GPU and a CUDA build of worker._C"),
+    pytest.mark.skipif(not CUDA_OK, reason="needs a GPU and a CUDA build of shardlm_server.worker._C"),
 ]
 
 # skinny_linear is a CPU kernel: on a GPU the layers call cuBLAS through F.linear.

@@ -23,7 +23,7 @@ DEVICES = [
         "cuda",
         marks=[
             pytest.mark.cuda,
-            pytest.mark.skipif(not CUDA_OK, reason="needs a GPU and a CUDA build of worker._C"),
+            pytest.mark.skipif(not CUDA_OK, reason="needs a GPU and a CUDA build of shardlm_server.worker._C"),
         ],
     ),
 ]
