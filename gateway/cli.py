@@ -7,8 +7,7 @@
 Every `serve` setting (gateway/config.py) can also come from a TOML or JSON file given with
 --config (keys are the flag names with underscores) or an environment variable SHARDLM_<NAME>;
 flags win over the file, the file over the environment. `python -m shardlm_server.gateway.cli`
-runs the whole
-`shardlm` command.
+runs the whole `shardlm` command.
 """
 
 from __future__ import annotations
