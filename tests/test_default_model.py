@@ -16,10 +16,10 @@ from shardlm.gateway.v1 import gateway_pb2
 from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
 from shardlm_server.gateway.runtime import Limits
 from shardlm_server.gateway.tokenizer import Tokenizer
-from tests.gateway.conftest import LiveGateway
-from tests.gguf_files import GGUFSpec, T, copy_with_iq4_nl, write_gguf
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
+from tests.gateway.conftest import LiveGateway
+from tests.gguf_files import GGUFSpec, T, copy_with_iq4_nl, write_gguf
 
 CHATS = [
     "What is the capital of France?",

@@ -16,7 +16,11 @@ from enum import StrEnum
 import torch
 from shardlm.constants import DEFAULT_BLOCK_SIZE
 
-from shardlm_server.worker.errors import CacheCapacityError, DeviceOutOfMemoryError, InvalidRequestError
+from shardlm_server.worker.errors import (
+    CacheCapacityError,
+    DeviceOutOfMemoryError,
+    InvalidRequestError,
+)
 
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9

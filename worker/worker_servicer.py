@@ -22,7 +22,12 @@ from shardlm.errors import FieldViolation, InvalidArgumentError, ShardLMError
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from shardlm_server.worker import convert
-from shardlm_server.worker.comm import Communicator, create_communicator, new_nccl_unique_id, open_store
+from shardlm_server.worker.comm import (
+    Communicator,
+    create_communicator,
+    new_nccl_unique_id,
+    open_store,
+)
 from shardlm_server.worker.comm.gloo import format_address, parse_address
 from shardlm_server.worker.engine import Engine
 

@@ -14,7 +14,15 @@ from shardlm.common.v1 import common_pb2
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from shardlm_server.gateway import cli
-from shardlm_server.gateway.config import SETTINGS, ConfigError, Limits, ServeConfig, default, env_var, flag
+from shardlm_server.gateway.config import (
+    SETTINGS,
+    ConfigError,
+    Limits,
+    ServeConfig,
+    default,
+    env_var,
+    flag,
+)
 from shardlm_server.gateway.config_sources import add_serve_arguments, resolve
 from shardlm_server.gateway.worker_client import WorkerPool
 from shardlm_server.worker import ops

@@ -35,7 +35,11 @@ from shardlm_server.worker.comm import (
     create_communicator,
     new_nccl_unique_id,
 )
-from shardlm_server.worker.comm.nccl import NcclCommunicator, _blocks_to_last_dim, unique_id_to_tuple
+from shardlm_server.worker.comm.nccl import (
+    NcclCommunicator,
+    _blocks_to_last_dim,
+    unique_id_to_tuple,
+)
 
 CPU = torch.device("cpu")
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None

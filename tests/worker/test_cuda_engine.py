@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoints import LLAMA, build_checkpoint
 from shardlm_server.worker import ops
 from shardlm_server.worker.decode_runner import GraphConfig
 from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
+from tests.checkpoints import LLAMA, build_checkpoint
 
 pytestmark = [
     pytest.mark.cuda,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoints import load_reference
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
 from shardlm_server.worker.sampling import SamplingParams
+from tests.checkpoints import load_reference
 
 BLOCK = 16
 BLOCKS_PER_SEQ = 16  # 256 tokens per test sequence

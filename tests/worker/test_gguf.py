@@ -10,6 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
+from shardlm_server.worker.gguf.file import SUPPORTED_TYPES
+from shardlm_server.worker.gguf.reader import GGUFCheckpointReader
+from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.loader import checkpoint_format, load_checkpoint_config
 from tests.gguf_files import (
     QUANTIZABLE,
     GGUFSpec,
@@ -18,12 +24,6 @@ from tests.gguf_files import (
     every_type_once,
     write_gguf,
 )
-from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
-from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
-from shardlm_server.worker.gguf.file import SUPPORTED_TYPES
-from shardlm_server.worker.gguf.reader import GGUFCheckpointReader
-from shardlm_server.worker.kv_cache import CacheConfig
-from shardlm_server.worker.loader import checkpoint_format, load_checkpoint_config
 
 ALL_TYPES = [t for t in SUPPORTED_TYPES if t != T.F32] + [T.F32]
 BLOCKS = list(range(16))

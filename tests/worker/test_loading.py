@@ -9,11 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoints import QWEN2
 from shardlm_server.worker.config import parse_config
 from shardlm_server.worker.engine import Engine
-from shardlm_server.worker.errors import CheckpointError, TensorParallelError, UnsupportedArchitectureError
+from shardlm_server.worker.errors import (
+    CheckpointError,
+    TensorParallelError,
+    UnsupportedArchitectureError,
+)
 from shardlm_server.worker.kv_cache import CacheConfig, CacheMode
+from tests.checkpoints import QWEN2
 
 
 @pytest.fixture

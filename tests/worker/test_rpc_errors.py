@@ -6,7 +6,11 @@ import grpc
 import torch
 
 from shardlm_server.worker.comm import CommunicatorError
-from shardlm_server.worker.errors import CheckpointError, InvalidRequestError, SequenceNotCachedError
+from shardlm_server.worker.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    SequenceNotCachedError,
+)
 from shardlm_server.worker.rpc_errors import to_shardlm_error
 
 
