@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gguf_files import GGUFSpec, T, write_gguf
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.errors import InvalidRequestError
 from shardlm_server.worker.kv_cache import CacheConfig
 from shardlm_server.worker.quant import BLOCK, QuantizedWeight, quantize
+from tests.gguf_files import GGUFSpec, T, write_gguf
 
 BLOCKS = list(range(16))
 CACHE = CacheConfig(block_size=16, num_blocks=64)
