@@ -4,6 +4,7 @@
     python -m bench.run --device cuda           # Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, bf16
     python -m bench.run --device cpu --smoke    # tiny shape, few tokens, every section in seconds
     python -m bench.run --device cuda --shapes llama-3-8b --sections engine,baselines
+    python -m bench.run --model FILE.gguf       # a real checkpoint against llama.cpp (CPU)
 
 Per shape, on a random-weight checkpoint built on the device in a temp folder (nothing is
 downloaded):
@@ -13,6 +14,9 @@ downloaded):
   3. stack      `shardlm serve` in a subprocess with N concurrent streaming gRPC clients.
   4. targets    PASS/MISS lines against the project's targets (printed, never asserted).
 One JSON (device, versions, date, config, every figure) is written to --out.
+
+With --model (a GGUF file or a checkpoint folder) the shapes are replaced by that checkpoint and
+ShardLM is measured against llama.cpp on it instead: see bench/model_bench.py.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 
 from bench import engine_bench as eb
-from bench import roofline, stack_bench
+from bench import model_bench, roofline, stack_bench
 from bench.report import get, print_report
 from bench.shapes import CPU_DEFAULT, GPU_DEFAULT, SHAPES, build_checkpoint, parameter_count
 from shardlm_server.worker.decode_runner import GraphConfig
@@ -44,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--shapes", nargs="+", help=f"any of {', '.join(SHAPES)} (comma or space)")
+    p.add_argument("--model", help="a GGUF file or checkpoint folder: ShardLM against llama.cpp "
+                   "on it (CPU), instead of the random shapes")
+    p.add_argument("--agreement-tokens", type=int,
+                   help="--model: teacher-forced text length for top-1 agreement (default 512)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few tokens, seconds")
     p.add_argument("--long", action="store_true", help="CPU: also a 2048-token prefill")
     p.add_argument("--batches", help="decode batch sizes (default CPU 1,8,32; GPU 1,8,32,64,128)")
@@ -76,6 +84,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.stream_list = _ints(args.streams or ("1,8,32,64" if gpu else "1,8,32"))
     args.new_tokens = args.new_tokens or (128 if gpu else 64)
     args.repeats = args.repeats or 2
+    if args.model:
+        if gpu:
+            p.error("--model compares against llama.cpp on CPU; leave out --device cuda")
+        if not Path(args.model).exists():
+            p.error(f"--model {args.model}: no such file or folder")
+        default_agreement = 64 if args.smoke else 512
+        args.agreement_tokens = (default_agreement if args.agreement_tokens is None
+                                 else args.agreement_tokens)
+        args.dtype = args.dtype or "bfloat16"
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     args.section_list = [s for s in args.sections.split(",") if s]
     return args
@@ -322,9 +339,14 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     started = dt.datetime.now(dt.UTC)
     load_start = list(os.getloadavg())  # the machine may be shared: keep its load beside the figures
-    results = [run_shape(name, args, dtype, device) for name in args.shapes]
-    goals = targets(results, device)
-    print_report(results, goals)
+    if args.model:
+        results = [model_bench.measure(args)]
+        goals = model_bench.targets(results[0])
+        model_bench.print_model_report(results[0], goals)
+    else:
+        results = [run_shape(name, args, dtype, device) for name in args.shapes]
+        goals = targets(results, device)
+        print_report(results, goals)
     report = {
         "benchmark": "bench.run", "date": started.isoformat(timespec="seconds"),
         "duration_s": (dt.datetime.now(dt.UTC) - started).total_seconds(),
@@ -332,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "load_average": {"start": load_start, "end": list(os.getloadavg())},
         "versions": eb.versions(),
-        "config": {"shapes": args.shapes, "dtype": args.dtype, "smoke": args.smoke,
+        "config": {"model": args.model, "shapes": None if args.model else args.shapes, "dtype": args.dtype, "smoke": args.smoke,
                    "batches": args.batch_list, "streams": args.stream_list,
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "prefill_lens": args.prefill_lens, "repeats": args.repeats,
@@ -342,7 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = started.strftime("%Y%m%d-%H%M%S")
-    path = out / f"run-{args.device}-{'-'.join(args.shapes)}-{stamp}.json"
+    what = Path(args.model).stem if args.model else "-".join(args.shapes)
+    path = out / f"run-{args.device}-{what}-{stamp}.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {path}")
     return report

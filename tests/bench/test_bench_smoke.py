@@ -58,3 +58,42 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(t["pass"] is not None for t in report["targets"])
     for marker in ("== 1. engine", "== 2. baselines", "== 3. full stack", "== 4. targets"):
         assert marker in proc.stdout
+
+
+def test_smoke_run_on_a_model_file(tmp_path):
+    """`--model FILE.gguf`: ShardLM's figures, the breakdown, the roofline, the agreement and the
+    targets land in the JSON; llama.cpp's columns are there or say why they are not."""
+    from tests.gguf_files import GGUFSpec, write_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_gguf(model, GGUFSpec("llama"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--model", str(model), "--smoke",
+         "--agreement-tokens", "32", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=170,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (file,) = tmp_path.glob("run-cpu-tiny-*.json")
+    report = json.loads(file.read_text())
+    assert report["config"]["model"] == str(model)
+    (result,) = report["results"]
+    assert result["format"] == "gguf"
+    ours = result["shardlm"]
+    assert ours["decode_tokens_per_s"] > 0 and ours["prefill_tokens_per_s"] > 0
+    assert set(ours["breakdown"]) >= {"weights_ms", "attention_ms", "other_ms"}
+    assert result["roofline"]["weight_bytes"] > 0 and result["roofline"]["achieved_gb_s"] > 0
+    assert result["agreement"]["tokens"] == 32
+    assert 0.0 <= result["agreement"]["shardlm"] <= 1.0
+    llama = result["llama_cpp"]
+    assert llama.startswith("not run") if isinstance(llama, str) else llama["decode_tokens_per_s"] > 0
+    assert any("agreement" in t["target"] for t in report["targets"])
+    assert "top-1 agreement" in proc.stdout and "== targets" in proc.stdout
+
+
+def test_model_must_exist(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--model", str(tmp_path / "missing.gguf")],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "no such file" in proc.stderr

@@ -1,0 +1,191 @@
+"""`python -m bench.run --model FILE.gguf|DIR`: ShardLM against llama.cpp on a real checkpoint.
+
+On the same file and the same thread count, in alternation (a shared machine drifts, so each
+round runs both engines back to back and the medians are reported):
+  * batch-1 greedy decode after a short prompt, and one 512-token prefill;
+  * ShardLM's decode step split into weight-streaming kernels, attention and everything else
+    (torch.profiler self times over a few steps, scaled to the unprofiled step time);
+  * the GB/s ShardLM streams against the measured read bandwidth (bench.roofline);
+  * teacher-forced top-1 agreement of both engines with the float32 reference (bench.agreement).
+llama.cpp runs through `llama-cpp-python` (bench/llamacpp.py); without it, or for a folder of
+safetensors, only ShardLM's columns are measured and a line says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from bench import agreement, llamacpp, roofline
+from bench import engine_bench as eb
+from shardlm_server.worker.engine import Engine
+
+WEIGHT_OPS = ("shardlm::skinny_linear", "aten::addmm", "aten::mm", "aten::linear")
+ATTENTION_OPS = ("shardlm::paged_attention_decode", "shardlm::paged_attention_prefill",
+                 "shardlm::reshape_and_cache")
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes one batch-1 decode step must read: every linear layer's weights and the lm_head."""
+    model = engine.model
+    total = model.lm_head.weight.nbytes
+    for layer in model.layers:
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            total += linear.weight.nbytes
+    return total
+
+
+def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: float) -> dict:
+    """Per-step milliseconds in weight kernels, attention and the rest (profiler shares)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eb.engine_decode_runs(engine, prompt, steps + 1, torch.device("cpu"), 1)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    weights = sum(e.self_cpu_time_total for e in events if e.key in WEIGHT_OPS)
+    attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS)
+    if total <= 0:
+        return {}
+    w_ms, a_ms = step_ms * weights / total, step_ms * attention / total
+    return {"weights_ms": w_ms, "attention_ms": a_ms, "other_ms": step_ms - w_ms - a_ms,
+            "method": "torch.profiler self-time shares of a profiled run, applied to the "
+                      "unprofiled step time"}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def measure(args) -> dict:
+    """Every figure for the checkpoint at args.model; see the module docstring."""
+    from shardlm_server.gateway.gguf_tokenizer import find_gguf_file
+
+    path = Path(args.model)
+    gguf = find_gguf_file(path)
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    dtype = getattr(torch, args.dtype)
+    prefill_len = max(args.prefill_lens)
+    result: dict = {"model": str(path), "format": "gguf" if gguf else "safetensors",
+                    "dtype": args.dtype, "threads": threads}
+    engine = eb.load_engine(path, dtype, cpu, 1, args.prompt_len + args.new_tokens,
+                            max(prefill_len, args.agreement_tokens))
+    vocab = engine.cfg.vocab_size
+    llama = None
+    if gguf is None:
+        result["llama_cpp"] = "not run: llama.cpp needs a GGUF file"
+    elif not llamacpp.available():
+        result["llama_cpp"] = f"not run: llama-cpp-python is not installed ({llamacpp.INSTALL_HINT})"
+    else:
+        try:
+            llama = llamacpp.LlamaCpp(gguf, threads, n_ctx=max(prefill_len, args.prompt_len +
+                                                                 args.new_tokens) + 16)
+            result["llama_cpp"] = {"version": llamacpp.version()}
+        except (ValueError, RuntimeError) as exc:  # llama.cpp refuses the file
+            result["llama_cpp"] = f"not run: llama.cpp could not load the file ({exc})"
+    if isinstance(result["llama_cpp"], str):
+        print(f"llama.cpp: {result['llama_cpp']}", flush=True)
+
+    steps = args.new_tokens - 1
+    prompt = eb.random_prompts(1, args.prompt_len, vocab)
+    long_prompt = eb.random_prompts(1, prefill_len, vocab, seed=1)
+    ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
+    eb.engine_decode_seconds(engine, prompt, 4, cpu, 1)  # warm-up
+    for _ in range(args.repeats + 1):
+        ours_dec.append(eb.engine_decode_seconds(engine, prompt, args.new_tokens, cpu, 1) / steps)
+        ours_pre.append(eb.engine_prefill_seconds(engine, long_prompt, cpu, 1))
+        if llama is not None:
+            theirs_dec.append(llama.decode_seconds(prompt[0].tolist(), steps) / steps)
+            theirs_pre.append(llama.prefill_seconds(long_prompt[0].tolist()))
+    step_ms = 1000 * _median(ours_dec)
+    result["shardlm"] = {"decode_tokens_per_s": 1000 / step_ms, "decode_ms_per_step": step_ms,
+                         "prefill_tokens": prefill_len,
+                         "prefill_tokens_per_s": prefill_len / _median(ours_pre),
+                         "breakdown": step_breakdown(engine, prompt, min(steps, 16), step_ms)}
+    if llama is not None:
+        ms = 1000 * _median(theirs_dec)
+        result["llama_cpp"].update({"decode_tokens_per_s": 1000 / ms, "decode_ms_per_step": ms,
+                                    "prefill_tokens_per_s": prefill_len / _median(theirs_pre)})
+
+    nbytes = weight_bytes(engine)
+    bandwidth = roofline.read_bandwidth()
+    floor_ms = 1000 * nbytes / bandwidth
+    result["roofline"] = {"weight_bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9,
+                          "floor_ms_per_token": floor_ms,
+                          "achieved_gb_s": nbytes / (step_ms / 1000) / 1e9,
+                          "pct_of_floor": 100 * floor_ms / step_ms}
+
+    if args.agreement_tokens:
+        ids = agreement.text_ids(path, args.agreement_tokens)
+        ours = agreement.engine_top1(engine, ids)
+        del engine
+        reference_engine = eb.load_engine(path, torch.float32, cpu, 1, 1, len(ids))
+        reference = agreement.engine_top1(reference_engine, ids)
+        del reference_engine
+        result["agreement"] = {"tokens": len(ids), "shardlm": agreement.agreement(ours, reference)}
+        if llama is not None:
+            del llama
+            scorer = llamacpp.LlamaCpp(gguf, threads, n_ctx=len(ids) + 16, logits_all=True)
+            result["agreement"]["llama_cpp"] = agreement.agreement(scorer.top1(ids), reference)
+    return result
+
+
+def targets(result: dict) -> list[dict]:
+    """The issue's CPU targets that this run measures, as PASS/MISS lines (never asserted)."""
+    out = []
+    ours, theirs = result["shardlm"], result["llama_cpp"]
+
+    def add(name: str, value, goal: float) -> None:
+        out.append({"target": name, "value": value, "goal": goal,
+                    "pass": None if value is None else value >= goal})
+
+    if isinstance(theirs, dict):
+        add("batch-1 decode vs llama.cpp in-process >= 1.3x",
+            ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 1.3)
+        add("prefill vs llama.cpp >= 2x",
+            ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"], 2.0)
+    if result.get("agreement"):
+        add("top-1 agreement with float32 >= 99.5%", result["agreement"]["shardlm"], 0.995)
+    if result["format"] == "safetensors" and result["dtype"] == "bfloat16":
+        add("bfloat16 batch-1 decode >= 75% of the read-bandwidth floor",
+            result["roofline"]["pct_of_floor"] / 100, 0.75)
+    return out
+
+
+def print_model_report(result: dict, goals: list[dict]) -> None:
+    ours, theirs = result["shardlm"], result["llama_cpp"]
+    print(f"\n== {result['model']} ({result['format']}, ShardLM {result['dtype']}, "
+          f"{result['threads']} threads)")
+    print(f"{'':<28}{'ShardLM':>12}{'llama.cpp':>12}{'ratio':>8}")
+
+    def row(label: str, key: str) -> None:
+        mine = ours[key]
+        other = theirs.get(key) if isinstance(theirs, dict) else None
+        ratio = f"{mine / other:>7.2f}x" if other else ""
+        print(f"{label:<28}{mine:>12.1f}{other if other else float('nan'):>12.1f}{ratio}")
+
+    row("batch-1 decode tok/s", "decode_tokens_per_s")
+    row(f"{ours['prefill_tokens']}-token prefill tok/s", "prefill_tokens_per_s")
+    b = ours.get("breakdown") or {}
+    if b:
+        print(f"decode step {ours['decode_ms_per_step']:.2f} ms: weight kernels "
+              f"{b['weights_ms']:.2f}, attention {b['attention_ms']:.2f}, "
+              f"everything else {b['other_ms']:.2f}")
+    r = result["roofline"]
+    print(f"weights {r['weight_bytes'] / 1e6:.0f} MB; read bandwidth {r['bandwidth_gb_s']:.1f} GB/s "
+          f"-> floor {r['floor_ms_per_token']:.2f} ms/token; ShardLM streams "
+          f"{r['achieved_gb_s']:.1f} GB/s ({r['pct_of_floor']:.0f}% of the floor)")
+    a = result.get("agreement")
+    if a:
+        line = f"top-1 agreement with float32 over {a['tokens']} tokens: ShardLM {100 * a['shardlm']:.1f}%"
+        if "llama_cpp" in a:
+            line += f", llama.cpp {100 * a['llama_cpp']:.1f}%"
+        print(line)
+    print("\n== targets")
+    for t in goals:
+        verdict = "n/a " if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"{verdict} {t['target']}: {value} (goal {t['goal']})")
