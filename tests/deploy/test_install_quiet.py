@@ -48,9 +48,16 @@ def test_sdk_wheel_builds_quietly(tmp_path):
 
 
 def _pip_installs(script: Path) -> list[list[str]]:
-    """The argument lists of the script's `$PIP install` lines, in order."""
-    return [shlex.split(line)[1:] for line in script.read_text(encoding="utf-8").splitlines()
-            if line.startswith("$PIP install")]
+    """The argument lists of the script's `$PIP install` lines, in order, after any leading
+    `NAME=value` environment assignments."""
+    installs = []
+    for line in script.read_text(encoding="utf-8").splitlines():
+        words = shlex.split(line, comments=True)
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+            words = words[1:]
+        if words[:2] == ["$PIP", "install"]:
+            installs.append(words[1:])
+    return installs
 
 
 def test_numpy_is_installed_before_the_extension_build():
