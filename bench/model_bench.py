@@ -22,9 +22,11 @@ from bench import agreement, llamacpp, roofline
 from bench import engine_bench as eb
 from shardlm_server.worker.engine import Engine
 
-WEIGHT_OPS = ("shardlm::skinny_linear", "aten::addmm", "aten::mm", "aten::linear")
+# Profiler names: the ops, and the scopes the fused CPU blocks open around the same kernels.
+WEIGHT_OPS = ("shardlm::skinny_linear", "shardlm::quant_linear", "shardlm::linear", "aten::addmm",
+              "aten::mm", "aten::linear")
 ATTENTION_OPS = ("shardlm::paged_attention_decode", "shardlm::paged_attention_prefill",
-                 "shardlm::reshape_and_cache")
+                 "shardlm::reshape_and_cache", "shardlm::rotary_embedding", "shardlm::attention")
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -38,21 +40,27 @@ def weight_bytes(engine: Engine) -> int:
 
 
 def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: float) -> dict:
-    """Per-step milliseconds in weight kernels, attention and the rest (profiler shares)."""
+    """Per-step milliseconds in weight kernels, attention and the rest: torch.profiler self
+    times of a run with `steps` more decode steps than a second run, so the prompt's prefill
+    cancels out, as shares applied to the unprofiled step time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        eb.engine_decode_runs(engine, prompt, steps + 1, torch.device("cpu"), 1)
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    weights = sum(e.self_cpu_time_total for e in events if e.key in WEIGHT_OPS)
-    attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS)
+    def self_times(decode_steps: int) -> dict[str, float]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            eb.engine_decode_runs(engine, prompt, decode_steps, torch.device("cpu"), 1)
+        return {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+
+    short, long = self_times(2), self_times(steps + 2)
+    delta = {key: value - short.get(key, 0.0) for key, value in long.items()}
+    total = sum(delta.values())
     if total <= 0:
         return {}
+    weights = sum(v for k, v in delta.items() if k in WEIGHT_OPS)
+    attention = sum(v for k, v in delta.items() if k in ATTENTION_OPS)
     w_ms, a_ms = step_ms * weights / total, step_ms * attention / total
     return {"weights_ms": w_ms, "attention_ms": a_ms, "other_ms": step_ms - w_ms - a_ms,
-            "method": "torch.profiler self-time shares of a profiled run, applied to the "
-                      "unprofiled step time"}
+            "method": "torch.profiler self-time shares of the decode steps of a profiled run "
+                      "(its prefill subtracted), applied to the unprofiled step time"}
 
 
 def _median(values: list[float]) -> float:

@@ -8,6 +8,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "cpu/cpu_utils.h"
 #include "ops.h"
 
@@ -31,6 +33,20 @@ TORCH_LIBRARY(shardlm, m) {
   // CPU only: W stays in GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8); on a GPU
   // quantized weights are dequantized at load.
   m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor blocks, int qtype, Tensor? bias) -> ()");
+  // CPU only: a decoder layer's attention and MLP halves (cpu/decoder_block.cpp);
+  // a weight's qtype is -1 when it is dense.
+  m.def(
+      "attention_block(Tensor(a!) out, Tensor(b!) hidden, Tensor(c!) residual, "
+      "Tensor norm_weight, float eps, Tensor qkv_weight, int qkv_type, Tensor? qkv_bias, "
+      "Tensor o_weight, int o_type, Tensor? o_bias, Tensor positions, Tensor cos_sin_cache, "
+      "int num_heads, int num_kv_heads, int head_dim, Tensor(d!) key_cache, "
+      "Tensor(e!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, bool is_decode, int max_query_len, int max_seq_len, "
+      "float scale) -> ()");
+  m.def(
+      "mlp_block(Tensor(a!) out, Tensor(b!) hidden, Tensor(c!) residual, Tensor norm_weight, "
+      "float eps, Tensor gate_up_weight, int gate_up_type, Tensor? gate_up_bias, "
+      "Tensor down_weight, int down_type, Tensor? down_bias) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
@@ -51,6 +67,8 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("silu_and_mul", &shardlm::silu_and_mul_cpu);
   m.impl("skinny_linear", &shardlm::skinny_linear_cpu);
   m.impl("quant_linear", &shardlm::quant_linear_cpu);
+  m.impl("attention_block", &shardlm::attention_block_cpu);
+  m.impl("mlp_block", &shardlm::mlp_block_cpu);
   m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);
   m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
   m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);
@@ -78,12 +96,35 @@ PyObject* cpu_simd_active(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyBool_FromLong(shardlm::cpu::use_avx2() ? 1 : 0);
 }
 
+// skinny_max_rows(dtype: str) -> int: see ops.h; dtype is torch's name without
+// the prefix ("float32", "bfloat16", "float16").
+PyObject* skinny_max_rows(PyObject* /*self*/, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) {
+    return nullptr;
+  }
+  const std::string dtype(name);
+  at::ScalarType type = at::kFloat;
+  if (dtype == "bfloat16") {
+    type = at::kBFloat16;
+  } else if (dtype == "float16") {
+    type = at::kHalf;
+  } else if (dtype != "float32") {
+    PyErr_SetString(PyExc_ValueError, "skinny_max_rows: dtype must be float32, bfloat16 or float16");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(shardlm::skinny_max_rows(type));
+}
+
 PyMethodDef shardlm_methods[] = {
     {"set_cpu_simd", set_cpu_simd, METH_O,
      "set_cpu_simd(level: int) -> None: cap the CPU kernels' paths (0 portable, 1 AVX2, "
      "2 AVX-512)."},
     {"cpu_simd_active", cpu_simd_active, METH_NOARGS,
      "cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths."},
+    {"skinny_max_rows", skinny_max_rows, METH_O,
+     "skinny_max_rows(dtype: str) -> int: most input rows skinny_linear takes for a dense "
+     "weight of that dtype."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -84,6 +84,27 @@ void skinny_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tenso
                        const std::optional<at::Tensor>& bias);
 void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
                       int64_t qtype, const std::optional<at::Tensor>& bias);
+// The most input rows for which skinny_linear beats torch's GEMM on a dense
+// weight of this dtype (0: never); the one source of that rule, read by
+// Python through shardlm_server.worker._C.skinny_max_rows.
+int64_t skinny_max_rows(at::ScalarType dtype);
+// A decoder layer's halves (cpu/decoder_block.cpp); qtype -1 marks a dense weight.
+void attention_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residual,
+                         const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_weight,
+                         int64_t qkv_type, const std::optional<at::Tensor>& qkv_bias,
+                         const at::Tensor& o_weight, int64_t o_type,
+                         const std::optional<at::Tensor>& o_bias, const at::Tensor& positions,
+                         const at::Tensor& cos_sin_cache, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, bool is_decode,
+                         int64_t max_query_len, int64_t max_seq_len, double scale);
+void mlp_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residual,
+                   const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_weight,
+                   int64_t gate_up_type, const std::optional<at::Tensor>& gate_up_bias,
+                   const at::Tensor& down_weight, int64_t down_type,
+                   const std::optional<at::Tensor>& down_bias);
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping);
 void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,

@@ -118,11 +118,21 @@ class RowParallelLinear:
         return cls(weight, b, parallel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight)
-        self.parallel.comm.all_reduce(y)
-        if self.bias is not None:  # added once, after the sum, not once per rank
-            y += self.bias
-        return y
+        return self.reduce(ops.linear(x, self.weight, self.fused_bias))
+
+    @property
+    def fused_bias(self) -> torch.Tensor | None:
+        """The bias a kernel may add to this rank's product: all of it on a single rank, none
+        where the partial sums still have to be reduced (see `reduce`)."""
+        return self.bias if self.parallel.world_size == 1 else None
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's product (with `fused_bias` added) -> the layer's output, in place."""
+        if self.parallel.world_size > 1:
+            self.parallel.comm.all_reduce(partial)
+            if self.bias is not None:  # added once, after the sum, not once per rank
+                partial += self.bias
+        return partial
 
 
 class VocabParallelEmbedding:

@@ -75,6 +75,28 @@ class DecoderLayer:
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
+    def forward_blocks(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` as two fused CPU ops (ops.attention_block, ops.mlp_block): the same
+        kernels, without a Python and dispatcher round trip for each of them."""
+        if residual is None:  # the first layer: residual = hidden + 0, exactly
+            residual = torch.zeros_like(hidden)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        hidden = self.o_proj.reduce(ops.attention_block(
+            hidden, residual, self.input_norm, self.eps, self.qkv.weight, self.qkv.bias,
+            self.o_proj.weight, self.o_proj.fused_bias, heads, cos_sin, kv[0], kv[1], meta,
+            self.attn.scale))
+        hidden = self.down.reduce(ops.mlp_block(
+            hidden, residual, self.post_norm, self.eps, self.gate_up.weight, self.gate_up.bias,
+            self.down.weight, self.down.fused_bias))
+        return hidden, residual
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -153,6 +175,9 @@ class TransformerModel:
         self.lm_head = ParallelLMHead(head, parallel)
         # A tied checkpoint may still carry a copy of lm_head; it is the same tensor, not unknown.
         reader.check_all_consumed(optional=lambda n: tied and n == "lm_head.weight")
+        #: On CPU each layer runs as two fused ops (DecoderLayer.forward_blocks) unless debug taps
+        #: are asked for; a benchmark may turn it off to time the op-by-op layer.
+        self.fused_blocks = device.type == "cpu"
         self.cos_sin = ops.compute_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         ).to(device)
@@ -173,8 +198,12 @@ class TransformerModel:
         """Logits (float32) for each sequence's last token: [B, vocab]."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
+        fused = self.fused_blocks and taps is None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer.forward(hidden, residual, self.cos_sin, kv, meta, taps)
+            if fused:
+                hidden, residual = layer.forward_blocks(hidden, residual, self.cos_sin, kv, meta)
+            else:
+                hidden, residual = layer.forward(hidden, residual, self.cos_sin, kv, meta, taps)
         assert residual is not None
         ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         last = hidden.index_select(0, meta.logits_indices)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,14 +21,19 @@ from shardlm_server.worker.quant import QuantizedWeight
 
 from . import reference
 
+if TYPE_CHECKING:
+    from shardlm_server.worker.attention import AttentionMetadata
+
 __all__ = [
     "CUDA_BUILT",
     "SKINNY_MAX_ROWS",
     "USE_REFERENCE",
+    "attention_block",
     "compute_cos_sin_cache",
     "cpu_simd_active",
     "fused_add_rms_norm",
     "linear",
+    "mlp_block",
     "paged_attention_decode",
     "paged_attention_prefill",
     "quant_linear",
@@ -67,6 +72,8 @@ _OP_NAMES = (
     "reshape_and_cache",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "attention_block",
+    "mlp_block",
 )
 
 
@@ -177,12 +184,13 @@ def skinny_linear(
     return out
 
 
-#: Most rows for which skinny_linear beats torch's CPU GEMM, per dtype (measured on AVX2 with
-#: bench/ops_cpu_bench.py --linear). A float32 matrix-vector product runs on one thread in BLAS,
-#: so skinny_linear streams about 1.8x faster at one row and stays ahead to ~48 rows. Half
-#: precision GEMMs convert weights in chunks without native support, and skinny_linear was
-#: 5x faster even at 512 rows, so it takes every bfloat16 / float16 product.
-SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: sys.maxsize, torch.float16: sys.maxsize}
+#: Most rows for which skinny_linear beats torch's CPU GEMM, per dtype; the rule lives with the
+#: kernel (csrc/cpu/linear.cpp), which the fused CPU blocks apply too.
+SKINNY_MAX_ROWS = (
+    {dtype: _C.skinny_max_rows(str(dtype).removeprefix("torch."))
+     for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    if _C is not None else {}
+)
 
 
 def quant_linear(
@@ -214,6 +222,67 @@ def linear(
             and x.is_contiguous()):
         return skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _weight_args(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, int]:
+    """A linear weight as the fused ops take it: its tensor and GGML type (-1: dense)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.blocks, weight.ggml_type
+    return weight, -1
+
+
+def attention_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor | QuantizedWeight,
+    qkv_bias: torch.Tensor | None,
+    o_weight: torch.Tensor | QuantizedWeight,
+    o_bias: torch.Tensor | None,
+    heads: tuple[int, int, int],
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A decoder layer's attention half on CPU in one op: ``residual += hidden``, ``hidden =
+    rms_norm(residual)`` (in place), then qkv, rotary, the cache write, paged attention and
+    o_proj; returns o_proj's output [T, hidden]. ``heads`` is (num_heads, num_kv_heads,
+    head_dim) of this rank. Equals the unfused ops step for step."""
+    if USE_REFERENCE:
+        return reference.attention_block(hidden, residual, norm_weight, eps, qkv_weight,
+                                         qkv_bias, o_weight, o_bias, heads, cos_sin_cache,
+                                         k_cache, v_cache, meta, scale)
+    out = hidden.new_empty((hidden.shape[0], o_weight.shape[0]))
+    _ops.attention_block(out, hidden, residual, norm_weight, eps, *_weight_args(qkv_weight),
+                         qkv_bias, *_weight_args(o_weight), o_bias, meta.positions,
+                         cos_sin_cache, *heads, k_cache, v_cache, meta.slot_mapping,
+                         meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.is_decode,
+                         meta.max_query_len, meta.max_seq_len, scale)
+    return out
+
+
+def mlp_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor | QuantizedWeight,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor | QuantizedWeight,
+    down_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """A decoder layer's MLP half on CPU in one op: add and norm in place as attention_block,
+    then gate_up, silu_and_mul and down; returns down's output [T, hidden]."""
+    if USE_REFERENCE:
+        return reference.mlp_block(hidden, residual, norm_weight, eps, gate_up_weight,
+                                   gate_up_bias, down_weight, down_bias)
+    out = hidden.new_empty((hidden.shape[0], down_weight.shape[0]))
+    _ops.mlp_block(out, hidden, residual, norm_weight, eps, *_weight_args(gate_up_weight),
+                   gate_up_bias, *_weight_args(down_weight), down_bias)
+    return out
 
 
 def reshape_and_cache(

@@ -191,3 +191,76 @@ def quant_linear(
         return result
     out.copy_(result)
     return out
+
+
+def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    from shardlm_server.worker.quant import QuantizedWeight
+
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight.blocks, weight.qtype, bias)
+    return F.linear(x, weight, bias)
+
+
+def attention_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv_weight,
+    qkv_bias: torch.Tensor | None,
+    o_weight,
+    o_bias: torch.Tensor | None,
+    heads: tuple[int, int, int],
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decoder layer's attention half: add and norm, qkv, rotary, cache write, attention,
+    o_proj; `hidden` and `residual` are updated in place as by fused_add_rms_norm."""
+    num_heads, num_kv_heads, head_dim = heads
+    tokens = hidden.shape[0]
+    fused_add_rms_norm(hidden, residual, norm_weight, eps)
+    qkv = _linear(hidden, qkv_weight, qkv_bias)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.clone(), k.clone()
+    rotary_embedding(meta.positions, q, k, head_dim, cos_sin_cache)
+    reshape_and_cache(k.view(tokens, num_kv_heads, head_dim), v.reshape(tokens, num_kv_heads,
+                      head_dim), k_cache, v_cache, meta.slot_mapping)
+    q3 = q.view(tokens, num_heads, head_dim)
+    if meta.is_decode:
+        attn = paged_attention_decode(q3, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      scale, meta.max_seq_len)
+    else:
+        attn = paged_attention_prefill(q3, k_cache, v_cache, meta.block_tables,
+                                       meta.query_start_loc, meta.seq_lens, scale,
+                                       meta.max_query_len, meta.max_seq_len)
+    result = _linear(attn.reshape(tokens, q_size), o_weight, o_bias)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def mlp_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight,
+    gate_up_bias: torch.Tensor | None,
+    down_weight,
+    down_bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decoder layer's MLP half: add and norm, gate_up, silu_and_mul, down."""
+    fused_add_rms_norm(hidden, residual, norm_weight, eps)
+    result = _linear(silu_and_mul(_linear(hidden, gate_up_weight, gate_up_bias)), down_weight,
+                     down_bias)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -1,0 +1,108 @@
+// CPU: a decoder layer's two halves, each one op, so a decode step pays the
+// Python interpreter and the dispatcher twice per layer instead of about ten
+// times, and keeps its intermediates in C++.
+//
+//   attention_block: residual += hidden; hidden = rms_norm(residual);
+//                    qkv = hidden W_qkv^T (+ b); rotary(q, k); write k, v to
+//                    the paged cache; out = attention(q) W_o^T (+ b)
+//   mlp_block:       residual += hidden; hidden = rms_norm(residual);
+//                    out = silu_and_mul(hidden W_gate_up^T (+ b)) W_down^T (+ b)
+//
+// Each step is the same kernel the unfused ops run (called directly, not
+// through the dispatcher), so the results equal the unfused layer bit for bit.
+// The plain reference is that composition (worker/ops/reference.py). A
+// tensor-parallel rank passes no bias for its row-parallel projection (o, down)
+// and adds it after the all-reduce. A weight comes as a dense [N, K] tensor
+// (qtype -1) or as GGML blocks with their type, as for quant_linear.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/record_function.h>
+
+#include "../ops.h"
+
+namespace shardlm {
+namespace {
+
+// A scope the profiler shows as a child of the block (bench/model_bench.py
+// splits a decode step by these names); costs a flag test when not profiling.
+#define SHARDLM_SCOPE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
+
+// out = x W^T (+ bias), the kernel ops.linear picks for the same inputs.
+void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                 const std::optional<at::Tensor>& bias) {
+  SHARDLM_SCOPE("shardlm::linear");
+  if (qtype >= 0) {
+    quant_linear_cpu(out, x, weight, qtype, bias);
+  } else if (x.size(0) <= skinny_max_rows(x.scalar_type())) {
+    skinny_linear_cpu(out, x, weight, bias);
+  } else if (bias.has_value()) {
+    at::addmm_out(out, *bias, x, weight.t());
+  } else {
+    at::mm_out(out, x, weight.t());
+  }
+}
+
+at::Tensor new_rows(const at::Tensor& like, int64_t rows, int64_t cols) {
+  return at::empty({rows, cols}, like.options());
+}
+
+}  // namespace
+
+void attention_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residual,
+                         const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_weight,
+                         int64_t qkv_type, const std::optional<at::Tensor>& qkv_bias,
+                         const at::Tensor& o_weight, int64_t o_type,
+                         const std::optional<at::Tensor>& o_bias, const at::Tensor& positions,
+                         const at::Tensor& cos_sin_cache, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, bool is_decode,
+                         int64_t max_query_len, int64_t max_seq_len, double scale) {
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim;
+  const int64_t kv_size = num_kv_heads * head_dim;
+  fused_add_rms_norm_cpu(hidden, residual, norm_weight, eps);
+  at::Tensor qkv = new_rows(hidden, tokens, q_size + 2 * kv_size);
+  linear_into(qkv, hidden, qkv_weight, qkv_type, qkv_bias);
+  at::Tensor q = qkv.narrow(1, 0, q_size);
+  at::Tensor k = qkv.narrow(1, q_size, kv_size);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+  at::Tensor attn = new_rows(hidden, tokens, q_size);
+  {
+    SHARDLM_SCOPE("shardlm::attention");
+    rotary_embedding_cpu(positions, q, k, head_dim, cos_sin_cache);
+    reshape_and_cache_cpu(k.view({tokens, num_kv_heads, head_dim}),
+                          v.view({tokens, num_kv_heads, head_dim}), key_cache, value_cache,
+                          slot_mapping);
+    const at::Tensor q3 = q.view({tokens, num_heads, head_dim});
+    at::Tensor attn3 = attn.view({tokens, num_heads, head_dim});
+    if (is_decode) {
+      paged_attention_decode_cpu(attn3, q3, key_cache, value_cache, block_tables, seq_lens, scale,
+                                 max_seq_len);
+    } else {
+      paged_attention_prefill_cpu(attn3, q3, key_cache, value_cache, block_tables,
+                                  query_start_loc, seq_lens, scale, max_query_len, max_seq_len);
+    }
+  }
+  linear_into(out, attn, o_weight, o_type, o_bias);
+}
+
+void mlp_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residual,
+                   const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_weight,
+                   int64_t gate_up_type, const std::optional<at::Tensor>& gate_up_bias,
+                   const at::Tensor& down_weight, int64_t down_type,
+                   const std::optional<at::Tensor>& down_bias) {
+  const int64_t tokens = hidden.size(0);
+  fused_add_rms_norm_cpu(hidden, residual, norm_weight, eps);
+  const int64_t both = gate_up_weight.size(0);  // rows of W, dense or blocks
+  at::Tensor gate_up = new_rows(hidden, tokens, both);
+  linear_into(gate_up, hidden, gate_up_weight, gate_up_type, gate_up_bias);
+  at::Tensor act = new_rows(hidden, tokens, both / 2);
+  silu_and_mul_cpu(act, gate_up);
+  linear_into(out, act, down_weight, down_type, down_bias);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,148 @@
+"""The fused CPU decoder-layer halves (attention_block, mlp_block) against the same steps run op
+by op (bit for bit: they call the same kernels) and against the plain reference, for dense and
+GGML-block weights, decode and prefill over a cached prefix, with and without biases; opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm_server.worker import ops
+from shardlm_server.worker.attention import AttentionMetadata
+from shardlm_server.worker.ops import reference
+from shardlm_server.worker.quant import quantize
+
+from .test_ops import make_paged_cache
+
+if ops.USE_REFERENCE:
+    pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 96, 4, 2, 24, 128, 4
+TOL = {torch.float32: {"atol": 2e-4, "rtol": 2e-4}, torch.bfloat16: {"atol": 6e-2, "rtol": 3e-2}}
+
+
+def _weight(n, k, kind, dtype, gen):
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    return w if kind == "dense" else quantize(w.float(), kind)
+
+
+def _layer(kind, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+
+    def vec(n):
+        return (torch.randn(n, generator=gen) * 0.1).to(dtype) if bias else None
+
+    return {
+        "input_norm": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype),
+        "post_norm": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype),
+        "qkv": _weight(q_size + 2 * kv_size, HIDDEN, kind, dtype, gen), "qkv_bias": vec(
+            q_size + 2 * kv_size),
+        "o": _weight(HIDDEN, q_size, kind, dtype, gen), "o_bias": vec(HIDDEN),
+        "gate_up": _weight(2 * INTER, HIDDEN, kind, dtype, gen), "gate_up_bias": vec(2 * INTER),
+        "down": _weight(HIDDEN, INTER, kind, dtype, gen), "down_bias": vec(HIDDEN),
+    }
+
+
+def _meta(new_tokens, cached, tables, is_decode):
+    """Metadata for sequences with `cached` tokens in the cache and `new_tokens` new ones."""
+    positions, slots, starts = [], [], [0]
+    for b, (n, c) in enumerate(zip(new_tokens, cached, strict=True)):
+        for p in range(c, c + n):
+            positions.append(p)
+            slots.append(int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK)
+        starts.append(starts[-1] + n)
+    seq_lens = [n + c for n, c in zip(new_tokens, cached, strict=True)]
+    return AttentionMetadata(
+        is_decode=is_decode, positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+        block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), max_query_len=max(new_tokens),
+        max_seq_len=max(seq_lens), logits_indices=torch.tensor(starts[1:]) - 1)
+
+
+def _unfused(layer, hidden, residual, cos_sin, k_cache, v_cache, meta):
+    """The same steps op by op, as DecoderLayer.forward runs them."""
+    tokens = hidden.shape[0]
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    ops.fused_add_rms_norm(hidden, residual, layer["input_norm"], 1e-5)
+    q, k, v = ops.linear(hidden, layer["qkv"], layer["qkv_bias"]).split(
+        [q_size, kv_size, kv_size], dim=-1)
+    ops.rotary_embedding(meta.positions, q, k, HEAD_DIM, cos_sin)
+    ops.reshape_and_cache(k.view(tokens, KV_HEADS, HEAD_DIM), v.view(tokens, KV_HEADS, HEAD_DIM),
+                          k_cache, v_cache, meta.slot_mapping)
+    q = q.reshape(tokens, HEADS, HEAD_DIM).contiguous()
+    scale = HEAD_DIM**-0.5
+    if meta.is_decode:
+        attn = ops.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          scale, meta.max_seq_len)
+    else:
+        attn = ops.paged_attention_prefill(q, k_cache, v_cache, meta.block_tables,
+                                           meta.query_start_loc, meta.seq_lens, scale,
+                                           meta.max_query_len, meta.max_seq_len)
+    hidden = ops.linear(attn.view(tokens, q_size), layer["o"], layer["o_bias"])
+    ops.fused_add_rms_norm(hidden, residual, layer["post_norm"], 1e-5)
+    return ops.linear(ops.silu_and_mul(ops.linear(hidden, layer["gate_up"], layer["gate_up_bias"])),
+                      layer["down"], layer["down_bias"])
+
+
+def _fused(impl, layer, hidden, residual, cos_sin, k_cache, v_cache, meta):
+    heads = (HEADS, KV_HEADS, HEAD_DIM)
+    out = impl.attention_block(hidden, residual, layer["input_norm"], 1e-5, layer["qkv"],
+                               layer["qkv_bias"], layer["o"], layer["o_bias"], heads, cos_sin,
+                               k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    return impl.mlp_block(out, residual, layer["post_norm"], 1e-5, layer["gate_up"],
+                          layer["gate_up_bias"], layer["down"], layer["down_bias"])
+
+
+CASES = [  # (new tokens per sequence, cached tokens per sequence, decode)
+    ([1, 1, 1], [0, 6, 19], True),
+    ([5, 70], [3, 0], False),
+]
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("new_tokens,cached,is_decode", CASES)
+def test_blocks_equal_the_layer_op_by_op_and_the_reference(kind, dtype, bias, new_tokens, cached,
+                                                           is_decode):
+    layer = _layer(kind, dtype, bias)
+    seq_lens = [n + c for n, c in zip(new_tokens, cached, strict=True)]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu")
+    meta = _meta(new_tokens, cached, tables, is_decode)
+    cos_sin = ops.compute_cos_sin_cache(HEAD_DIM, 128, 10000.0)
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(sum(new_tokens), HIDDEN, generator=gen).to(dtype)
+    residual = torch.randn(sum(new_tokens), HIDDEN, generator=gen).to(dtype)
+
+    runs = {}
+    for name, run in (("fused", lambda *a: _fused(ops, layer, *a)),
+                      ("unfused", lambda *a: _unfused(layer, *a)),
+                      ("reference", lambda *a: _fused(reference, layer, *a))):
+        h, r, kc, vc = hidden.clone(), residual.clone(), k_cache.clone(), v_cache.clone()
+        out = run(h, r, cos_sin, kc, vc, meta)
+        runs[name] = (out, r, kc, vc)
+    for got, want in zip(runs["fused"], runs["unfused"], strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(runs["fused"], runs["reference"], strict=True):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    assert not torch.equal(runs["fused"][2], k_cache)  # the new keys were written
+
+
+def test_opcheck():
+    layer = _layer("int4", torch.float32, True)
+    k_cache, v_cache, tables = make_paged_cache([7, 3], BLOCK, KV_HEADS, HEAD_DIM, torch.float32,
+                                                "cpu")
+    meta = _meta([1, 1], [6, 2], tables, True)
+    cos_sin = ops.compute_cos_sin_cache(HEAD_DIM, 128, 10000.0)
+    hidden, residual = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+    qkv, o = layer["qkv"], layer["o"]
+    torch.library.opcheck(torch.ops.shardlm.attention_block, (
+        torch.empty(2, HIDDEN), hidden, residual, layer["input_norm"], 1e-5, qkv.blocks,
+        qkv.ggml_type, layer["qkv_bias"], o.blocks, o.ggml_type, layer["o_bias"], meta.positions,
+        cos_sin, HEADS, KV_HEADS, HEAD_DIM, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+        meta.seq_lens, meta.query_start_loc, True, 1, meta.max_seq_len, HEAD_DIM**-0.5))
+    dense = _layer("dense", torch.float32, False)
+    torch.library.opcheck(torch.ops.shardlm.mlp_block, (
+        torch.empty(2, HIDDEN), hidden, residual, dense["post_norm"], 1e-5, dense["gate_up"], -1,
+        None, dense["down"], -1, None))
