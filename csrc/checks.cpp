@@ -174,9 +174,11 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
     case 2: block_bytes = 18; break;  // Q4_0
     case 3: block_bytes = 20; break;  // Q4_1
     case 8: block_bytes = 34; break;  // Q8_0
-    default: TORCH_CHECK(false, op, ": GGML type ", qtype, " is not supported (Q4_0 = 2, "
-                         "Q4_1 = 3, Q8_0 = 8)");
+    case 100: block_bytes = 160; break;  // Q4x8: a block of 8 rows (cpu/quant_blocks.h)
+    default: TORCH_CHECK(false, op, ": block type ", qtype, " is not supported (Q4_0 = 2, "
+                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100)");
   }
+  const int64_t rows_per_row = qtype == 100 ? 8 : 1;
   check_float(input, "input", op);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
               ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
@@ -184,7 +186,8 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
   TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
               " bytes is not a whole number of ", block_bytes, "-byte blocks");
   TORCH_CHECK(input.dim() == 2, op, ": input must be [M, K], got ", input.sizes());
-  const LinearDims d{input.size(0), blocks.size(0), blocks.size(1) / block_bytes * 32};
+  const LinearDims d{input.size(0), blocks.size(0) * rows_per_row,
+                     blocks.size(1) / block_bytes * 32};
   TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
               " features but the blocks hold ", d.k);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == d.m && out.size(1) == d.n, op,

@@ -72,7 +72,7 @@ class ColumnParallelLinear:
     ) -> ColumnParallelLinear:
         read = dict(shard_dim=0, rank=parallel.rank, world_size=parallel.world_size)
         weights = [
-            read_linear(reader, f"{n}.weight", (o, in_features), **read)
+            read_linear(reader, f"{n}.weight", (o, in_features), regroup=False, **read)
             for n, o in zip(names, out_features, strict=True)
         ]
         biases = (

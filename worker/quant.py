@@ -5,7 +5,8 @@ float16 scale, for Q4_1 a float16 offset, then the quants), exactly as a GGUF fi
 `ops.linear` multiplies it with `ops.quant_linear`, which unpacks the blocks in registers and
 accumulates in float32 against unrounded activations, so a 4-bit weight costs a sixth of the
 memory traffic of its bfloat16 form and the result equals the dequantized product up to
-summation order.
+summation order. On CPU, 4-bit weights are then regrouped into Q4x8 (`to_q4x8`: 8 rows side by
+side, the same weights), the layout the matrix-vector kernel reads fastest.
 
 Where weights come from (`read_linear`):
 - a GGUF tensor of a kernel type stays packed (a rank's row slice, or a column slice on block
@@ -24,10 +25,13 @@ import torch
 
 from shardlm_server.worker.errors import InvalidRequestError
 
-#: GGML type ids of the block formats `ops.quant_linear` reads.
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+#: Type ids of the block formats `ops.quant_linear` reads: GGML's, and Q4x8 (ShardLM's own, see
+#: `to_q4x8`).
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100}
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GROUP_ROWS = 8  # rows of a Q4x8 group
+GROUP_BLOCK_BYTES = 160  # a Q4x8 block of 8 rows: d[8], m[8] float16, 4 x 8 uint32 of nibbles
 
 #: `--quantize` choices: "" keeps a GGUF file's kernel-type blocks packed (on CPU) and reads the
 #: rest dense, "none" reads everything dense, "int8" / "int4" also quantize dense weights.
@@ -64,8 +68,52 @@ def check_mode(quantize: str) -> str:
     return quantize
 
 
+def to_q4x8(weight: QuantizedWeight) -> QuantizedWeight:
+    """A Q4_0 / Q4_1 weight regrouped for the CPU matrix-vector kernel: rows side by side in
+    groups of 8, so a vector lane is an output feature (layout in csrc/cpu/quant_blocks.h). The
+    same weights exactly (Q4_0's offset is m = -8 d); `weight` itself when it is of another type
+    or its rows do not fill whole groups."""
+    n, k = weight.shape
+    if weight.qtype not in ("Q4_0", "Q4_1") or n % GROUP_ROWS:
+        return weight
+    groups, blocks = n // GROUP_ROWS, k // BLOCK
+    b = weight.blocks.reshape(n, blocks, BLOCK_BYTES[weight.qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16)  # [n, blocks, 1]
+    if weight.qtype == "Q4_1":
+        m, qs = b[..., 2:4].contiguous().view(torch.float16), b[..., 4:]
+    else:
+        m, qs = d * -8, b[..., 2:]  # exact: a power of two
+    quants = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [n, blocks, 32], weight order
+
+    def by_group(halves: torch.Tensor) -> torch.Tensor:  # [n, blocks, 1] -> [g, blocks, 16]
+        return (halves.view(torch.uint8).reshape(groups, GROUP_ROWS, blocks, 2)
+                .permute(0, 2, 1, 3).reshape(groups, blocks, 2 * GROUP_ROWS))
+
+    q = quants.reshape(groups, GROUP_ROWS, blocks, 4, 8)  # [g, row, block, s, j]
+    words = (q[..., 0::2] | (q[..., 1::2] << 4)).permute(0, 2, 3, 1, 4)  # [g, block, s, row, 4]
+    packed = torch.cat((by_group(d), by_group(m), words.reshape(groups, blocks, 128)), dim=-1)
+    return QuantizedWeight("Q4x8", packed.reshape(groups, -1).contiguous(), weight.shape)
+
+
+def _dequantize_q4x8(blocks: torch.Tensor) -> torch.Tensor:
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, GROUP_BLOCK_BYTES)
+    nblocks = b.shape[1]
+
+    def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, blocks, 16] -> [g, row, blocks, 1]
+        return raw.contiguous().view(torch.float16).float().permute(0, 2, 1).unsqueeze(-1)
+
+    words = b[..., 32:].reshape(groups, nblocks, 4, GROUP_ROWS, 4)  # [g, block, s, row, byte]
+    q = torch.stack((words & 0x0F, words >> 4), dim=-1).reshape(groups, nblocks, 4, GROUP_ROWS, 8)
+    q = q.permute(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, nblocks, BLOCK).float()
+    w = by_row(b[..., 0:16]) * q + by_row(b[..., 16:32])
+    return w.reshape(groups * GROUP_ROWS, nblocks * BLOCK)
+
+
 def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [N, K] of GGML blocks, computed as GGML does (the reference of quant_linear)."""
+    if qtype == "Q4x8":
+        return _dequantize_q4x8(blocks)
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).float()
@@ -114,15 +162,19 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
     if len({w.qtype for w in weights}) != 1 or len({w.shape[1] for w in weights}) != 1:
         return None
     blocks = torch.cat([w.blocks for w in weights]).contiguous()
-    return QuantizedWeight(weights[0].qtype, blocks, (blocks.shape[0], weights[0].shape[1]))
+    return QuantizedWeight(weights[0].qtype, blocks,
+                           (sum(w.shape[0] for w in weights), weights[0].shape[1]))
 
 
 def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | None = None,
                 rank: int = 0, world_size: int = 1,
-                dense: torch.Tensor | None = None) -> torch.Tensor | QuantizedWeight:
+                dense: torch.Tensor | None = None,
+                regroup: bool = True) -> torch.Tensor | QuantizedWeight:
     """A linear layer's weight slice: packed when the reader's quantize mode and the device allow
     it (see the module notes), else dense in the serving dtype. `dense`, when given, is the slice
-    already read (a tied embedding) and is returned when no packed form is made."""
+    already read (a tied embedding) and is returned when no packed form is made. `regroup=False`
+    leaves 4-bit blocks as the file stores them, for parts that `fuse_rows` stacks first."""
+    group = to_q4x8 if regroup else (lambda weight: weight)
     mode = reader.quantize
     if reader.device.type != "cpu" or mode == "none":
         return dense if dense is not None else reader.read(
@@ -130,20 +182,21 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
     packed = reader.read_packed(name, shape, shard_dim=shard_dim, rank=rank,
                                 world_size=world_size)
     if packed is not None and packed.qtype in GGML_TYPES:
-        return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
+        return group(QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape))
     if dense is None:
         dense = reader.read(name, shape, shard_dim=shard_dim, rank=rank, world_size=world_size)
     if mode in QUANTIZE_SCHEMES and dense.dim() == 2 and dense.shape[1] % BLOCK == 0:
-        return quantize(dense, mode)
+        return group(quantize(dense, mode))
     return dense
 
 
 def fuse_rows(weights: list[torch.Tensor | QuantizedWeight],
               dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
-    """Row-stacked weights for one GEMM: packed when all are packed alike, else dense."""
+    """Row-stacked weights for one GEMM: packed when all are packed alike (4-bit ones then
+    regrouped, see `to_q4x8`), else dense."""
     if all(isinstance(w, QuantizedWeight) for w in weights):
         fused = cat_rows(weights)
         if fused is not None:
-            return fused
+            return to_q4x8(fused)
     dense = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
     return torch.cat(dense).contiguous()

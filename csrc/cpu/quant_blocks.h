@@ -20,17 +20,35 @@ namespace shardlm::cpu::quant {
 
 constexpr int64_t kBlock = 32;  // weights per block
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+// Q4x8 (id 100, ShardLM's own, not a GGML type) holds Q4_0 / Q4_1 weights
+// regrouped at load for the matrix-vector kernel: 8 weight rows side by side,
+// so one vector instruction works on 8 rows (one output feature per lane) and
+// the scales need no horizontal sums. Per group of 8 rows and block b of 32
+// weights, 160 bytes:
+//   d[8], m[8]  float16, row r's scale and offset (Q4_0: m = -8 d, exact)
+//   q[4][8]     uint32: q[s][r] holds row r's quants 8s .. 8s+7, quant 8s+j
+//               in bits 4j .. 4j+3
+// so w[8g + r][32b + 8s + j] = d[r] * q + m[r]. The tensor is uint8
+// [N / 8, K / 32 * 160]; worker/quant.py converts to and from it.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100 };
 
-// Bytes of one block of `qtype`, or 0 when the kernel does not read that type.
+constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 group
+constexpr int64_t kGroupBlockBytes = 160;  // one Q4x8 group-block
+
+// Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows), or 0
+// when the kernel does not read that type.
 inline int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
+    case kQ4x8: return kGroupBlockBytes;
     default: return 0;
   }
 }
+
+// Weight rows per row of the blocks tensor.
+inline int64_t rows_per_blocks_row(int64_t qtype) { return qtype == kQ4x8 ? kGroupRows : 1; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;

@@ -48,9 +48,14 @@ def test_gguf_blocks_stay_packed_and_match_the_dequantized_model(gguf_path):
     path, qtype, tied = gguf_path
     packed = Engine.load(path, dtype="float32", cache_config=CACHE)
     dense = Engine.load(path, dtype="float32", cache_config=CACHE, quantize="none")
-    types = [lin.weight.qtype for lin in _linears(packed)]
+    weights = [lin.weight for lin in _linears(packed)]
+
+    def held_as(name: str, rows: int) -> str:  # 4-bit rows in whole groups of 8 are regrouped
+        return "Q4x8" if name in ("Q4_0", "Q4_1") and rows % 8 == 0 else name
+
     head = "Q8_0" if tied else qtype.name  # a tied head is the Q8_0 embedding
-    assert types == [qtype.name] * (len(types) - 1) + [head]
+    assert [w.qtype for w in weights] == [held_as(qtype.name, w.shape[0]) for w in weights[:-1]] + [
+        held_as(head, weights[-1].shape[0])]
     assert all(isinstance(lin.weight, torch.Tensor) for lin in _linears(dense))
     logits, tokens = _logits_and_tokens(packed)
     dense_logits, dense_tokens = _logits_and_tokens(dense)
@@ -67,8 +72,9 @@ def test_quantize_at_load_equals_the_model_with_those_weights(llama_dir, scheme,
     # intermediate size, 172, is not: its down projection stays dense).
     for lin in _linears(quantized):
         blockable = lin.weight.shape[1] % BLOCK == 0
+        held = "Q4x8" if qtype == "Q4_1" and lin.weight.shape[0] % 8 == 0 else qtype
         assert (lin.weight.qtype if blockable else lin.weight.dtype) == (
-            qtype if blockable else torch.float32)
+            held if blockable else torch.float32)
     # The reference: the dense model with each weight replaced by its quantized values.
     for lin in _linears(original):
         if lin.weight.shape[1] % BLOCK == 0:

@@ -25,6 +25,7 @@ from shardlm_server.worker.quant import (
     check_mode,
     dequantize_blocks,
     quantize,
+    to_q4x8,
 )
 
 if ops.USE_REFERENCE:
@@ -67,6 +68,40 @@ def test_quant_linear_matches_reference(qtype, m, n, k):
     torch.testing.assert_close(ops.quant_linear(x, w, bias), expected, **TOL[torch.float32])
     torch.testing.assert_close(ops.quant_linear(x, w), reference.quant_linear(x, w.blocks, qtype),
                                **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4x8_holds_the_same_weights(qtype):
+    w = ggml_weight(24, 96, qtype, seed=3)
+    grouped = to_q4x8(w)
+    assert grouped.qtype == "Q4x8" and grouped.shape == w.shape
+    assert grouped.blocks.shape == (3, 3 * 160)
+    torch.testing.assert_close(grouped.dequantize(), w.dequantize(), atol=0, rtol=0)
+    assert to_q4x8(ggml_weight(12, 96, qtype)).qtype == qtype  # 12 rows: no whole groups
+    assert to_q4x8(ggml_weight(8, 96, "Q8_0")).qtype == "Q8_0"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 40])
+@pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
+def test_q4x8_linear_matches_reference(qtype, m, n, k):
+    w = to_q4x8(ggml_weight(n, k, qtype, seed=m))
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen) * 2
+    bias = torch.randn(n, generator=gen)
+    torch.testing.assert_close(ops.quant_linear(x, w, bias),
+                               reference.quant_linear(x, w.blocks, "Q4x8", bias),
+                               **TOL[torch.float32])
+    torch.testing.assert_close(ops.quant_linear(x, w, bias),
+                               reference.quant_linear(x, w.blocks, "Q4x8", bias),
+                               **TOL[torch.float32])
+
+
+def test_fused_q4x8_rows():
+    a, b = to_q4x8(ggml_weight(16, 64, "Q4_1", 1)), to_q4x8(ggml_weight(8, 64, "Q4_1", 2))
+    fused = cat_rows([a, b])
+    assert fused.qtype == "Q4x8" and fused.shape == (24, 64)
+    torch.testing.assert_close(fused.dequantize(), torch.cat((a.dequantize(), b.dequantize())))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -124,7 +159,7 @@ def test_bad_inputs_are_rejected_with_a_message():
     w = ggml_weight(4, 64, "Q8_0")
     with pytest.raises(RuntimeError, match="features but the blocks hold 64"):
         torch.ops.shardlm.quant_linear(torch.empty(1, 4), torch.randn(1, 32), w.blocks, 8, None)
-    with pytest.raises(RuntimeError, match="GGML type 12 is not supported"):
+    with pytest.raises(RuntimeError, match="block type 12 is not supported"):
         torch.ops.shardlm.quant_linear(torch.empty(1, 4), torch.randn(1, 64), w.blocks, 12, None)
     with pytest.raises(RuntimeError, match="whole number of 20-byte blocks"):
         torch.ops.shardlm.quant_linear(torch.empty(1, 4), torch.randn(1, 64), w.blocks, 3, None)
@@ -132,10 +167,13 @@ def test_bad_inputs_are_rejected_with_a_message():
 
 def test_opcheck():
     w = ggml_weight(7, 64, "Q4_1")
+    grouped = to_q4x8(ggml_weight(16, 64, "Q4_0"))
     for m in (1, 12):
         x = torch.randn(m, 64)
         torch.library.opcheck(torch.ops.shardlm.quant_linear,
                               (torch.empty(m, 7), x, w.blocks, 3, torch.randn(7)))
+        torch.library.opcheck(torch.ops.shardlm.quant_linear,
+                              (torch.empty(m, 16), x, grouped.blocks, 100, torch.randn(16)))
 
 
 # ------------------------------------------------------------------ AVX-512 / AVX2 / portable
@@ -162,12 +200,13 @@ def _run(tmp_path, inputs_file, level: str):
 
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
-    for qtype in QTYPES:
+    for qtype in (*QTYPES, "Q4x8"):
         for m in (1, 2, 3, 4, 5, 9):
-            w = ggml_weight(37, 288, qtype, seed=m)
+            w = (to_q4x8(ggml_weight(40, 288, "Q4_1", seed=m)) if qtype == "Q4x8"
+                 else ggml_weight(37, 288, qtype, seed=m))
             inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, 288), "qtype": qtype,
                                         "blocks": w.blocks, "shape": w.shape,
-                                        "b": torch.randn(37)}
+                                        "b": torch.randn(w.shape[0])}
     inputs_file = tmp_path / "inputs.pt"
     torch.save(inputs, inputs_file)
     runs = {level: _run(tmp_path, inputs_file, level) for level in ("avx512", "avx2", "portable")}
