@@ -67,6 +67,11 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def _spread(values: list[float]) -> list[float]:
+    """[lowest, highest] of the alternated rounds, printed beside each median."""
+    return [min(values), max(values)]
+
+
 def measure(args) -> dict:
     """Every figure for the checkpoint at args.model; see the module docstring."""
     from shardlm_server.gateway.gguf_tokenizer import find_gguf_file
@@ -110,13 +115,19 @@ def measure(args) -> dict:
             theirs_pre.append(llama.prefill_seconds(long_prompt[0].tolist()))
     step_ms = 1000 * _median(ours_dec)
     result["shardlm"] = {"decode_tokens_per_s": 1000 / step_ms, "decode_ms_per_step": step_ms,
+                         "decode_tokens_per_s_spread": _spread([1 / s for s in ours_dec]),
                          "prefill_tokens": prefill_len,
                          "prefill_tokens_per_s": prefill_len / _median(ours_pre),
+                         "prefill_tokens_per_s_spread": _spread([prefill_len / s
+                                                                 for s in ours_pre]),
                          "breakdown": step_breakdown(engine, prompt, min(steps, 16), step_ms)}
     if llama is not None:
         ms = 1000 * _median(theirs_dec)
-        result["llama_cpp"].update({"decode_tokens_per_s": 1000 / ms, "decode_ms_per_step": ms,
-                                    "prefill_tokens_per_s": prefill_len / _median(theirs_pre)})
+        result["llama_cpp"].update({
+            "decode_tokens_per_s": 1000 / ms, "decode_ms_per_step": ms,
+            "decode_tokens_per_s_spread": _spread([1 / s for s in theirs_dec]),
+            "prefill_tokens_per_s": prefill_len / _median(theirs_pre),
+            "prefill_tokens_per_s_spread": _spread([prefill_len / s for s in theirs_pre])})
 
     nbytes = weight_bytes(engine)
     bandwidth = roofline.read_bandwidth()
@@ -167,13 +178,17 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
     ours, theirs = result["shardlm"], result["llama_cpp"]
     print(f"\n== {result['model']} ({result['format']}, ShardLM {result['dtype']}, "
           f"{result['threads']} threads)")
-    print(f"{'':<28}{'ShardLM':>12}{'llama.cpp':>12}{'ratio':>8}")
+    print(f"{'':<28}{'ShardLM':>12}{'llama.cpp':>12}{'ratio':>8}   spread ShardLM | llama.cpp")
 
     def row(label: str, key: str) -> None:
         mine = ours[key]
         other = theirs.get(key) if isinstance(theirs, dict) else None
         ratio = f"{mine / other:>7.2f}x" if other else ""
-        print(f"{label:<28}{mine:>12.1f}{other if other else float('nan'):>12.1f}{ratio}")
+        spreads = [ours.get(f"{key}_spread"),
+                   theirs.get(f"{key}_spread") if isinstance(theirs, dict) else None]
+        spread = " | ".join(f"{lo:.1f}-{hi:.1f}" for lo, hi in filter(None, spreads))
+        print(f"{label:<28}{mine:>12.1f}{other if other else float('nan'):>12.1f}{ratio:>8}   "
+              f"{spread}")
 
     row("batch-1 decode tok/s", "decode_tokens_per_s")
     row(f"{ours['prefill_tokens']}-token prefill tok/s", "prefill_tokens_per_s")
