@@ -5,7 +5,8 @@
 
 Kernels: the fastest of many calls of one linear layer (weights streamed from memory, not
 cache, for the large ones), as GB/s of weight bytes read at batch 1 and as GFLOP/s at a
-512-row prefill: float32 and bfloat16 `skinny_linear` against `quant_linear` on Q8_0 and Q4_1.
+512-row prefill: float32 and bfloat16 `skinny_linear` against `quant_linear` on Q8_0, Q4_1
+and Q4_1 regrouped as Q4x8 (what a model loads on CPU).
 
 Model: the same GGUF file loaded twice in float32, blocks packed (`quantize=""`) and dequantized
 at load (`quantize="none"`); decode tok/s over a fixed number of greedy steps after a short
@@ -23,7 +24,7 @@ import torch
 
 from bench.ops_cpu_bench import best_us
 from shardlm_server.worker import ops
-from shardlm_server.worker.quant import quantize
+from shardlm_server.worker.quant import quantize, to_q4x8
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, intermediate 1536, vocab 49152.
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
@@ -35,8 +36,9 @@ def kernel_table(budget_s: float, prefill_rows: int) -> None:
           f"{f'M={prefill_rows} ms':>10} {'GFLOP/s':>8}")
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k) / k**0.5
-        variants = {"fp32": w, "bf16": w.bfloat16(), "Q8_0": quantize(w, "int8"),
-                    "Q4_1": quantize(w, "int4")}
+        q4 = quantize(w, "int4")
+        variants = {"fp32": w, "bf16": w.bfloat16(), "Q8_0": quantize(w, "int8"), "Q4_1": q4,
+                    "Q4x8": to_q4x8(q4)}
         for kind, weight in variants.items():
             dtype = torch.bfloat16 if kind == "bf16" else torch.float32
             nbytes = weight.nbytes if kind.startswith("Q") else weight.numel() * weight.itemsize
