@@ -11,8 +11,8 @@
 // float conversions and FMAs, no dequantization arithmetic.
 //
 // 4-bit weights are regrouped at load into Q4x8 (quant_blocks.h: 8 rows side
-// by side), where a vector lane is an output feature: about half the
-// instructions per weight of the one-row kernels, which remain for weights
+// by side; q4x8.cpp), where a vector lane is an output feature: fewer
+// instructions per weight than the one-row kernels, which remain for weights
 // kept as the file stores them.
 //
 // Prefill (many rows) is compute bound: tiles of W rows are dequantized to a
@@ -29,6 +29,7 @@
 #include "../ops.h"
 #include "cpu_utils.h"
 #include "quant_blocks.h"
+#include "q4x8.h"
 
 #if SHARDLM_HAVE_AVX2
 #define SHARDLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
@@ -317,77 +318,7 @@ void gemv(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t
   });
 }
 
-// ---- Q4x8: 8 rows per group, one output feature per vector lane -------------------
-
-// Group g's 8 outputs for input row x (K floats) and its block sums xs.
-void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t r = 0; r < kGroupRows; ++r) acc[r] = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = w + b * kGroupBlockBytes;
-    const float* xb = x + b * kBlock;
-    for (int64_t r = 0; r < kGroupRows; ++r) {
-      float part = 0.f;
-      for (int64_t s = 0; s < 4; ++s) {
-        uint32_t word;
-        std::memcpy(&word, p + 32 + 4 * (8 * s + r), sizeof word);
-        for (int64_t j = 0; j < 8; ++j) {
-          part += static_cast<float>((word >> (4 * j)) & 0x0f) * xb[8 * s + j];
-        }
-      }
-      acc[r] += half_at(p + 2 * r) * part + half_at(p + 16 + 2 * r) * xs[b];
-    }
-  }
-}
-
-#if SHARDLM_HAVE_AVX2
-// Lane r holds row r: per 8 weights one shift, one mask, one conversion and
-// one FMA against the broadcast input, about half the instructions of the
-// one-row kernels, and no per-block horizontal work. Adds one group-block's
-// d * sum(q x) to `sum` and m * sum(x) to `offsets`.
-SHARDLM_AVX2 inline void group_block_avx2(__m256& sum, __m256& offsets, const uint8_t* p,
-                                          const float* xb, float xsum) {
-  const __m256i low = _mm256_set1_epi32(0x0f);
-  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  for (int s = 0; s < 4; ++s) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
-    const float* x8 = xb + 8 * s;
-#define SHARDLM_Q4X8_STEP(acc_, j_)                                                  \
-  acc_ = _mm256_fmadd_ps(                                                             \
-      _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * (j_)), low)),     \
-      _mm256_broadcast_ss(x8 + (j_)), acc_)
-    SHARDLM_Q4X8_STEP(even, 0);
-    SHARDLM_Q4X8_STEP(odd, 1);
-    SHARDLM_Q4X8_STEP(even, 2);
-    SHARDLM_Q4X8_STEP(odd, 3);
-    SHARDLM_Q4X8_STEP(even, 4);
-    SHARDLM_Q4X8_STEP(odd, 5);
-    SHARDLM_Q4X8_STEP(even, 6);
-#undef SHARDLM_Q4X8_STEP
-    odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)),
-                          _mm256_broadcast_ss(x8 + 7), odd);
-  }
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  sum = _mm256_fmadd_ps(d, _mm256_add_ps(even, odd), sum);
-  offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), offsets);
-}
-
-// Group g's 8 outputs for input row x; two chains of blocks so consecutive
-// blocks do not wait on one accumulator.
-SHARDLM_AVX2 void group_avx2(float* acc, const uint8_t* w, const float* x, const float* xs,
-                             int64_t k) {
-  const int64_t blocks = k / kBlock;
-  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0, off0 = sum0, off1 = sum0;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    group_block_avx2(sum0, off0, w + b * kGroupBlockBytes, x + b * kBlock, xs[b]);
-    group_block_avx2(sum1, off1, w + (b + 1) * kGroupBlockBytes, x + (b + 1) * kBlock, xs[b + 1]);
-  }
-  if (b < blocks) group_block_avx2(sum0, off0, w + b * kGroupBlockBytes, x + b * kBlock, xs[b]);
-  _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(sum0, sum1), _mm256_add_ps(off0, off1)));
-}
-#endif
+// ---- Q4x8: 8 rows per group, one output feature per vector lane (q4x8.cpp) -------
 
 template <typename T>
 void gemv_q4x8(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t m,
@@ -395,52 +326,18 @@ void gemv_q4x8(T* out, const uint8_t* w, const Activations& a, const T* bias, in
   const int64_t blocks = k / kBlock;
   const int64_t group_bytes = blocks * kGroupBlockBytes;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
-#if SHARDLM_HAVE_AVX2
   const bool avx2 = cpu::use_avx2();
-#endif
+  const float* xp = cpu::q4x8::prepare(a.x, m * k, avx2);
   at::parallel_for(0, n / kGroupRows, grain, [&](int64_t begin, int64_t end) {
     float acc[kGroupRows];
     for (int64_t g = begin; g < end; ++g) {
       // Later input rows find the group's weights in cache.
       for (int64_t row = 0; row < m; ++row) {
-        const float* x = a.x + row * k;
-        const float* xs = a.xs + row * blocks;
-#if SHARDLM_HAVE_AVX2
-        if (avx2) {
-          group_avx2(acc, w + g * group_bytes, x, xs, k);
-        } else {
-          group_scalar(acc, w + g * group_bytes, x, xs, k);
-        }
-#else
-        group_scalar(acc, w + g * group_bytes, x, xs, k);
-#endif
+        cpu::q4x8::group_dot(acc, w + g * group_bytes, xp + row * k, a.xs + row * blocks, k,
+                             avx2);
         for (int64_t r = 0; r < kGroupRows; ++r) {
           const int64_t j = g * kGroupRows + r;
           out[row * n + j] = from_f<T>(acc[r] + (bias != nullptr ? to_f(bias[j]) : 0.f));
-        }
-      }
-    }
-  });
-}
-
-// Q4x8 rows [n0, n1) (multiples of 8) as float32 into `dst` ([n1 - n0, K]).
-void dequantize_q4x8_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  const int64_t group_bytes = blocks * kGroupBlockBytes;
-  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* p = w + g * group_bytes + b * kGroupBlockBytes;
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
-          float* o = dst + (g * kGroupRows + r - n0) * k + b * kBlock;
-          for (int64_t s = 0; s < 4; ++s) {
-            uint32_t word;
-            std::memcpy(&word, p + 32 + 4 * (8 * s + r), sizeof word);
-            for (int64_t j = 0; j < 8; ++j) {
-              o[8 * s + j] = d * static_cast<float>((word >> (4 * j)) & 0x0f) + m;
-            }
-          }
         }
       }
     }
@@ -451,7 +348,7 @@ void dequantize_q4x8_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, 
 template <int64_t kType>
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
   if constexpr (kType == kQ4x8) {
-    dequantize_q4x8_rows(dst, w, n0, n1, k);
+    cpu::q4x8::dequantize_rows(dst, w, n0, n1, k);
   } else {
     const int64_t blocks = k / kBlock;
     const int64_t row_bytes = blocks * block_bytes(kType);

@@ -92,9 +92,19 @@ def test_q4x8_linear_matches_reference(qtype, m, n, k):
     torch.testing.assert_close(ops.quant_linear(x, w, bias),
                                reference.quant_linear(x, w.blocks, "Q4x8", bias),
                                **TOL[torch.float32])
-    torch.testing.assert_close(ops.quant_linear(x, w, bias),
-                               reference.quant_linear(x, w.blocks, "Q4x8", bias),
+    torch.testing.assert_close(ops.quant_linear(x, w), reference.quant_linear(x, w.blocks, "Q4x8"),
                                **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1.0, 1e20])
+def test_q4x8_takes_tiny_and_huge_activations(scale):
+    """The AVX2 kernel pre-scales the input by powers of two down to 2^-24; products stay exact
+    for normal inputs far from the subnormal range, so only summation order differs."""
+    w = to_q4x8(ggml_weight(16, 64, "Q4_1", seed=5))
+    x = torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    expected = (x @ w.dequantize().double().T) * scale
+    got = ops.quant_linear((x * scale).float(), w).double()
+    torch.testing.assert_close(got, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
 def test_fused_q4x8_rows():

@@ -1,0 +1,139 @@
+// Q4x8 (quant_blocks.h): 8 weight rows side by side, so a vector lane is one
+// output feature and the block scales need no horizontal sums.
+//
+// The AVX2 kernel reads 8 quants of 8 rows from one 32-byte load (uint32 lane
+// r holds row r's quants 8s .. 8s+7, quant j in bits 4j .. 4j+3) and turns
+// quant j into a float by masking it in place, without shifting it down: lane
+// value q * 2^4j, exact in float32 (4 significant bits). The input is
+// pre-scaled to match, element 8s + j by 2^-4j (a power of two: exact, short
+// of inputs below 2^-100 going subnormal), so every product is still q * x,
+// for one mask, one conversion and one FMA per 8 weights. The top quant
+// (j = 7) is shifted down instead: masked in place it would read as negative.
+#include "q4x8.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "quant_blocks.h"
+#include "simd.h"
+
+namespace shardlm::cpu::q4x8 {
+namespace {
+
+using quant::half_at;
+using quant::kBlock;
+using quant::kGroupBlockBytes;
+using quant::kGroupRows;
+
+// Row r's quant i (0..31) of the group-block at p.
+inline float quant_of(const uint8_t* p, int64_t r, int64_t i) {
+  uint32_t word;
+  std::memcpy(&word, p + 32 + 4 * (8 * (i / 8) + r), sizeof word);
+  return static_cast<float>((word >> (4 * (i % 8))) & 0x0f);
+}
+
+void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < kGroupRows; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = w + b * kGroupBlockBytes;
+    const float* xb = x + b * kBlock;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      float part = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) part += quant_of(p, r, i) * xb[i];
+      acc[r] += half_at(p + 2 * r) * part + half_at(p + 16 + 2 * r) * xs[b];
+    }
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+// One group-block: d * sum(q x) into `sum`, m * sum(x) into `offsets`; four
+// chains of FMAs, so consecutive quants do not wait on one accumulator.
+SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t* p,
+                                    const float* xb, float xsum) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+  for (int s = 0; s < 4; ++s) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
+    const float* x8 = xb + 8 * s;
+#define SHARDLM_Q4X8_STEP(acc_, j_)                                                       \
+  acc_ = _mm256_fmadd_ps(                                                                  \
+      _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * (j_))))),    \
+      _mm256_broadcast_ss(x8 + (j_)), acc_)
+    SHARDLM_Q4X8_STEP(c0, 0);
+    SHARDLM_Q4X8_STEP(c1, 1);
+    SHARDLM_Q4X8_STEP(c2, 2);
+    SHARDLM_Q4X8_STEP(c3, 3);
+    SHARDLM_Q4X8_STEP(c0, 4);
+    SHARDLM_Q4X8_STEP(c1, 5);
+    SHARDLM_Q4X8_STEP(c2, 6);
+#undef SHARDLM_Q4X8_STEP
+    c3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)),
+                         _mm256_broadcast_ss(x8 + 7), c3);
+  }
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  sum = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)), sum);
+  offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), offsets);
+}
+
+// Two chains of blocks, so consecutive blocks do not wait on one accumulator.
+SHARDLM_AVX2 void group_avx2(float* acc, const uint8_t* w, const float* xp, const float* xs,
+                             int64_t k) {
+  const int64_t blocks = k / kBlock;
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0, off0 = sum0, off1 = sum0;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    block_avx2(sum0, off0, w + b * kGroupBlockBytes, xp + b * kBlock, xs[b]);
+    block_avx2(sum1, off1, w + (b + 1) * kGroupBlockBytes, xp + (b + 1) * kBlock, xs[b + 1]);
+  }
+  if (b < blocks) block_avx2(sum0, off0, w + b * kGroupBlockBytes, xp + b * kBlock, xs[b]);
+  _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(sum0, sum1), _mm256_add_ps(off0, off1)));
+}
+#endif
+
+}  // namespace
+
+const float* prepare(const float* x, int64_t count, bool avx2) {
+  if (!avx2) return x;
+  thread_local std::vector<float> scaled;
+  if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int j = static_cast<int>(i % 8);
+    scaled[i] = j < 7 ? std::ldexp(x[i], -4 * j) : x[i];
+  }
+  return scaled.data();
+}
+
+void group_dot(float* acc, const uint8_t* w, const float* xp, const float* xs, int64_t k,
+               bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) {
+    group_avx2(acc, w, xp, xs, k);
+    return;
+  }
+#endif
+  (void)avx2;
+  group_scalar(acc, w, xp, xs, k);
+}
+
+void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  const int64_t group_bytes = blocks * kGroupBlockBytes;
+  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = w + g * group_bytes + b * kGroupBlockBytes;
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
+          float* o = dst + (g * kGroupRows + r - n0) * k + b * kBlock;
+          for (int64_t i = 0; i < kBlock; ++i) o[i] = d * quant_of(p, r, i) + m;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace shardlm::cpu::q4x8

@@ -1,0 +1,27 @@
+// The Q4x8 matrix-vector kernel (q4x8.cpp): one group of 8 weight rows
+// (quant_blocks.h) against one input row, on AVX2 or portably, and the group
+// rows dequantized for the tiled prefill path. quant_linear.cpp owns the loop
+// over groups and input rows, and the threads.
+#pragma once
+
+#include <cstdint>
+
+namespace shardlm::cpu::q4x8 {
+
+// The input rows (`count` floats, rows of K, a multiple of 32) as group_dot
+// reads them: for the AVX2 kernel pre-scaled (see q4x8.cpp) into a
+// thread-local buffer valid until the next call on this thread, for the
+// portable one as they are.
+const float* prepare(const float* x, int64_t count, bool avx2);
+
+// acc[r] = dot(row 8g + r, x) for the group at `w` (K / 32 group-blocks),
+// with xp the row of prepare(..., avx2) for x and xs the 32-element block
+// sums of x.
+void group_dot(float* acc, const uint8_t* w, const float* xp, const float* xs, int64_t k,
+               bool avx2);
+
+// Rows [n0, n1) (multiples of 8) as float32 into `dst` ([n1 - n0, K]),
+// d * q + m exactly as the reference computes it.
+void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k);
+
+}  // namespace shardlm::cpu::q4x8
