@@ -92,6 +92,43 @@ SHARDLM_AVX2 void group_avx2(float* acc, const uint8_t* w, const float* xp, cons
   if (b < blocks) block_avx2(sum0, off0, w + b * kGroupBlockBytes, xp + b * kBlock, xs[b]);
   _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(sum0, sum1), _mm256_add_ps(off0, off1)));
 }
+
+// R input rows against one group: each unpacked vector of quants feeds R FMAs,
+// so the unpacking is paid once per R rows (decode batches). Two chains per
+// row (even and odd quants) keep 2R FMAs in flight.
+template <int R>
+SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64_t x_stride,
+                            const float* xs, int64_t xs_stride, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  __m256 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = w + b * kGroupBlockBytes;
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
+      const float* x8 = xp + b * kBlock + 8 * s;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256 q = _mm256_cvtepi32_ps(
+            j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
+                  : _mm256_srli_epi32(v, 28));
+        for (int r = 0; r < R; ++r) {
+          __m256& c = j % 2 == 0 ? even[r] : odd[r];
+          c = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x8 + r * x_stride + j), c);
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    for (int r = 0; r < R; ++r) {
+      sum[r] = _mm256_fmadd_ps(d, _mm256_add_ps(even[r], odd[r]),
+                               _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * xs_stride + b]), sum[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + kGroupRows * r, sum[r]);
+}
 #endif
 
 }  // namespace
@@ -107,16 +144,22 @@ const float* prepare(const float* x, int64_t count, bool avx2) {
   return scaled.data();
 }
 
-void group_dot(float* acc, const uint8_t* w, const float* xp, const float* xs, int64_t k,
-               bool avx2) {
+void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, const float* xs,
+              int64_t xs_stride, int64_t rows, int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
-    group_avx2(acc, w, xp, xs, k);
-    return;
+    switch (rows) {
+      case 1: return group_avx2(acc, w, xp, xs, k);
+      case 2: return rows_avx2<2>(acc, w, xp, x_stride, xs, xs_stride, k);
+      case 3: return rows_avx2<3>(acc, w, xp, x_stride, xs, xs_stride, k);
+      default: return rows_avx2<4>(acc, w, xp, x_stride, xs, xs_stride, k);
+    }
   }
 #endif
   (void)avx2;
-  group_scalar(acc, w, xp, xs, k);
+  for (int64_t r = 0; r < rows; ++r) {
+    group_scalar(acc + kGroupRows * r, w, xp + r * x_stride, xs + r * xs_stride, k);
+  }
 }
 
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {

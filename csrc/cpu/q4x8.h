@@ -1,5 +1,5 @@
 // The Q4x8 matrix-vector kernel (q4x8.cpp): one group of 8 weight rows
-// (quant_blocks.h) against one input row, on AVX2 or portably, and the group
+// (quant_blocks.h) against up to 4 input rows, on AVX2 or portably, and the group
 // rows dequantized for the tiled prefill path. quant_linear.cpp owns the loop
 // over groups and input rows, and the threads.
 #pragma once
@@ -14,11 +14,15 @@ namespace shardlm::cpu::q4x8 {
 // portable one as they are.
 const float* prepare(const float* x, int64_t count, bool avx2);
 
-// acc[r] = dot(row 8g + r, x) for the group at `w` (K / 32 group-blocks),
-// with xp the row of prepare(..., avx2) for x and xs the 32-element block
-// sums of x.
-void group_dot(float* acc, const uint8_t* w, const float* xp, const float* xs, int64_t k,
-               bool avx2);
+// The most input rows one rows_dot call takes.
+constexpr int64_t kMaxRows = 4;
+
+// acc[8 i + r] = dot(row 8g + r of the group at `w` (K / 32 group-blocks),
+// input row i) for i < rows (1 .. kMaxRows): input row i is xp + i * x_stride
+// in prepare(..., avx2)'s form, its 32-element block sums xs + i * xs_stride.
+// The quants are unpacked once for all the rows.
+void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, const float* xs,
+              int64_t xs_stride, int64_t rows, int64_t k, bool avx2);
 
 // Rows [n0, n1) (multiples of 8) as float32 into `dst` ([n1 - n0, K]),
 // d * q + m exactly as the reference computes it.

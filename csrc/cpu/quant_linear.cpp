@@ -44,8 +44,14 @@ using namespace cpu::quant;
 
 // Input rows per pass over a weight row; more rows than this take passes.
 constexpr int64_t kRowGroup = 4;
-// More input rows than this take the tiled GEMM path.
-constexpr int64_t kGemvMaxRows = 8;
+// More input rows than this take the tiled GEMM path. The Q4x8 and Q8_0
+// matrix-vector kernels unpack a block once for several input rows, so they
+// stay ahead of dequantizing tiles through decode batches (bench.quant_bench);
+// the one-row 4-bit kernels (weights whose rows do not fill groups of 8) hand
+// over sooner.
+constexpr int64_t gemv_max_rows(int64_t qtype) {
+  return qtype == kQ4x8 || qtype == kQ8_0 ? 64 : 8;
+}
 
 // The input as float32 and its per-block sums; thread-local, grows only.
 struct Activations {
@@ -92,7 +98,7 @@ Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int
     for (int64_t t = 0; t < kBlock; ++t) s += x[i * kBlock + t];
     sums[i] = s;
   }
-  const bool nibbles = m <= kGemvMaxRows && nibble_order(qtype);  // only the GEMV reads it
+  const bool nibbles = m <= gemv_max_rows(qtype) && nibble_order(qtype);  // only the GEMV reads it
   return {x, sums.data(), nibbles ? to_nibble_order(x, m * k) : nullptr};
 }
 
@@ -329,15 +335,19 @@ void gemv_q4x8(T* out, const uint8_t* w, const Activations& a, const T* bias, in
   const bool avx2 = cpu::use_avx2();
   const float* xp = cpu::q4x8::prepare(a.x, m * k, avx2);
   at::parallel_for(0, n / kGroupRows, grain, [&](int64_t begin, int64_t end) {
-    float acc[kGroupRows];
+    float acc[cpu::q4x8::kMaxRows * kGroupRows];
     for (int64_t g = begin; g < end; ++g) {
       // Later input rows find the group's weights in cache.
-      for (int64_t row = 0; row < m; ++row) {
-        cpu::q4x8::group_dot(acc, w + g * group_bytes, xp + row * k, a.xs + row * blocks, k,
-                             avx2);
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const int64_t j = g * kGroupRows + r;
-          out[row * n + j] = from_f<T>(acc[r] + (bias != nullptr ? to_f(bias[j]) : 0.f));
+      for (int64_t m0 = 0; m0 < m; m0 += cpu::q4x8::kMaxRows) {
+        const int64_t rows = std::min(cpu::q4x8::kMaxRows, m - m0);
+        cpu::q4x8::rows_dot(acc, w + g * group_bytes, xp + m0 * k, k, a.xs + m0 * blocks,
+                            blocks, rows, k, avx2);
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t r = 0; r < kGroupRows; ++r) {
+            const int64_t j = g * kGroupRows + r;
+            out[(m0 + i) * n + j] =
+                from_f<T>(acc[i * kGroupRows + r] + (bias != nullptr ? to_f(bias[j]) : 0.f));
+          }
         }
       }
     }
@@ -395,7 +405,7 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
                         const std::optional<at::Tensor>& bias, int64_t m, int64_t n, int64_t k) {
   const Activations a = prepare_input(input, kType, m, k);
   const auto* w = blocks.const_data_ptr<uint8_t>();
-  if (m > kGemvMaxRows) {
+  if (m > gemv_max_rows(kType)) {
     tiled_gemm<kType>(out, a, w, bias, m, n, k);
     return;
   }

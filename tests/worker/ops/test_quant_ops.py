@@ -82,7 +82,7 @@ def test_q4x8_holds_the_same_weights(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("m", [1, 2, 3, 9, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 9, 40, 70])
 @pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
 def test_q4x8_linear_matches_reference(qtype, m, n, k):
     w = to_q4x8(ggml_weight(n, k, qtype, seed=m))
