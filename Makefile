@@ -5,7 +5,7 @@ STAMP := $(VENV)/.shardlm-installed
 SOURCES := pyproject.toml setup.py clients/python/pyproject.toml scripts/install.sh \
 	$(wildcard csrc/*.h csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: install test check proto bench serve gpu-check gpu-wheels
+.PHONY: install test check proto bench serve gpu-check gpu-wheels llama-server
 
 $(STAMP): $(SOURCES)
 	bash scripts/install.sh
@@ -34,6 +34,11 @@ bench: install
 # Serve the default model (SmolLM2-135M-Instruct), or a checkpoint: make serve [MODEL=/path] [ARGS="--tp 2"]
 serve: install
 	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+# llama.cpp's own server into .bench/bin (git-ignored), for the full-stack comparison of
+# `python -m bench.run --model FILE.gguf`; optional, about 8 minutes on 2 cores.
+llama-server: install
+	PYTHON=$(PY) bash scripts/build_llama_server.sh
 
 # GPU verification (README, "GPU verification"): make gpu-check [PART=tests|bench|all] [ARGS="--budget 0"]
 # It builds the ops itself, against the torch of $(PY) when .venv exists, else of python3.

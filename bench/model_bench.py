@@ -6,7 +6,9 @@ round runs both engines back to back and the medians are reported):
   * ShardLM's decode step split into weight-streaming kernels, attention and everything else
     (torch.profiler self times over a few steps, scaled to the unprofiled step time);
   * the GB/s ShardLM streams against the measured read bandwidth (bench.roofline);
-  * teacher-forced top-1 agreement of both engines with the float32 reference (bench.agreement).
+  * teacher-forced top-1 agreement of both engines with the float32 reference (bench.agreement);
+  * the full stack, 1/8/32 concurrent streams: `shardlm serve` against llama.cpp's `llama-server`
+    with as many parallel slots (bench.model_stack; the "stack" section).
 llama.cpp runs through `llama-cpp-python` (bench/llamacpp.py); without it, or for a folder of
 safetensors, only ShardLM's columns are measured and a line says why.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench import agreement, llamacpp, roofline
+from bench import agreement, llamacpp, model_stack, roofline
 from bench import engine_bench as eb
 from shardlm_server.worker.engine import Engine
 
@@ -137,6 +139,17 @@ def measure(args) -> dict:
                           "achieved_gb_s": nbytes / (step_ms / 1000) / 1e9,
                           "pct_of_floor": 100 * floor_ms / step_ms}
 
+    if "stack" in args.section_list:
+        print("-- full stack", flush=True)
+        try:
+            result["stack"] = model_stack.measure(
+                path, gguf, cfg=engine.cfg, dtype=args.dtype, threads=threads,
+                stream_counts=args.stream_list, prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, rounds=args.repeats + 1)
+        except Exception as exc:  # noqa: BLE001 - keep the in-process figures: report what failed
+            result["stack"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"full stack: {result['stack']['error']}", flush=True)
+
     if args.agreement_tokens:
         ids = agreement.text_ids(path, args.agreement_tokens)
         ours = agreement.engine_top1(engine, ids)
@@ -168,6 +181,9 @@ def targets(result: dict) -> list[dict]:
             ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"], 2.0)
     if result.get("agreement"):
         add("top-1 agreement with float32 >= 99.5%", result["agreement"]["shardlm"], 0.995)
+    if "rows" in result.get("stack", {}):
+        for name, value, goal in model_stack.targets(result["stack"]):
+            add(name, value, goal)
     if result["format"] == "safetensors" and result["dtype"] == "bfloat16":
         add("bfloat16 batch-1 decode >= 75% of the read-bandwidth floor",
             result["roofline"]["pct_of_floor"] / 100, 0.75)
@@ -207,6 +223,8 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
         if "llama_cpp" in a:
             line += f", llama.cpp {100 * a['llama_cpp']:.1f}%"
         print(line)
+    if "rows" in result.get("stack", {}):
+        model_stack.print_rows(result["stack"])
     print("\n== targets")
     for t in goals:
         verdict = "n/a " if t["pass"] is None else ("PASS" if t["pass"] else "MISS")

@@ -19,8 +19,9 @@ from pathlib import Path
 from bench.serve_process import Server
 
 
-def _stream(address: str, prompt: list[int], max_new_tokens: int,
-            barrier: threading.Barrier | None) -> dict:
+def grpc_stream(address: str, prompt: list[int], max_new_tokens: int,
+                barrier: threading.Barrier | None) -> dict:
+    """One streaming Generate: {"start", "arrivals": [(time, tokens)], "server": {timings}}."""
     import grpc
     from shardlm.common.v1 import common_pb2
     from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -90,11 +91,17 @@ def summarize(n: int, streams: list[dict]) -> dict:
     }
 
 
-def run_round(address: str, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+Client = Callable[[str, list[int], int, "threading.Barrier | None"], dict]
+
+
+def run_round(address: str, prompts: list[list[int]], max_new_tokens: int,
+              client: Client = grpc_stream) -> list[dict]:
+    """One concurrent stream per prompt, released together; each stream's record by `client`
+    (ShardLM's gRPC by default, or bench.llama_server.stream)."""
     n = len(prompts)
     barrier = threading.Barrier(n)
     with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(_stream, address, p, max_new_tokens, barrier) for p in prompts]
+        futures = [pool.submit(client, address, p, max_new_tokens, barrier) for p in prompts]
         return [f.result() for f in futures]
 
 

@@ -61,8 +61,8 @@ def test_smoke_run_writes_every_section(tmp_path):
 
 
 def test_smoke_run_on_a_model_file(tmp_path):
-    """`--model FILE.gguf`: ShardLM's figures, the breakdown, the roofline, the agreement and the
-    targets land in the JSON; llama.cpp's columns are there or say why they are not."""
+    """`--model FILE.gguf`: ShardLM's figures, the breakdown, the roofline, the agreement, the
+    full stack and the targets land in the JSON; llama.cpp's columns are there or say why not."""
     from tests.gguf_files import GGUFSpec, write_gguf
 
     model = tmp_path / "tiny.gguf"
@@ -70,8 +70,9 @@ def test_smoke_run_on_a_model_file(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "--model", str(model), "--smoke",
          "--agreement-tokens", "32", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=170,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+        # No llama-server even where one is built: the run must say so and go on.
+        env=dict(os.environ, PYTHONUNBUFFERED="1", LLAMA_SERVER=str(tmp_path / "none")),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (file,) = tmp_path.glob("run-cpu-tiny-*.json")
@@ -88,7 +89,12 @@ def test_smoke_run_on_a_model_file(tmp_path):
     llama = result["llama_cpp"]
     assert llama.startswith("not run") if isinstance(llama, str) else llama["decode_tokens_per_s"] > 0
     assert any("agreement" in t["target"] for t in report["targets"])
-    assert "top-1 agreement" in proc.stdout and "== targets" in proc.stdout
+    stack = result["stack"]  # `shardlm serve` on the file; llama-server beside it when built
+    assert [r["streams"] for r in stack["rows"]] == report["config"]["streams"]
+    assert all(r["shardlm"]["tokens_per_s"] > 0 for r in stack["rows"])
+    assert stack["llama_server"].startswith("not run: no llama-server")
+    assert "top-1 agreement" in proc.stdout and "== full stack" in proc.stdout
+    assert "== targets" in proc.stdout
 
 
 def test_model_must_exist(tmp_path):

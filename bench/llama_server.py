@@ -1,0 +1,134 @@
+"""llama.cpp's own HTTP server (`llama-server`) in a subprocess, and a streaming client for it that
+records chunk arrivals the way bench.stack_bench does for ShardLM, so both stacks are summarized
+by the same code.
+
+The binary is optional and built by `make llama-server` (scripts/build_llama_server.sh) into
+.bench/bin; `binary()` also finds one named by $LLAMA_SERVER or on PATH. Requests go to the native
+`/completion` endpoint: token-id prompts, greedy, `ignore_eos`, a fixed `n_predict`, no prompt
+cache (the benchmark sends fresh prompts each round, and ShardLM's prefix cache sees no repeats
+either).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from bench.serve_process import REPO, free_port
+
+BUILD_HINT = "make llama-server"
+
+
+def binary() -> Path | None:
+    """The llama-server to run: $LLAMA_SERVER, else the one `make llama-server` built, else PATH."""
+    named = os.environ.get("LLAMA_SERVER")
+    if named:
+        return Path(named) if Path(named).is_file() else None
+    built = REPO / ".bench" / "bin" / "llama-server"
+    if built.is_file():
+        return built
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+class LlamaServer:
+    """`llama-server` on `gguf` with `slots` parallel slots of `slot_tokens` context each, and
+    `threads` threads for decode and for prompts."""
+
+    def __init__(self, exe: Path, gguf: Path, *, slots: int, slot_tokens: int, threads: int,
+                 start_timeout_s: float = 120.0) -> None:
+        self.port = free_port()
+        cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+               "-c", str(slots * slot_tokens), "-b", "512"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.output: list[str] = []
+
+        def drain() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.output.append(line)
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("llama-server did not come up:\n" + "".join(self.output[-30:]))
+            time.sleep(0.2)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def stream(address: str, prompt: list[int], max_new_tokens: int,
+           barrier: threading.Barrier | None) -> dict:
+    """One streaming completion: {"start", "arrivals": [(time, tokens)], "server": {}}, the shape
+    bench.stack_bench.summarize reads."""
+    host, port = address.rsplit(":", 1)
+    body = json.dumps({"prompt": prompt, "n_predict": max_new_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+                       "cache_prompt": False, "return_tokens": True})
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    try:
+        conn.connect()  # one connection per client, as separate clients would have
+        if barrier is not None:
+            barrier.wait()
+        start = time.perf_counter()
+        conn.request("POST", "/completion", body=body,
+                     headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"llama-server answered {reply.status}: {reply.read()[:300]!r}")
+        arrivals: list[tuple[float, int]] = []
+        server: dict = {}
+        for raw in reply:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            count = len(event.get("tokens") or [])
+            if count:
+                arrivals.append((now, count))
+            if event.get("stop"):
+                timings = event.get("timings") or {}
+                server = {"ttft_s": timings.get("prompt_ms", float("nan")) / 1000,
+                          "tokens_per_s": timings.get("predicted_per_second", float("nan")),
+                          "mean_inter_token_s": timings.get("predicted_per_token_ms",
+                                                            float("nan")) / 1000}
+                break
+        return {"start": start, "arrivals": arrivals, "server": server}
+    finally:
+        conn.close()

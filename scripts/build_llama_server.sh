@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own HTTP server, `llama-server`, for the full-stack comparison of
+# `python -m bench.run --model FILE.gguf` (bench/llama_server.py). Optional: nothing else needs it.
+#
+#   scripts/build_llama_server.sh [DEST]     (default: .bench; the binary lands in DEST/bin)
+#
+# The source is the llama.cpp that llama-cpp-python vendors, fetched as that package's source
+# distribution through pip (the version installed in PYTHON's environment when there is one, so
+# the in-process and the server comparisons run the same llama.cpp), built with the machine's own
+# SIMD (GGML_NATIVE), statically, without the web UI, TLS or curl. About 8 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEST=$(realpath -m "${1:-.bench}")
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+VERSION=$("$PYTHON" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)
+SPEC="llama-cpp-python${VERSION:+==$VERSION}"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+echo "fetching the source of $SPEC"
+"$PYTHON" -m pip download -q --no-deps --no-binary=:all: -d "$WORK" "$SPEC" 2>&1 \
+  | grep -v '^WARNING: Location' || true
+ls "$WORK"/llama_cpp_python-*.tar.gz > /dev/null
+tar -xzf "$WORK"/llama_cpp_python-*.tar.gz -C "$WORK"
+SRC=$(echo "$WORK"/llama_cpp_python-*/vendor/llama.cpp)
+[ -f "$SRC/tools/server/CMakeLists.txt" ] || { echo "no llama.cpp server source in $SPEC" >&2; exit 1; }
+
+echo "building llama-server (${MAX_JOBS:-$(nproc)} jobs)"
+cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF > "$WORK/configure.log" 2>&1 \
+  || { tail -30 "$WORK/configure.log" >&2; exit 1; }
+cmake --build "$WORK/build" --target llama-server -j "${MAX_JOBS:-$(nproc)}" > "$WORK/build.log" 2>&1 \
+  || { tail -30 "$WORK/build.log" >&2; exit 1; }
+mkdir -p "$DEST/bin"
+install -m 755 "$WORK/build/bin/llama-server" "$DEST/bin/llama-server"
+echo "$SPEC" > "$DEST/bin/llama-server.version"
+echo "built $DEST/bin/llama-server from $SPEC"
