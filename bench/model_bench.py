@@ -2,7 +2,8 @@
 
 On the same file and the same thread count, in alternation (a shared machine drifts, so each
 round runs both engines back to back and the medians are reported):
-  * batch-1 greedy decode after a short prompt, and one 512-token prefill;
+  * batch-1 greedy decode after a short prompt, and one 512-token prefill; ShardLM's decode
+    batches (--batches, best of --repeats);
   * ShardLM's decode step split into weight-streaming kernels, attention and everything else
     (torch.profiler self times over a few steps, scaled to the unprofiled step time);
   * the GB/s ShardLM streams against the measured read bandwidth (bench.roofline);
@@ -86,7 +87,8 @@ def measure(args) -> dict:
     prefill_len = max(args.prefill_lens)
     result: dict = {"model": str(path), "format": "gguf" if gguf else "safetensors",
                     "dtype": args.dtype, "threads": threads}
-    engine = eb.load_engine(path, dtype, cpu, 1, args.prompt_len + args.new_tokens,
+    engine = eb.load_engine(path, dtype, cpu, max(args.batch_list),
+                            args.prompt_len + args.new_tokens,
                             max(prefill_len, args.agreement_tokens))
     vocab = engine.cfg.vocab_size
     llama = None
@@ -123,6 +125,12 @@ def measure(args) -> dict:
                          "prefill_tokens_per_s_spread": _spread([prefill_len / s
                                                                  for s in ours_pre]),
                          "breakdown": step_breakdown(engine, prompt, min(steps, 16), step_ms)}
+    # Decode batches (ShardLM alone: llama.cpp's batches are measured through its server).
+    result["shardlm"]["decode_batches"] = [
+        eb.decode_row(b, eb.engine_decode_seconds(
+            engine, eb.random_prompts(b, args.prompt_len, vocab), args.new_tokens, cpu,
+            args.repeats), steps)
+        for b in args.batch_list if b > 1]
     if llama is not None:
         ms = 1000 * _median(theirs_dec)
         result["llama_cpp"].update({
@@ -208,6 +216,11 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
 
     row("batch-1 decode tok/s", "decode_tokens_per_s")
     row(f"{ours['prefill_tokens']}-token prefill tok/s", "prefill_tokens_per_s")
+    batches = ours.get("decode_batches") or []
+    if batches:
+        print("ShardLM decode batches: " + ", ".join(
+            f"{r['batch']}: {r['tokens_per_s']:.0f} tok/s ({r['ms_per_step']:.1f} ms/step)"
+            for r in batches))
     b = ours.get("breakdown") or {}
     if b:
         print(f"decode step {ours['decode_ms_per_step']:.2f} ms: weight kernels "

@@ -83,6 +83,8 @@ def test_smoke_run_on_a_model_file(tmp_path):
     ours = result["shardlm"]
     assert ours["decode_tokens_per_s"] > 0 and ours["prefill_tokens_per_s"] > 0
     assert set(ours["breakdown"]) >= {"weights_ms", "attention_ms", "other_ms"}
+    assert [r["batch"] for r in ours["decode_batches"]] == [
+        b for b in report["config"]["batches"] if b > 1]
     assert result["roofline"]["weight_bytes"] > 0 and result["roofline"]["achieved_gb_s"] > 0
     assert result["agreement"]["tokens"] == 32
     assert 0.0 <= result["agreement"]["shardlm"] <= 1.0
