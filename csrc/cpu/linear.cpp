@@ -93,6 +93,12 @@ SHARDLM_AVX2 void block_avx2(T* out, const float* x, const T* w, const T* bias, 
   __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
+    if (i % (64 / sizeof(T)) == 0) {  // a line of each row
+      prefetch_ahead(w0 + i);
+      prefetch_ahead(w1 + i);
+      prefetch_ahead(w2 + i);
+      prefetch_ahead(w3 + i);
+    }
     const __m256 va = load8(xa + i);
     const __m256 v0 = load8(w0 + i);
     const __m256 v1 = load8(w1 + i);
@@ -140,6 +146,9 @@ SHARDLM_AVX2 void block_bf16_avx2(c10::BFloat16* out, const float* x, const floa
   for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
   const int64_t k16 = k / 16 * 16;
   for (int64_t i = 0; i < k16; i += 16) {
+    if (i % 32 == 0) {  // a line of each row
+      for (const c10::BFloat16* row : rows) prefetch_ahead(row + i);
+    }
     const __m256 ae = _mm256_loadu_ps(pa + i), ao = _mm256_loadu_ps(pa + i + 8);
     __m256 be = ae, bo = ao;
     if constexpr (kTwo) {

@@ -13,7 +13,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -54,6 +53,9 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs,
 // chains of FMAs, so consecutive quants do not wait on one accumulator.
 SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t* p,
                                     const float* xb, float xsum) {
+  cpu::avx2::prefetch_ahead(p);
+  cpu::avx2::prefetch_ahead(p + 64);
+  cpu::avx2::prefetch_ahead(p + 128);
   __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
   for (int s = 0; s < 4; ++s) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
@@ -104,6 +106,9 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = w + b * kGroupBlockBytes;
+    cpu::avx2::prefetch_ahead(p);
+    cpu::avx2::prefetch_ahead(p + 64);
+    cpu::avx2::prefetch_ahead(p + 128);
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int s = 0; s < 4; ++s) {
@@ -137,9 +142,10 @@ const float* prepare(const float* x, int64_t count, bool avx2) {
   if (!avx2) return x;
   thread_local std::vector<float> scaled;
   if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
-  for (int64_t i = 0; i < count; ++i) {
-    const int j = static_cast<int>(i % 8);
-    scaled[i] = j < 7 ? std::ldexp(x[i], -4 * j) : x[i];
+  // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
+  constexpr float kScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
+  for (int64_t i = 0; i < count; i += 8) {  // count is a multiple of 32
+    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kScale[j];
   }
   return scaled.data();
 }

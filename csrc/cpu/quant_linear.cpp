@@ -206,7 +206,9 @@ SHARDLM_AVX2 void row_avx2(float* acc, const uint8_t* w, const Activations& a, i
     }
   }
   int64_t b = 0;
+  const int64_t bytes = block_bytes(kType);
   for (; b + kSets <= blocks; b += kSets) {
+    cpu::avx2::prefetch_ahead(w + b * bytes);  // kSets blocks: about a line
     for (int s = 0; s < kSets; ++s) block_avx2<kType, kRows>(vacc[s], macc[s], w, a, m0, b + s, k);
   }
   for (; b < blocks; ++b) block_avx2<kType, kRows>(vacc[0], macc[0], w, a, m0, b, k);

@@ -30,6 +30,20 @@
 #if SHARDLM_HAVE_AVX2
 namespace shardlm::cpu::avx2 {
 
+// ---- prefetch ----------------------------------------------------------------------
+// A decode step streams each weight once. The hardware prefetcher alone keeps
+// too few lines in flight for the kernels to overlap their arithmetic with the
+// reads, so the streaming kernels also ask for the line this many bytes ahead
+// of the one they read. 6 KiB measured best of 0 to 12 KiB for 4-bit and
+// bfloat16 SmolLM2 decode (about +10% and +20% tok/s on this machine).
+constexpr int64_t kPrefetchBytes = 6144;
+
+// Asks for the cache line kPrefetchBytes past p; a hint, so an address past
+// the end of the weights is harmless.
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // ---- 8 lanes of T <-> 8 floats ------------------------------------------------------
 // Conversions round to nearest even exactly like c10::BFloat16 / c10::Half, so
 // vector and scalar code produce the same bits.
