@@ -178,10 +178,23 @@ class TransformerModel:
         #: On CPU each layer runs as two fused ops (DecoderLayer.forward_blocks) unless debug taps
         #: are asked for; a benchmark may turn it off to time the op-by-op layer.
         self.fused_blocks = device.type == "cpu"
+        #: A single CPU rank runs all of them in one call; tensor parallelism reduces partial
+        #: sums between a layer's two halves, so its ranks call the blocks layer by layer.
+        self.stack = self._decoder_stack() if self.fused_blocks and parallel.world_size == 1 else None
         self.cos_sin = ops.compute_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         ).to(device)
         progress(1.0, "weights loaded")
+
+    def _decoder_stack(self) -> ops.DecoderStack:
+        first = self.layers[0]
+        stack = ops.DecoderStack(first.eps, (first.num_heads, first.num_kv_heads, first.head_dim),
+                                 first.attn.scale)
+        for layer in self.layers:
+            stack.add_layer(layer.input_norm, layer.post_norm, layer.qkv.weight, layer.qkv.bias,
+                            layer.o_proj.weight, layer.o_proj.fused_bias, layer.gate_up.weight,
+                            layer.gate_up.bias, layer.down.weight, layer.down.fused_bias)
+        return stack
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -199,11 +212,16 @@ class TransformerModel:
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         fused = self.fused_blocks and taps is None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            if fused:
-                hidden, residual = layer.forward_blocks(hidden, residual, self.cos_sin, kv, meta)
-            else:
-                hidden, residual = layer.forward(hidden, residual, self.cos_sin, kv, meta, taps)
+        if fused and self.stack is not None:
+            hidden, residual = self.stack.forward(hidden, self.cos_sin, kv_caches, meta)
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                if fused:
+                    hidden, residual = layer.forward_blocks(hidden, residual, self.cos_sin, kv,
+                                                            meta)
+                else:
+                    hidden, residual = layer.forward(hidden, residual, self.cos_sin, kv, meta,
+                                                     taps)
         assert residual is not None
         ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         last = hidden.index_select(0, meta.logits_indices)

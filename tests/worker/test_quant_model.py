@@ -75,10 +75,11 @@ def test_quantize_at_load_equals_the_model_with_those_weights(llama_dir, scheme,
         held = "Q4x8" if qtype == "Q4_1" and lin.weight.shape[0] % 8 == 0 else qtype
         assert (lin.weight.qtype if blockable else lin.weight.dtype) == (
             held if blockable else torch.float32)
-    # The reference: the dense model with each weight replaced by its quantized values.
+    # The reference: the dense model with each weight's values replaced by their quantized ones
+    # (in place: the model binds its weight tensors at load).
     for lin in _linears(original):
         if lin.weight.shape[1] % BLOCK == 0:
-            lin.weight = quantize(lin.weight, scheme).dequantize()
+            lin.weight.copy_(quantize(lin.weight, scheme).dequantize())
     logits, tokens = _logits_and_tokens(quantized)
     reference_logits, reference_tokens = _logits_and_tokens(original)
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CUDA_BUILT",
+    "DecoderStack",
     "SKINNY_MAX_ROWS",
     "USE_REFERENCE",
     "attention_block",
@@ -262,6 +263,44 @@ def attention_block(
                          meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.is_decode,
                          meta.max_query_len, meta.max_seq_len, scale)
     return out
+
+
+class DecoderStack:
+    """Every decoder layer of a single-rank CPU model in one call (csrc/cpu/decoder_stack.cpp):
+    each layer's attention_block then mlp_block in a C++ loop, without a Python and dispatcher
+    round trip per layer. Weights are bound once by `add_layer`, in layer order."""
+
+    def __init__(self, eps: float, heads: tuple[int, int, int], scale: float) -> None:
+        self.eps, self.heads, self.scale = eps, heads, scale
+        self._layers: list[tuple] = []  # the reference's
+        self._native = (None if USE_REFERENCE
+                        else torch.classes.shardlm.DecoderStack(eps, *heads, scale))
+
+    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                  qkv: torch.Tensor | QuantizedWeight, qkv_bias: torch.Tensor | None,
+                  o: torch.Tensor | QuantizedWeight, o_bias: torch.Tensor | None,
+                  gate_up: torch.Tensor | QuantizedWeight, gate_up_bias: torch.Tensor | None,
+                  down: torch.Tensor | QuantizedWeight, down_bias: torch.Tensor | None) -> None:
+        if self._native is None:
+            self._layers.append((input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
+                                 gate_up_bias, down, down_bias))
+            return
+        self._native.add_layer(input_norm, post_norm, *_weight_args(qkv), qkv_bias,
+                               *_weight_args(o), o_bias, o.shape[0], *_weight_args(gate_up),
+                               gate_up_bias, *_weight_args(down), down_bias, down.shape[0])
+
+    def forward(self, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after every layer, for the embeddings `hidden` [T, H] (updated in
+        place, as by the first layer's norm); layer i uses kv_caches[i]."""
+        if self._native is None:
+            return reference.decoder_stack(hidden, self._layers, self.eps, self.heads,
+                                           self.scale, cos_sin_cache, kv_caches, meta)
+        return self._native.forward(
+            hidden, meta.positions, cos_sin_cache, [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, meta.is_decode, meta.max_query_len, meta.max_seq_len)
 
 
 def mlp_block(

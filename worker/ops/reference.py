@@ -264,3 +264,26 @@ def mlp_block(
         return result
     out.copy_(result)
     return out
+
+
+def decoder_stack(
+    hidden: torch.Tensor,
+    layers: list[tuple],
+    eps: float,
+    heads: tuple[int, int, int],
+    scale: float,
+    cos_sin_cache: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    meta,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's attention_block then mlp_block; `layers` holds each layer's (input_norm,
+    post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias). Returns
+    (hidden, residual) after the last layer."""
+    residual = torch.zeros_like(hidden)
+    for (input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down,
+         down_bias), (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        hidden = attention_block(hidden, residual, input_norm, eps, qkv, qkv_bias, o, o_bias,
+                                 heads, cos_sin_cache, k_cache, v_cache, meta, scale)
+        hidden = mlp_block(hidden, residual, post_norm, eps, gate_up, gate_up_bias, down,
+                           down_bias)
+    return hidden, residual

@@ -1,6 +1,7 @@
 """The fused CPU decoder-layer halves (attention_block, mlp_block) against the same steps run op
 by op (bit for bit: they call the same kernels) and against the plain reference, for dense and
-GGML-block weights, decode and prefill over a cached prefix, with and without biases; opcheck."""
+GGML-block weights, decode and prefill over a cached prefix, with and without biases; opcheck.
+DecoderStack (every layer in one call) against those blocks layer by layer and the reference."""
 
 from __future__ import annotations
 
@@ -127,6 +128,60 @@ def test_blocks_equal_the_layer_op_by_op_and_the_reference(kind, dtype, bias, ne
     for got, want in zip(runs["fused"], runs["reference"], strict=True):
         torch.testing.assert_close(got, want, **TOL[dtype])
     assert not torch.equal(runs["fused"][2], k_cache)  # the new keys were written
+
+
+def _stack_args(layer):
+    return (layer["input_norm"], layer["post_norm"], layer["qkv"], layer["qkv_bias"], layer["o"],
+            layer["o_bias"], layer["gate_up"], layer["gate_up_bias"], layer["down"],
+            layer["down_bias"])
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens,cached,is_decode", CASES)
+def test_stack_equals_the_blocks_layer_by_layer_and_the_reference(kind, dtype, new_tokens, cached,
+                                                                  is_decode):
+    layers = [_layer(kind, dtype, bias=i == 1, seed=i) for i in range(3)]
+    seq_lens = [n + c for n, c in zip(new_tokens, cached, strict=True)]
+    caches = [make_paged_cache(seq_lens, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu") for _ in layers]
+    meta = _meta(new_tokens, cached, caches[0][2], is_decode)
+    cos_sin = ops.compute_cos_sin_cache(HEAD_DIM, 128, 10000.0)
+    hidden = torch.randn(sum(new_tokens), HIDDEN, generator=torch.Generator().manual_seed(1))
+    hidden = hidden.to(dtype)
+    heads, scale = (HEADS, KV_HEADS, HEAD_DIM), HEAD_DIM**-0.5
+
+    def fresh_caches():
+        return [(k.clone(), v.clone()) for k, v, _ in caches]
+
+    stack = ops.DecoderStack(1e-5, heads, scale)
+    for layer in layers:
+        stack.add_layer(*_stack_args(layer))
+    kv_stack = fresh_caches()
+    got = stack.forward(hidden.clone(), cos_sin, kv_stack, meta)
+
+    kv_blocks = fresh_caches()
+    h, r = hidden.clone(), torch.zeros_like(hidden)
+    for layer, (kc, vc) in zip(layers, kv_blocks, strict=True):
+        h = _fused(ops, layer, h, r, cos_sin, kc, vc, meta)
+    assert torch.equal(got[0], h) and torch.equal(got[1], r)
+    for (k1, v1), (k2, v2) in zip(kv_stack, kv_blocks, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    kv_ref = fresh_caches()
+    want = reference.decoder_stack(hidden.clone(), [_stack_args(layer) for layer in layers], 1e-5,
+                                   heads, scale, cos_sin, kv_ref, meta)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+def test_stack_rejects_a_cache_count_that_does_not_match_its_layers():
+    stack = ops.DecoderStack(1e-5, (HEADS, KV_HEADS, HEAD_DIM), HEAD_DIM**-0.5)
+    stack.add_layer(*_stack_args(_layer("dense", torch.float32, False)))
+    k, v, tables = make_paged_cache([2], BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    meta = _meta([1], [1], tables, True)
+    cos_sin = ops.compute_cos_sin_cache(HEAD_DIM, 128, 10000.0)
+    with pytest.raises(RuntimeError, match="one key and one value cache per layer"):
+        stack.forward(torch.randn(1, HIDDEN), cos_sin, [(k, v), (k, v)], meta)
 
 
 def test_opcheck():
