@@ -22,6 +22,10 @@ from shardlm.constants import DEFAULT_HOST, DEFAULT_WORKER_START_TIMEOUT_S
 from shardlm.errors import UnavailableError
 
 WORKER_MODULE = "shardlm_server.worker"  # run with `python -m`; the gateway never imports it
+# libgomp's spins before an idle CPU worker thread sleeps (GOMP_SPINCOUNT; see start_local):
+# about 0.1 ms here. Against PASSIVE, one stream through the stack decoded ~30% faster;
+# 2,000 to 20,000 measured alike.
+CPU_SPIN_COUNT = 5000
 
 
 @dataclass(frozen=True)
@@ -129,11 +133,13 @@ class WorkerGroup:
             return
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         env = {"OMP_NUM_THREADS": str(threads)}
-        # The ranks share the cores with each other, the gateway and often the clients: OpenMP
-        # threads that spin between parallel regions would take cores the others need for every
-        # token. An operator's own setting wins.
-        if "OMP_WAIT_POLICY" not in os.environ:
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        # The ranks share the cores with each other, the gateway and often the clients. OpenMP
+        # threads that spin for long between parallel regions (libgomp's default) would take
+        # cores the others need for every token; threads that sleep at once (PASSIVE) pay a
+        # wake-up at each of the few hundred regions of a step. A short spin covers the gaps
+        # inside a step and lets go of the core between steps. An operator's own setting wins.
+        if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+            env["GOMP_SPINCOUNT"] = str(CPU_SPIN_COUNT)
         for rank in range(num_workers):
             self._add(rank, self._spawn(rank, env, host, start_timeout_s), "cpu")
 

@@ -35,10 +35,10 @@ namespace {
 using namespace cpu::attn;
 
 // Below this much work (query rows x keys they see x head_dim) a call runs on
-// the calling thread: waking the pool costs more than it saves there, and far
-// more when the cores are shared. 2^18 is one sequence of ~340 tokens with 12
-// heads of 64, about where two threads start to win.
-constexpr int64_t kMinParallelWork = 1 << 18;
+// the calling thread: waking the pool costs more than it saves there. 2^15 is
+// one sequence of ~57 tokens with 9 heads of 64, about where two spinning
+// threads start to win (bench/ops_cpu_bench.py: attn_decode, --threads 1 / 2).
+constexpr int64_t kMinParallelWork = 1 << 15;
 
 // at::parallel_for grain: everything in one chunk for a small call, else one
 // task per chunk (tasks differ in length, so small chunks balance better).
@@ -67,23 +67,28 @@ void decode_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* ta
   const bool simd = cpu::use_avx2();
   int64_t keys = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) keys += ctx_lens[b];
-  const int64_t tasks = d.num_seqs * d.num_kv_heads;
   // Task = (sequence, kv head): the group's query heads share each key tile.
+  // With fewer of those than two per thread (one sequence, few kv heads: 3
+  // tasks split 2 to 1 over two threads) each query head is a task instead.
+  const int64_t per_task =
+      d.num_seqs * d.num_kv_heads < 2 * at::get_num_threads() ? 1 : group;
+  const int64_t tasks_per_seq = d.num_heads / per_task;
+  const int64_t tasks = d.num_seqs * tasks_per_seq;
   at::parallel_for(0, tasks, attention_grain(tasks, keys * d.num_heads * D),
                    [&](int64_t begin, int64_t end) {
-    const Workspace ws(group, D);
-    Row<T>* rows = thread_rows<T>(group);
+    const Workspace ws(per_task, D);
+    Row<T>* rows = thread_rows<T>(per_task);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / d.num_kv_heads;
-      const int64_t g = task % d.num_kv_heads;
-      for (int64_t i = 0; i < group; ++i) {
-        const int64_t h = g * group + i;
+      const int64_t b = task / tasks_per_seq;
+      const int64_t h0 = task % tasks_per_seq * per_task;
+      for (int64_t i = 0; i < per_task; ++i) {
+        const int64_t h = h0 + i;
         rows[i] = {q + b * d.q_row_stride + h * d.q_head_stride,
                    out + (b * d.num_heads + h) * D, ctx_lens[b] - 1};
       }
       const PagedKV<T> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
-                          d.num_kv_heads * D, g, D};
-      attend_rows(rows, group, kv, scale, ws, simd);
+                          d.num_kv_heads * D, h0 / group, D};
+      attend_rows(rows, per_task, kv, scale, ws, simd);
     }
   });
 }

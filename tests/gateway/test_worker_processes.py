@@ -21,13 +21,20 @@ def spawned_env(monkeypatch) -> dict[str, str]:
     return seen[0]
 
 
-def test_cpu_workers_split_the_cores_and_wait_passively(monkeypatch):
+def test_cpu_workers_split_the_cores_and_spin_briefly(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(worker_processes.os, "cpu_count", lambda: 8)
     env = spawned_env(monkeypatch)
-    assert env == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"OMP_NUM_THREADS": "4",
+                   "GOMP_SPINCOUNT": str(worker_processes.CPU_SPIN_COUNT)}
 
 
-def test_an_operators_wait_policy_wins(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert "OMP_WAIT_POLICY" not in spawned_env(monkeypatch)
+@pytest.mark.parametrize("name,value", [("OMP_WAIT_POLICY", "ACTIVE"),
+                                        ("GOMP_SPINCOUNT", "100")])
+def test_an_operators_wait_setting_wins(monkeypatch, name, value):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv(name, value)
+    env = spawned_env(monkeypatch)
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
