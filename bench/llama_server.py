@@ -15,12 +15,11 @@ import http.client
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
 
-from bench.serve_process import REPO, free_port
+from bench.serve_process import REPO, ServerProcess, free_port
 
 BUILD_HINT = "make llama-server"
 
@@ -37,32 +36,17 @@ def binary() -> Path | None:
     return Path(found) if found else None
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """`llama-server` on `gguf` with `slots` parallel slots of `slot_tokens` context each, and
     `threads` threads for decode and for prompts."""
 
     def __init__(self, exe: Path, gguf: Path, *, slots: int, slot_tokens: int, threads: int,
                  start_timeout_s: float = 120.0) -> None:
         self.port = free_port()
-        cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-               "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-               "-c", str(slots * slot_tokens), "-b", "512"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self.output: list[str] = []
-
-        def drain() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + start_timeout_s
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("llama-server did not come up:\n" + "".join(self.output[-30:]))
-            time.sleep(0.2)
+        super().__init__([str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                          str(self.port), "-t", str(threads), "-tb", str(threads), "-np",
+                          str(slots), "-c", str(slots * slot_tokens), "-b", "512"])
+        self.wait_until(self._healthy, start_timeout_s, "llama-server")
 
     @property
     def address(self) -> str:
@@ -75,21 +59,6 @@ class LlamaServer:
             return conn.getresponse().status == 200
         except OSError:
             return False
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def stream(address: str, prompt: list[int], max_new_tokens: int,

@@ -53,7 +53,12 @@ def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: fl
             eb.engine_decode_runs(engine, prompt, decode_steps, torch.device("cpu"), 1)
         return {e.key: e.self_cpu_time_total for e in prof.key_averages()}
 
-    short, long = self_times(2), self_times(steps + 2)
+    # The short run is mostly the prompt's prefill; the median of three keeps one slow run
+    # from eating the decode steps' share.
+    shorts = [self_times(2) for _ in range(3)]
+    short = {key: statistics.median(run.get(key, 0.0) for run in shorts)
+             for key in set().union(*shorts)}
+    long = self_times(steps + 2)
     delta = {key: value - short.get(key, 0.0) for key, value in long.items()}
     total = sum(delta.values())
     if total <= 0:
@@ -124,7 +129,7 @@ def measure(args) -> dict:
                          "prefill_tokens_per_s": prefill_len / _median(ours_pre),
                          "prefill_tokens_per_s_spread": _spread([prefill_len / s
                                                                  for s in ours_pre]),
-                         "breakdown": step_breakdown(engine, prompt, min(steps, 16), step_ms)}
+                         "breakdown": step_breakdown(engine, prompt, min(steps, 48), step_ms)}
     # Decode batches (ShardLM alone: llama.cpp's batches are measured through its server).
     result["shardlm"]["decode_batches"] = [
         eb.decode_row(b, eb.engine_decode_seconds(

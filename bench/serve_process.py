@@ -1,5 +1,6 @@
 """`shardlm serve` in a subprocess for the benchmarks, with its output drained, its address and
-startup time known, and its memory and Prometheus metrics readable from outside."""
+startup time known, and its memory and Prometheus metrics readable from outside; the process
+handling (`ServerProcess`) is shared with bench.llama_server."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,8 +25,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """`shardlm serve` (`python -m shardlm serve`) in a subprocess, with its output drained and kept."""
+class ServerProcess:
+    """A server in a subprocess: its output drained into `output` (each line also shown to
+    `on_line`), stopped with SIGTERM and, past a timeout, SIGKILL; a context manager."""
+
+    def __init__(self, cmd: list[str], **popen) -> None:
+        self.output: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, **popen)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def on_line(self, line: str) -> None:
+        """A subclass's look at each line of output, on the draining thread."""
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self.on_line(line)
+
+    def wait_until(self, up: Callable[[], bool], timeout_s: float, name: str) -> None:
+        """Returns once `up()` holds; stops the process and raises if it exits or `timeout_s`
+        passes first."""
+        deadline = time.monotonic() + timeout_s
+        while not up():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not come up:\n" + "".join(self.output[-30:]))
+            time.sleep(0.1)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Server(ServerProcess):
+    """`shardlm serve` (`python -m shardlm serve`) in a subprocess."""
 
     def __init__(self, model: Path, *, kv_cache_mb: int = 64, tp: int = 1, device: str = "cpu",
                  dtype: str = "float32", extra: tuple[str, ...] = (),
@@ -33,33 +86,19 @@ class Server:
                "--model", str(model), "--device", device, "--dtype", dtype, "--tp", str(tp),
                "--kv-cache-mb", str(kv_cache_mb), "--metrics-port", str(self.metrics_port),
                "--drain-grace", "5", *extra]
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.output: list[str] = []
         self.address = ""
-        ready = threading.Event()
-
-        def drain() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if line.startswith("ShardLM gateway on "):
-                    self.address = line.split()[3]
-                if line.startswith("ready:"):
-                    ready.set()
-            ready.set()  # the process ended
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(start_timeout_s) or self.proc.poll() is not None or not self.address:
-            self.stop()
-            raise RuntimeError("the gateway did not come up:\n" + "".join(self.output[-30:]))
+        self._ready = threading.Event()
+        started = time.perf_counter()
+        super().__init__(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.wait_until(lambda: self._ready.is_set() and bool(self.address), start_timeout_s,
+                        "the gateway")
         self.startup_s = time.perf_counter() - started
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def on_line(self, line: str) -> None:
+        if line.startswith("ShardLM gateway on "):
+            self.address = line.split()[3]
+        if line.startswith("ready:"):
+            self._ready.set()
 
     def rss_bytes(self) -> int:
         """VmRSS of the gateway process alone (its workers are separate processes)."""
@@ -72,22 +111,6 @@ class Server:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
             return parse_prometheus(reply.read().decode())
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _vm_rss(pid: int) -> int:
