@@ -153,7 +153,12 @@ class ServeConfig:
         2048, "prompt tokens prefilled per step at most (longer prompts are chunked)", "limits",
         minimum=1)
     max_decode_steps: int = setting(
-        8, "decode steps per worker call at most", "limits", minimum=1)
+        32, "decode steps per worker call at most (fewer: see --decode-call-ms)", "limits",
+        minimum=1)
+    decode_call_ms: float = setting(
+        250.0, "aim worker decode calls at about this long, taking fewer steps when steps are "
+        "slow: a prompt that arrives during a call waits for its end, and each call costs a "
+        "round trip", "limits", minimum=1.0, metavar="MS")
     step_timeout: float = setting(
         120.0, "seconds one worker step may take before the worker counts as failed", "limits",
         minimum=0.001)
@@ -179,7 +184,8 @@ class ServeConfig:
             max_new_tokens=self.max_new_tokens, default_max_new_tokens=self.default_max_new_tokens,
             session_idle_timeout_s=self.session_idle_timeout, max_waiting=self.max_waiting,
             max_running=self.max_running, prefill_token_budget=self.prefill_token_budget,
-            max_decode_steps=self.max_decode_steps, step_timeout_s=self.step_timeout,
+            max_decode_steps=self.max_decode_steps, decode_call_s=self.decode_call_ms / 1000,
+            step_timeout_s=self.step_timeout,
             prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope)
 
     def kv_cache(self) -> common_pb2.KvCacheConfig:
@@ -231,6 +237,7 @@ class Limits:
     max_running: int = default("max_running")
     prefill_token_budget: int = default("prefill_token_budget")
     max_decode_steps: int = default("max_decode_steps")
+    decode_call_s: float = default("decode_call_ms") / 1000
     step_timeout_s: float = default("step_timeout")
     prefix_cache: bool = default("prefix_cache")
     prefix_cache_scope: str = default("prefix_cache_scope")

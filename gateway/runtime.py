@@ -190,7 +190,8 @@ class Runtime:
         scheduler = Scheduler(
             self.pool, allocator, sessions, self.metrics,
             prefill_token_budget=self.limits.prefill_token_budget,
-            max_decode_steps=self.limits.max_decode_steps, max_waiting=self.limits.max_waiting,
+            max_decode_steps=self.limits.max_decode_steps,
+            decode_call_s=self.limits.decode_call_s, max_waiting=self.limits.max_waiting,
             max_running=max_running, on_worker_failure=self._worker_failed)
         scheduler.start()
         self.metrics.observe_kv_cache(allocator.used_blocks, allocator.num_blocks)

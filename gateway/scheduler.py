@@ -2,7 +2,8 @@
 
 Each iteration: drop what was cancelled or stopped and free its blocks; admit waiting sequences
 into one packed prefill within a token budget (long prompts are chunked); then run the running
-batch for k decode steps (k small while others wait, larger when none do), streaming every
+batch for k decode steps (k small while others wait, else as many as fit in about
+decode_call_s at the recent step time, up to max_decode_steps), streaming every
 step's tokens to their requests as they arrive. New requests join between iterations, never
 waiting for the batch to finish. When blocks run out, idle sessions give up their caches first
 (least recently used), then the newest running sequence is preempted and later recomputed.
@@ -49,7 +50,8 @@ class Scheduler:
         metrics: Metrics,
         *,
         prefill_token_budget: int = 2048,
-        max_decode_steps: int = 8,
+        max_decode_steps: int = 32,
+        decode_call_s: float = 0.25,
         busy_decode_steps: int = 2,
         max_waiting: int = 1024,
         max_running: int = 256,
@@ -62,7 +64,9 @@ class Scheduler:
         self.metrics = metrics
         self.prefill_token_budget = prefill_token_budget
         self.max_decode_steps = max_decode_steps
+        self.decode_call_s = decode_call_s
         self.busy_decode_steps = busy_decode_steps
+        self._step_s = 0.0  # seconds per decode step, a running average (0: none timed yet)
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.on_worker_failure = on_worker_failure
@@ -322,8 +326,22 @@ class Scheduler:
                 self._running.append(seq)
 
     # ----------------------------------------------------------------- decode
+    def _steps_per_call(self) -> int:
+        """Steps for the next decode call: few while prompts wait, else as many as fit in
+        decode_call_s at the recent step time (up to max_decode_steps). Long calls save round
+        trips; short ones let a prompt that arrives during one in sooner."""
+        if self._waiting or self._step_s <= 0:
+            return self.busy_decode_steps
+        fit = int(self.decode_call_s / self._step_s)
+        return max(self.busy_decode_steps, min(self.max_decode_steps, fit))
+
+    def _time_steps(self, seconds: float, steps: int) -> None:
+        if steps > 0:
+            step = seconds / steps
+            self._step_s = step if self._step_s <= 0 else (self._step_s + step) / 2
+
     def _plan_steps(self) -> dict[int, int]:
-        k = self.busy_decode_steps if self._waiting else self.max_decode_steps
+        k = self._steps_per_call()
         plan: dict[int, int] = {}
         for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
             steps = max(1, min(k, seq.budget))
@@ -363,8 +381,10 @@ class Scheduler:
         for seq in by_id.values():
             seq.sampling_changed = False
         self.metrics.decode_batch_size.observe(len(plan))
+        started, steps = time.monotonic(), 0
         try:
             async for step in self.pool.decode(request):
+                steps += 1
                 for token in step.tokens:
                     seq = by_id[token.sequence_id]
                     seq.cached += 1  # the fed token's K/V is cached now
@@ -378,6 +398,7 @@ class Scheduler:
         except ShardLMError as exc:
             self._fail_step(list(by_id.values()), exc)
             raise
+        self._time_steps(time.monotonic() - started, steps)
         for seq in by_id.values():
             if seq.phase is not Phase.DONE:
                 self.caches.trim(seq)

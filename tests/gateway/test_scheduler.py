@@ -165,7 +165,8 @@ def test_rerendered_conversation_reuses_the_cache_up_to_the_first_difference():
 
 # ----------------------------------------------------------------------------- memory pressure
 def test_preempted_sequence_is_recomputed_with_the_same_tokens():
-    # 8 blocks of 4: each sequence grows to 6 + 12 = 18 tokens (5 blocks): both cannot fit.
+    # 8 blocks of 4: each sequence grows to 6 + 12 = 18 tokens (5 blocks): both cannot fit. Calls
+    # of at most 8 steps: both sequences hold blocks when they run out.
     prompts = [[1, 2, 3, 4, 5, 6], [1, 7, 8, 9, 10, 11]]
 
     async def test(h):
@@ -176,7 +177,7 @@ def test_preempted_sequence_is_recomputed_with_the_same_tokens():
         for seq in seqs:
             h.scheduler.release(seq)
         await until(lambda: h.allocator.used_blocks == 0)
-    run(test, blocks=8)
+    run(test, blocks=8, max_decode_steps=8)
 
 
 def test_idle_session_is_evicted_for_a_new_request_and_rebuilt():
@@ -288,3 +289,20 @@ def test_stop_token_and_context_reasons():
         full = h.generate(PROMPT, limits(10, context=len(PROMPT) + 6))
         assert await drain(full) == (expected[:6], common_pb2.FINISH_REASON_CONTEXT_LENGTH)
     run(test)
+
+
+def test_decode_calls_take_few_steps_while_prompts_wait_then_as_many_as_fit_the_call_time():
+    h = Harness(max_decode_steps=32, decode_call_s=0.1, busy_decode_steps=2)  # not the defaults
+    sched = h.scheduler
+    assert sched._steps_per_call() == 2  # no step timed yet
+    sched._time_steps(0.05, 10)  # 5 ms a step: 20 fit in 100 ms
+    assert sched._steps_per_call() == 20
+    sched._time_steps(0.0, 0)  # a call that streamed no step changes nothing
+    assert sched._steps_per_call() == 20
+    sched._time_steps(0.001, 10)  # faster steps: averaged, then capped
+    assert sched._steps_per_call() == 32
+    sched._time_steps(2.0, 2)  # slow steps (a big batch): never below the busy count
+    assert sched._steps_per_call() == 2
+    sched._step_s = 0.005
+    sched._waiting.append(object())  # a prompt waits: admit it soon
+    assert sched._steps_per_call() == 2
