@@ -7,7 +7,7 @@
 // the layers' weights from load on and runs attention_block and mlp_block for
 // each layer in a C++ loop: the same kernels on the same inputs, so the
 // result equals the per-layer fused ops bit for bit. The plain reference is
-// that loop in Python (worker/ops/reference.py, DecoderStack).
+// that loop in Python (worker/ops/reference.py, decoder_stack).
 //
 // Only a single rank uses it: with tensor parallelism the partial sums of the
 // row-parallel projections are all-reduced between the two halves of a layer.
@@ -60,8 +60,6 @@ class DecoderStack : public torch::CustomClassHolder {
                        {std::move(down), down_type, std::move(down_bias), down_out}});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // (hidden, residual) after every layer, for the embeddings `hidden` [T, H];
   // layer i reads and writes key_caches[i] / value_caches[i].
   std::tuple<at::Tensor, at::Tensor> forward(
@@ -107,6 +105,5 @@ TORCH_LIBRARY_FRAGMENT(shardlm, m) {
   m.class_<shardlm::DecoderStack>("DecoderStack")
       .def(torch::init<double, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &shardlm::DecoderStack::add_layer)
-      .def("num_layers", &shardlm::DecoderStack::num_layers)
       .def("forward", &shardlm::DecoderStack::forward);
 }

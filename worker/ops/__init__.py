@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from shardlm_server.worker.quant import QuantizedWeight
 
 from . import reference
-
-if TYPE_CHECKING:
-    from shardlm_server.worker.attention import AttentionMetadata
 
 __all__ = [
     "CUDA_BUILT",
@@ -225,105 +221,6 @@ def linear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _weight_args(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, int]:
-    """A linear weight as the fused ops take it: its tensor and GGML type (-1: dense)."""
-    if isinstance(weight, QuantizedWeight):
-        return weight.blocks, weight.ggml_type
-    return weight, -1
-
-
-def attention_block(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    qkv_weight: torch.Tensor | QuantizedWeight,
-    qkv_bias: torch.Tensor | None,
-    o_weight: torch.Tensor | QuantizedWeight,
-    o_bias: torch.Tensor | None,
-    heads: tuple[int, int, int],
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """A decoder layer's attention half on CPU in one op: ``residual += hidden``, ``hidden =
-    rms_norm(residual)`` (in place), then qkv, rotary, the cache write, paged attention and
-    o_proj; returns o_proj's output [T, hidden]. ``heads`` is (num_heads, num_kv_heads,
-    head_dim) of this rank. Equals the unfused ops step for step."""
-    if USE_REFERENCE:
-        return reference.attention_block(hidden, residual, norm_weight, eps, qkv_weight,
-                                         qkv_bias, o_weight, o_bias, heads, cos_sin_cache,
-                                         k_cache, v_cache, meta, scale)
-    out = hidden.new_empty((hidden.shape[0], o_weight.shape[0]))
-    _ops.attention_block(out, hidden, residual, norm_weight, eps, *_weight_args(qkv_weight),
-                         qkv_bias, *_weight_args(o_weight), o_bias, meta.positions,
-                         cos_sin_cache, *heads, k_cache, v_cache, meta.slot_mapping,
-                         meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.is_decode,
-                         meta.max_query_len, meta.max_seq_len, scale)
-    return out
-
-
-class DecoderStack:
-    """Every decoder layer of a single-rank CPU model in one call (csrc/cpu/decoder_stack.cpp):
-    each layer's attention_block then mlp_block in a C++ loop, without a Python and dispatcher
-    round trip per layer. Weights are bound once by `add_layer`, in layer order."""
-
-    def __init__(self, eps: float, heads: tuple[int, int, int], scale: float) -> None:
-        self.eps, self.heads, self.scale = eps, heads, scale
-        self._layers: list[tuple] = []  # the reference's
-        self._native = (None if USE_REFERENCE
-                        else torch.classes.shardlm.DecoderStack(eps, *heads, scale))
-
-    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
-                  qkv: torch.Tensor | QuantizedWeight, qkv_bias: torch.Tensor | None,
-                  o: torch.Tensor | QuantizedWeight, o_bias: torch.Tensor | None,
-                  gate_up: torch.Tensor | QuantizedWeight, gate_up_bias: torch.Tensor | None,
-                  down: torch.Tensor | QuantizedWeight, down_bias: torch.Tensor | None) -> None:
-        if self._native is None:
-            self._layers.append((input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
-                                 gate_up_bias, down, down_bias))
-            return
-        self._native.add_layer(input_norm, post_norm, *_weight_args(qkv), qkv_bias,
-                               *_weight_args(o), o_bias, o.shape[0], *_weight_args(gate_up),
-                               gate_up_bias, *_weight_args(down), down_bias, down.shape[0])
-
-    def forward(self, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after every layer, for the embeddings `hidden` [T, H] (updated in
-        place, as by the first layer's norm); layer i uses kv_caches[i]."""
-        if self._native is None:
-            return reference.decoder_stack(hidden, self._layers, self.eps, self.heads,
-                                           self.scale, cos_sin_cache, kv_caches, meta)
-        return self._native.forward(
-            hidden, meta.positions, cos_sin_cache, [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, meta.is_decode, meta.max_query_len, meta.max_seq_len)
-
-
-def mlp_block(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_up_weight: torch.Tensor | QuantizedWeight,
-    gate_up_bias: torch.Tensor | None,
-    down_weight: torch.Tensor | QuantizedWeight,
-    down_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """A decoder layer's MLP half on CPU in one op: add and norm in place as attention_block,
-    then gate_up, silu_and_mul and down; returns down's output [T, hidden]."""
-    if USE_REFERENCE:
-        return reference.mlp_block(hidden, residual, norm_weight, eps, gate_up_weight,
-                                   gate_up_bias, down_weight, down_bias)
-    out = hidden.new_empty((hidden.shape[0], down_weight.shape[0]))
-    _ops.mlp_block(out, hidden, residual, norm_weight, eps, *_weight_args(gate_up_weight),
-                   gate_up_bias, *_weight_args(down_weight), down_bias)
-    return out
-
-
 def reshape_and_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -466,3 +363,7 @@ def compute_cos_sin_cache(
     positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().contiguous()
+
+
+# The fused decoder blocks live in their own module; it reads USE_REFERENCE and _ops from here.
+from .blocks import DecoderStack, attention_block, mlp_block  # noqa: E402
