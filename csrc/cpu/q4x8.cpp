@@ -13,15 +13,19 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "cpu_utils.h"
 #include "quant_blocks.h"
 #include "simd.h"
 
 namespace shardlm::cpu::q4x8 {
 namespace {
 
+using cpu::from_f;
+using cpu::to_f;
 using quant::half_at;
 using quant::kBlock;
 using quant::kGroupBlockBytes;
@@ -47,6 +51,10 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs,
     }
   }
 }
+
+// 2^-4j, the factor that undoes quant j's place in its lane (1 for the top
+// quant, which the AVX2 kernels shift down instead).
+constexpr float kScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
 
 #if SHARDLM_HAVE_AVX2
 // One group-block: d * sum(q x) into `sum`, m * sum(x) into `offsets`; four
@@ -134,6 +142,30 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + kGroupRows * r, sum[r]);
 }
+
+// Quant j, masked in place (q * 2^4j), times d * 2^-4j is q * d exactly (d is a
+// float16, far from float32's subnormals), so one FMA gives d * q + m rounded
+// once, as the reference's float32 d * q + m.
+SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* p = w + b * kGroupBlockBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    __m256 scale[8];
+    for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kScale[j]));
+    float* o = panel + b * kBlock * kGroupRows;
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256 q = _mm256_cvtepi32_ps(
+            j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
+                  : _mm256_srli_epi32(v, 28));
+        _mm256_storeu_ps(o + (8 * s + j) * kGroupRows, _mm256_fmadd_ps(q, scale[j], m));
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -143,7 +175,6 @@ const float* prepare(const float* x, int64_t count, bool avx2) {
   thread_local std::vector<float> scaled;
   if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
   // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
-  constexpr float kScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
   for (int64_t i = 0; i < count; i += 8) {  // count is a multiple of 32
     for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kScale[j];
   }
@@ -168,21 +199,55 @@ void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, c
   }
 }
 
-void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+template <typename T>
+void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
+          int64_t n, int64_t k) {
   const int64_t blocks = k / kBlock;
   const int64_t group_bytes = blocks * kGroupBlockBytes;
-  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
+  const bool avx2 = cpu::use_avx2();
+  const float* xp = prepare(x, m * k, avx2);
+  at::parallel_for(0, n / kGroupRows, grain, [&](int64_t begin, int64_t end) {
+    float acc[kMaxRows * kGroupRows];
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* p = w + g * group_bytes + b * kGroupBlockBytes;
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
-          float* o = dst + (g * kGroupRows + r - n0) * k + b * kBlock;
-          for (int64_t i = 0; i < kBlock; ++i) o[i] = d * quant_of(p, r, i) + m;
+      // Later input rows find the group's weights in cache.
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - m0);
+        rows_dot(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows, k,
+                 avx2);
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t r = 0; r < kGroupRows; ++r) {
+            const int64_t j = g * kGroupRows + r;
+            out[(m0 + i) * n + j] = from_f<T>(acc[i * kGroupRows + r] +
+                                              (bias != nullptr ? to_f(bias[j]) : 0.f));
+          }
         }
       }
     }
   });
+}
+
+template void gemv<float>(float*, const uint8_t*, const float*, const float*, const float*,
+                          int64_t, int64_t, int64_t);
+template void gemv<c10::BFloat16>(c10::BFloat16*, const uint8_t*, const float*, const float*,
+                                  const c10::BFloat16*, int64_t, int64_t, int64_t);
+template void gemv<c10::Half>(c10::Half*, const uint8_t*, const float*, const float*,
+                              const c10::Half*, int64_t, int64_t, int64_t);
+
+void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) return unpack_panel_avx2(panel, w, k);
+#endif
+  (void)avx2;
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* p = w + b * kGroupBlockBytes;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
+      for (int64_t i = 0; i < kBlock; ++i) {
+        panel[(b * kBlock + i) * kGroupRows + r] = d * quant_of(p, r, i) + m;
+      }
+    }
+  }
 }
 
 }  // namespace shardlm::cpu::q4x8

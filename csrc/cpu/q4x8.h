@@ -1,7 +1,7 @@
-// The Q4x8 matrix-vector kernel (q4x8.cpp): one group of 8 weight rows
-// (quant_blocks.h) against up to 4 input rows, on AVX2 or portably, and the group
-// rows dequantized for the tiled prefill path. quant_linear.cpp owns the loop
-// over groups and input rows, and the threads.
+// The Q4x8 kernels (q4x8.cpp): the matrix-vector product of decode (one group
+// of 8 weight rows, quant_blocks.h, against up to 4 input rows at a time, on
+// AVX2 or portably), and a group's rows unpacked to floats for the panel path
+// of more input rows (panel_linear.cpp).
 #pragma once
 
 #include <cstdint>
@@ -24,8 +24,15 @@ constexpr int64_t kMaxRows = 4;
 void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, const float* xs,
               int64_t xs_stride, int64_t rows, int64_t k, bool avx2);
 
-// Rows [n0, n1) (multiples of 8) as float32 into `dst` ([n1 - n0, K]),
-// d * q + m exactly as the reference computes it.
-void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k);
+// The group at `w` (8 rows of K) as float32 in `panel` ([K][8]: weight i of row
+// r at 8 i + r), d * q + m exactly as the reference computes it; the operand of
+// the batched kernel (group_linear.cpp).
+void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2);
+
+// out[m, n] = x @ W^T (+ bias) by rows_dot, threads splitting the groups; xs
+// holds x's 32-element block sums.
+template <typename T>
+void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
+          int64_t n, int64_t k);
 
 }  // namespace shardlm::cpu::q4x8

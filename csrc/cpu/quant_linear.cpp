@@ -11,12 +11,14 @@
 // float conversions and FMAs, no dequantization arithmetic.
 //
 // 4-bit weights are regrouped at load into Q4x8 (quant_blocks.h: 8 rows side
-// by side; q4x8.cpp), where a vector lane is an output feature: fewer
+// by side; group_linear.cpp), where a vector lane is an output feature: fewer
 // instructions per weight than the one-row kernels, which remain for weights
 // kept as the file stores them.
 //
-// Prefill (many rows) is compute bound: tiles of W rows are dequantized to a
-// float buffer once and multiplied with every input row by torch's GEMM.
+// Batches and prefills (many rows) are compute bound. Q4x8 weights, and Q8_0
+// ones whose rows fill groups of 8, take the panel path (panel_linear.h) from
+// 16 rows; other weights' tiles of rows are dequantized to a float buffer once
+// and multiplied with every input row by torch's GEMM.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -29,6 +31,7 @@
 #include "../ops.h"
 #include "cpu_utils.h"
 #include "quant_blocks.h"
+#include "panel_linear.h"
 #include "q4x8.h"
 
 #if SHARDLM_HAVE_AVX2
@@ -44,14 +47,12 @@ using namespace cpu::quant;
 
 // Input rows per pass over a weight row; more rows than this take passes.
 constexpr int64_t kRowGroup = 4;
-// More input rows than this take the tiled GEMM path. The Q4x8 and Q8_0
-// matrix-vector kernels unpack a block once for several input rows, so they
-// stay ahead of dequantizing tiles through decode batches (bench.quant_bench);
-// the one-row 4-bit kernels (weights whose rows do not fill groups of 8) hand
-// over sooner.
-constexpr int64_t gemv_max_rows(int64_t qtype) {
-  return qtype == kQ4x8 || qtype == kQ8_0 ? 64 : 8;
-}
+// For weights the panel path does not take (panel_linear.h), more input rows
+// than this take the tiled GEMM path. The Q8_0 matrix-vector kernel unpacks a
+// block once for several input rows, so it stays ahead of dequantizing tiles
+// through decode batches (bench.quant_bench); the one-row 4-bit kernels
+// (weights whose rows do not fill groups of 8) hand over sooner.
+constexpr int64_t gemv_max_rows(int64_t qtype) { return qtype == kQ8_0 ? 64 : 8; }
 
 // The input as float32 and its per-block sums; thread-local, grows only.
 struct Activations {
@@ -326,59 +327,25 @@ void gemv(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t
   });
 }
 
-// ---- Q4x8: 8 rows per group, one output feature per vector lane (q4x8.cpp) -------
-
-template <typename T>
-void gemv_q4x8(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t m,
-               int64_t n, int64_t k) {
+// W rows [n0, n1) as float32 into `dst` ([n1 - n0, K]), the reference's values exactly.
+template <int64_t kType>
+void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
   const int64_t blocks = k / kBlock;
-  const int64_t group_bytes = blocks * kGroupBlockBytes;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
-  const bool avx2 = cpu::use_avx2();
-  const float* xp = cpu::q4x8::prepare(a.x, m * k, avx2);
-  at::parallel_for(0, n / kGroupRows, grain, [&](int64_t begin, int64_t end) {
-    float acc[cpu::q4x8::kMaxRows * kGroupRows];
-    for (int64_t g = begin; g < end; ++g) {
-      // Later input rows find the group's weights in cache.
-      for (int64_t m0 = 0; m0 < m; m0 += cpu::q4x8::kMaxRows) {
-        const int64_t rows = std::min(cpu::q4x8::kMaxRows, m - m0);
-        cpu::q4x8::rows_dot(acc, w + g * group_bytes, xp + m0 * k, k, a.xs + m0 * blocks,
-                            blocks, rows, k, avx2);
-        for (int64_t i = 0; i < rows; ++i) {
-          for (int64_t r = 0; r < kGroupRows; ++r) {
-            const int64_t j = g * kGroupRows + r;
-            out[(m0 + i) * n + j] =
-                from_f<T>(acc[i * kGroupRows + r] + (bias != nullptr ? to_f(bias[j]) : 0.f));
-          }
+  const int64_t row_bytes = blocks * block_bytes(kType);
+  at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
+    float q[kBlock];
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const Block blk = block_at<kType>(w + j * row_bytes + b * block_bytes(kType));
+        quants_scalar<kType>(blk, q);
+        float* o = dst + (j - n0) * k + b * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          // Q4_0 as d * (q - 8), like GGML, so the tile equals the reference.
+          o[i] = kType == kQ4_0 ? blk.d * (q[i] - 8.f) : blk.d * q[i] + blk.m;
         }
       }
     }
   });
-}
-
-// W rows [n0, n1) as float32 into `dst` ([n1 - n0, K]), the reference's values exactly.
-template <int64_t kType>
-void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  if constexpr (kType == kQ4x8) {
-    cpu::q4x8::dequantize_rows(dst, w, n0, n1, k);
-  } else {
-    const int64_t blocks = k / kBlock;
-    const int64_t row_bytes = blocks * block_bytes(kType);
-    at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
-      float q[kBlock];
-      for (int64_t j = begin; j < end; ++j) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          const Block blk = block_at<kType>(w + j * row_bytes + b * block_bytes(kType));
-          quants_scalar<kType>(blk, q);
-          float* o = dst + (j - n0) * k + b * kBlock;
-          for (int64_t i = 0; i < kBlock; ++i) {
-            // Q4_0 as d * (q - 8), like GGML, so the tile equals the reference.
-            o[i] = kType == kQ4_0 ? blk.d * (q[i] - 8.f) : blk.d * q[i] + blk.m;
-          }
-        }
-      }
-    });
-  }
 }
 
 // Tiles of about 4 MiB of float weights: dequantizing costs O(N K), the GEMM O(M N K).
@@ -407,16 +374,17 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
                         const std::optional<at::Tensor>& bias, int64_t m, int64_t n, int64_t k) {
   const Activations a = prepare_input(input, kType, m, k);
   const auto* w = blocks.const_data_ptr<uint8_t>();
-  if (m > gemv_max_rows(kType)) {
-    tiled_gemm<kType>(out, a, w, bias, m, n, k);
-    return;
-  }
   SHARDLM_DISPATCH_FLOAT_TYPES(out.scalar_type(), "quant_linear", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
-    if constexpr (kType == kQ4x8) {
-      gemv_q4x8(out.data_ptr<scalar_t>(), w, a, b, m, n, k);
+    if (m >= cpu::panel::kMinRows && cpu::panel::takes(kType, n)) {
+      cpu::panel::linear(o, kType, w, a.x, b, m, n, k);
+    } else if constexpr (kType == kQ4x8) {
+      cpu::q4x8::gemv(o, w, a.x, a.xs, b, m, n, k);  // the panel path takes more rows
+    } else if (m > gemv_max_rows(kType)) {
+      tiled_gemm<kType>(out, a, w, bias, m, n, k);
     } else {
-      gemv<kType>(out.data_ptr<scalar_t>(), w, a, b, m, n, k);
+      gemv<kType>(o, w, a, b, m, n, k);
     }
   });
 }

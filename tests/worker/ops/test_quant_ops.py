@@ -70,6 +70,20 @@ def test_quant_linear_matches_reference(qtype, m, n, k):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("m", [16, 17, 40, 130])
+@pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
+def test_q8_0_in_whole_groups_matches_reference(m, n, k):
+    """From 16 rows, Q8_0 weights whose rows fill groups of 8 take the panel path
+    (csrc/cpu/panel_linear.h): eight rows transposed into one panel."""
+    w = ggml_weight(n, k, "Q8_0", seed=m)
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen) * 2
+    bias = torch.randn(n, generator=gen)
+    torch.testing.assert_close(ops.quant_linear(x, w, bias),
+                               reference.quant_linear(x, w.blocks, "Q8_0", bias),
+                               **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_q4x8_holds_the_same_weights(qtype):
     w = ggml_weight(24, 96, qtype, seed=3)
@@ -116,13 +130,16 @@ def test_fused_q4x8_rows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 5, 40])
-def test_half_activations_are_widened_not_the_weights_rounded(dtype, m):
-    w = ggml_weight(33, 512, "Q4_1")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4x8", "Q8_0"])
+def test_half_activations_are_widened_not_the_weights_rounded(dtype, m, kind):
+    w = to_q4x8(ggml_weight(40, 512, "Q4_1")) if kind == "Q4x8" else ggml_weight(
+        33 if kind == "Q4_1" else 40, 512, kind)
     x = torch.randn(m, 512).to(dtype)
-    bias = torch.randn(33).to(dtype)
+    bias = torch.randn(w.shape[0]).to(dtype)
     out = ops.quant_linear(x, w, bias)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, reference.quant_linear(x, w.blocks, "Q4_1", bias), **TOL[dtype])
+    torch.testing.assert_close(out, reference.quant_linear(x, w.blocks, w.qtype, bias),
+                               **TOL[dtype])
 
 
 def test_linear_dispatches_on_a_quantized_weight():
@@ -178,12 +195,15 @@ def test_bad_inputs_are_rejected_with_a_message():
 def test_opcheck():
     w = ggml_weight(7, 64, "Q4_1")
     grouped = to_q4x8(ggml_weight(16, 64, "Q4_0"))
-    for m in (1, 12):
+    rows8 = ggml_weight(16, 64, "Q8_0")
+    for m in (1, 12, 20):
         x = torch.randn(m, 64)
         torch.library.opcheck(torch.ops.shardlm.quant_linear,
                               (torch.empty(m, 7), x, w.blocks, 3, torch.randn(7)))
         torch.library.opcheck(torch.ops.shardlm.quant_linear,
                               (torch.empty(m, 16), x, grouped.blocks, 100, torch.randn(16)))
+        torch.library.opcheck(torch.ops.shardlm.quant_linear,
+                              (torch.empty(m, 16), x, rows8.blocks, 8, None))
 
 
 # ------------------------------------------------------------------ AVX-512 / AVX2 / portable
@@ -210,11 +230,13 @@ def _run(tmp_path, inputs_file, level: str):
 
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
-    for qtype in (*QTYPES, "Q4x8"):
-        for m in (1, 2, 3, 4, 5, 9):
-            w = (to_q4x8(ggml_weight(40, 288, "Q4_1", seed=m)) if qtype == "Q4x8"
-                 else ggml_weight(37, 288, qtype, seed=m))
-            inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, 288), "qtype": qtype,
+    for qtype in (*QTYPES, "Q4x8", "Q8_0 in groups"):
+        for m in (1, 2, 3, 4, 5, 9, 16, 23):  # 16 and 23: the panel path, tiles of 12, 11 + 12
+            if qtype == "Q4x8":
+                w = to_q4x8(ggml_weight(40, 288, "Q4_1", seed=m))
+            else:
+                w = ggml_weight(40 if qtype == "Q8_0 in groups" else 37, 288, qtype[:4], seed=m)
+            inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, 288), "qtype": w.qtype,
                                         "blocks": w.blocks, "shape": w.shape,
                                         "b": torch.randn(w.shape[0])}
     inputs_file = tmp_path / "inputs.pt"

@@ -1,0 +1,216 @@
+// panel_linear.h: group unpacking (Q4x8 in q4x8.cpp, Q8_0 here, eight rows
+// transposed into lanes) and the register-tiled multiply of the panels.
+#include "panel_linear.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <vector>
+
+#include "cpu_utils.h"
+#include "q4x8.h"
+#include "quant_blocks.h"
+
+namespace shardlm::cpu::panel {
+namespace {
+
+using namespace cpu::quant;
+
+// Input rows per register tile: 12 accumulators of 8 lanes, the panel's row
+// and a broadcast fill 14 of AVX2's 16 vector registers.
+constexpr int64_t kTileRows = 12;
+
+// ---- Q8_0 rows 8g .. 8g+7 into a panel ---------------------------------------------
+
+void unpack_q8_0_scalar(float* panel, const uint8_t* rows, int64_t row_bytes, int64_t k) {
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const uint8_t* p = rows + r * row_bytes + b * block_bytes(kQ8_0);
+      const float d = half_at(p);
+      for (int64_t i = 0; i < kBlock; ++i) {
+        panel[(b * kBlock + i) * kGroupRows + r] = d * static_cast<int8_t>(p[2 + i]);
+      }
+    }
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+// v[r] (row r's 8 weights) -> v[j] (weight j of the 8 rows).
+SHARDLM_AVX2 inline void transpose8(__m256 v[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256 a = t[4 * i + h], b = t[4 * i + 2 + h];
+      u[4 * i + 2 * h] = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    v[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+// d * q is exact in float32 (11 by 8 significant bits), as in the reference.
+// The quants are transposed first, so the 8 rows' scales are one vector.
+SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t row_bytes,
+                                   int64_t k) {
+  const int64_t bytes = block_bytes(kQ8_0);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* p = rows + b * bytes;
+    uint16_t halves[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) std::memcpy(&halves[r], p + r * row_bytes, 2);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+    for (int s = 0; s < 4; ++s) {
+      __m256 v[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < kGroupRows; ++r) {
+        const __m128i q =
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * row_bytes + 2 + 8 * s));
+        v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+      }
+      transpose8(v);
+      float* o = panel + (b * kBlock + 8 * s) * kGroupRows;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * kGroupRows, _mm256_mul_ps(v[j], d));
+    }
+  }
+}
+#endif
+
+// Group g of the weight as a panel.
+void unpack(float* panel, int64_t qtype, const uint8_t* w, int64_t g, int64_t k, bool avx2) {
+  const int64_t blocks_row_bytes = k / kBlock * block_bytes(qtype);
+  const uint8_t* group = w + g * (qtype == kQ4x8 ? 1 : kGroupRows) * blocks_row_bytes;
+  if (qtype == kQ4x8) return q4x8::unpack_panel(panel, group, k, avx2);
+#if SHARDLM_HAVE_AVX2
+  if (avx2) return unpack_q8_0_avx2(panel, group, blocks_row_bytes, k);
+#endif
+  unpack_q8_0_scalar(panel, group, blocks_row_bytes, k);
+}
+
+// ---- the register tile ------------------------------------------------------------
+
+// acc[r * 8 + l] = sum_i panel[8 i + l] * xt[i * R + r] (xt: R input rows
+// interleaved, [K][R]).
+template <int R>
+void tile_scalar(float* acc, const float* panel, const float* xt, int64_t k) {
+  for (int64_t j = 0; j < R * kGroupRows; ++j) acc[j] = 0.f;
+  for (int64_t i = 0; i < k; ++i) {
+    for (int r = 0; r < R; ++r) {
+      for (int64_t l = 0; l < kGroupRows; ++l) {
+        acc[r * kGroupRows + l] += panel[i * kGroupRows + l] * xt[i * R + r];
+      }
+    }
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+template <int R>
+SHARDLM_AVX2 void tile_avx2(float* acc, const float* panel, const float* xt, int64_t k) {
+  // Fully unrolled, so the accumulators live in registers, not on the stack.
+  __m256 c[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) c[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w = _mm256_loadu_ps(panel + i * kGroupRows);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      c[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xt + i * R + r), c[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * kGroupRows, c[r]);
+}
+#endif
+
+template <int R>
+void tile(float* acc, const float* panel, const float* xt, int64_t k, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) return tile_avx2<R>(acc, panel, xt, k);
+#endif
+  (void)avx2;
+  tile_scalar<R>(acc, panel, xt, k);
+}
+
+using TileFn = void (*)(float*, const float*, const float*, int64_t, bool);
+constexpr TileFn kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>,  tile<5>,  tile<6>,
+                                      tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+
+// Input rows [begin, begin + rows) of one tile, interleaved ([K][rows]).
+struct Tile {
+  int64_t begin, rows;
+  const float* xt;
+};
+
+// The input split into tiles of near-equal size (32 rows: 11, 11, 10, not
+// 12, 12, 8, so every tile keeps enough FMA chains in flight), interleaved
+// into a thread-local buffer by the threads together.
+std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < m * k) buffer.resize(m * k);
+  float* base = buffer.data();  // the pool's threads see their own thread_locals
+  const int64_t count = (m + kTileRows - 1) / kTileRows;
+  std::vector<Tile> out;
+  int64_t begin = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t rows = (m - begin) / (count - t);
+    out.push_back({begin, rows, base + begin * k});
+    begin += rows;
+  }
+  at::parallel_for(0, k, 256, [&](int64_t i0, int64_t i1) {
+    for (const Tile& t : out) {
+      float* xt = base + t.begin * k;
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t r = 0; r < t.rows; ++r) xt[i * t.rows + r] = x[(t.begin + r) * k + i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+bool takes(int64_t qtype, int64_t n) {
+  return qtype == kQ4x8 || (qtype == kQ8_0 && n % kGroupRows == 0);
+}
+
+template <typename T>
+void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
+            int64_t n, int64_t k) {
+  const bool avx2 = cpu::use_avx2();
+  const std::vector<Tile> tiles = tiles_of(x, m, k);
+  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> panel;
+    if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
+    float acc[kTileRows * kGroupRows];
+    for (int64_t g = begin; g < end; ++g) {
+      unpack(panel.data(), qtype, w, g, k, avx2);
+      for (const Tile& t : tiles) {
+        kTiles[t.rows - 1](acc, panel.data(), t.xt, k, avx2);
+        for (int64_t r = 0; r < t.rows; ++r) {
+          for (int64_t l = 0; l < kGroupRows; ++l) {
+            const int64_t j = g * kGroupRows + l;
+            out[(t.begin + r) * n + j] =
+                from_f<T>(acc[r * kGroupRows + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
+          }
+        }
+      }
+    }
+  });
+}
+
+template void linear<float>(float*, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                            int64_t, int64_t);
+template void linear<c10::BFloat16>(c10::BFloat16*, int64_t, const uint8_t*, const float*,
+                                    const c10::BFloat16*, int64_t, int64_t, int64_t);
+template void linear<c10::Half>(c10::Half*, int64_t, const uint8_t*, const float*,
+                                const c10::Half*, int64_t, int64_t, int64_t);
+
+}  // namespace shardlm::cpu::panel
