@@ -4,8 +4,8 @@
     python -m bench.quant_bench --model FILE.gguf # also batch-1 decode and prefill of the model
 
 Kernels: the fastest of many calls of one linear layer (weights streamed from memory, not
-cache, for the large ones), as GB/s of weight bytes read at batch 1 and as GFLOP/s at a
-512-row prefill: float32 and bfloat16 `skinny_linear` against `quant_linear` on Q8_0, Q4_1
+cache, for the large ones), as GB/s of weight bytes read at batch 1 and as GFLOP/s at a decode
+batch (`--batch-rows`, 32) and a 512-row prefill: float32 and bfloat16 `skinny_linear` against `quant_linear` on Q8_0, Q4_1
 and Q4_1 regrouped as Q4x8 (what a model loads on CPU).
 
 Model: the same GGUF file loaded twice in float32, blocks packed (`quantize=""`) and dequantized
@@ -31,9 +31,9 @@ SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
           "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def kernel_table(budget_s: float, prefill_rows: int) -> None:
+def kernel_table(budget_s: float, batch_rows: int, prefill_rows: int) -> None:
     print(f"{'layer':10} {'N x K':>12} {'kind':>6} {'M=1 µs':>9} {'GB/s':>7} "
-          f"{f'M={prefill_rows} ms':>10} {'GFLOP/s':>8}")
+          f"{f'M={batch_rows} GFLOP/s':>15} {f'M={prefill_rows} ms':>10} {'GFLOP/s':>8}")
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k) / k**0.5
         q4 = quantize(w, "int4")
@@ -44,12 +44,14 @@ def kernel_table(budget_s: float, prefill_rows: int) -> None:
             nbytes = weight.nbytes if kind.startswith("Q") else weight.numel() * weight.itemsize
             x1 = torch.randn(1, k, dtype=dtype)
             us = best_us(lambda x1=x1, w=weight: ops.linear(x1, w), budget_s)
+            xb = torch.randn(batch_rows, k, dtype=dtype)
+            batch_us = best_us(lambda xb=xb, w=weight: ops.linear(xb, w), budget_s, min_calls=3)
             xm = torch.randn(prefill_rows, k, dtype=dtype)
             ms = best_us(lambda xm=xm, w=weight: ops.linear(xm, w), budget_s,
                          min_calls=3) / 1e3
             gflops = 2 * prefill_rows * n * k / (ms * 1e6)
             print(f"{name:10} {f'{n}x{k}':>12} {kind:>6} {us:9.1f} {nbytes / us / 1e3:7.1f} "
-                  f"{ms:10.2f} {gflops:8.1f}")
+                  f"{2 * batch_rows * n * k / batch_us / 1e3:15.1f} {ms:10.2f} {gflops:8.1f}")
 
 
 def _decode_run(engine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
@@ -105,6 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per kernel case")
+    p.add_argument("--batch-rows", type=int, default=32, help="rows of the decode-batch column")
     p.add_argument("--prefill-rows", type=int, default=512)
     p.add_argument("--model", help="a GGUF file to time end to end")
     p.add_argument("--steps", type=int, default=64, help="decode steps per model run")
@@ -113,7 +116,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not args.no_kernels:
-        kernel_table(args.budget, args.prefill_rows)
+        kernel_table(args.budget, args.batch_rows, args.prefill_rows)
     if args.model:
         model_table(args.model, args.steps, args.prefill_rows, args.rounds)
 

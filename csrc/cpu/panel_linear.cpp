@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -175,10 +176,18 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k) {
   return out;
 }
 
+// Input rows per pass over the weights: the pass's interleaved rows (K floats
+// each) stay within about 384 KiB, in L2 beside the panel; each pass unpacks
+// every group again, which costs far less than fetching the rows from L3.
+int64_t rows_per_pass(int64_t k) {
+  return std::clamp<int64_t>((384 << 10) / (4 * k), 2 * kTileRows, 16 * kTileRows);
+}
+
 }  // namespace
 
-bool takes(int64_t qtype, int64_t n) {
-  return qtype == kQ4x8 || (qtype == kQ8_0 && n % kGroupRows == 0);
+bool takes(int64_t qtype, int64_t m, int64_t n) {
+  return m >= kMinRows && m <= kMaxRows &&
+         (qtype == kQ4x8 || (qtype == kQ8_0 && n % kGroupRows == 0));
 }
 
 template <typename T>
@@ -186,24 +195,34 @@ void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bi
             int64_t n, int64_t k) {
   const bool avx2 = cpu::use_avx2();
   const std::vector<Tile> tiles = tiles_of(x, m, k);
-  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> panel;
-    if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
-    float acc[kTileRows * kGroupRows];
-    for (int64_t g = begin; g < end; ++g) {
-      unpack(panel.data(), qtype, w, g, k, avx2);
-      for (const Tile& t : tiles) {
-        kTiles[t.rows - 1](acc, panel.data(), t.xt, k, avx2);
-        for (int64_t r = 0; r < t.rows; ++r) {
-          for (int64_t l = 0; l < kGroupRows; ++l) {
-            const int64_t j = g * kGroupRows + l;
-            out[(t.begin + r) * n + j] =
-                from_f<T>(acc[r * kGroupRows + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
+  const int64_t pass_rows = rows_per_pass(k);
+  for (size_t first = 0; first < tiles.size();) {
+    size_t last = first + 1;  // tiles [first, last) make this pass
+    while (last < tiles.size() && tiles[last].begin + tiles[last].rows - tiles[first].begin <=
+                                      pass_rows) {
+      ++last;
+    }
+    at::parallel_for(0, n / kGroupRows, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> panel;
+      if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
+      float acc[kTileRows * kGroupRows];
+      for (int64_t g = begin; g < end; ++g) {
+        unpack(panel.data(), qtype, w, g, k, avx2);
+        for (size_t i = first; i < last; ++i) {
+          const Tile& t = tiles[i];
+          kTiles[t.rows - 1](acc, panel.data(), t.xt, k, avx2);
+          for (int64_t r = 0; r < t.rows; ++r) {
+            for (int64_t l = 0; l < kGroupRows; ++l) {
+              const int64_t j = g * kGroupRows + l;
+              out[(t.begin + r) * n + j] = from_f<T>(acc[r * kGroupRows + l] +
+                                                     (bias != nullptr ? to_f(bias[j]) : 0.f));
+            }
           }
         }
       }
-    }
-  });
+    });
+    first = last;
+  }
 }
 
 template void linear<float>(float*, int64_t, const uint8_t*, const float*, const float*, int64_t,

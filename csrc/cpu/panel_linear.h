@@ -13,13 +13,16 @@
 
 namespace shardlm::cpu::panel {
 
-// Input rows from which the panel path runs: below, the matrix-vector kernels
-// win (bench.quant_bench; about even at 12 rows on SmolLM2's shapes).
+// The input rows the panel path runs for. Below, the matrix-vector kernels
+// win (bench.quant_bench: about even at 12 rows on SmolLM2's shapes); above,
+// torch's GEMM on dequantized tiles is as fast or faster (10% at 1024 rows of
+// K = 1536), its dequantizing cost spread over enough rows.
 constexpr int64_t kMinRows = 16;
+constexpr int64_t kMaxRows = 256;
 
-// Whether the panel path takes this weight: Q4x8, or Q8_0 with whole groups
-// of 8 rows.
-bool takes(int64_t qtype, int64_t n);
+// Whether the panel path takes m input rows against this weight: Q4x8, or
+// Q8_0 with whole groups of 8 rows.
+bool takes(int64_t qtype, int64_t m, int64_t n);
 
 // out (row-major [m, n]) from the blocks at `w` of type `qtype` (see takes);
 // x is float32 [m, k].

@@ -250,4 +250,21 @@ void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2) {
   }
 }
 
+void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  const int64_t group_bytes = blocks * kGroupBlockBytes;
+  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = w + g * group_bytes + b * kGroupBlockBytes;
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
+          float* o = dst + (g * kGroupRows + r - n0) * k + b * kBlock;
+          for (int64_t i = 0; i < kBlock; ++i) o[i] = d * quant_of(p, r, i) + m;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace shardlm::cpu::q4x8

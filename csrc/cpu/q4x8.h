@@ -1,7 +1,7 @@
 // The Q4x8 kernels (q4x8.cpp): the matrix-vector product of decode (one group
 // of 8 weight rows, quant_blocks.h, against up to 4 input rows at a time, on
-// AVX2 or portably), and a group's rows unpacked to floats for the panel path
-// of more input rows (panel_linear.cpp).
+// AVX2 or portably), and a group's rows unpacked to floats for the panel and
+// tiled paths of more input rows (panel_linear.cpp, quant_linear.cpp).
 #pragma once
 
 #include <cstdint>
@@ -34,5 +34,9 @@ void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2);
 template <typename T>
 void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
           int64_t n, int64_t k);
+
+// Rows [n0, n1) (multiples of 8) as float32 into `dst` ([n1 - n0, K]),
+// d * q + m exactly as the reference computes it.
+void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k);
 
 }  // namespace shardlm::cpu::q4x8

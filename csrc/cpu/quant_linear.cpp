@@ -15,10 +15,11 @@
 // instructions per weight than the one-row kernels, which remain for weights
 // kept as the file stores them.
 //
-// Batches and prefills (many rows) are compute bound. Q4x8 weights, and Q8_0
-// ones whose rows fill groups of 8, take the panel path (panel_linear.h) from
-// 16 rows; other weights' tiles of rows are dequantized to a float buffer once
-// and multiplied with every input row by torch's GEMM.
+// Batches and prefills (many rows) are compute bound. From 16 to 256 rows,
+// Q4x8 weights and Q8_0 ones whose rows fill groups of 8 take the panel path
+// (panel_linear.h); past that, and for other weights, tiles of rows are
+// dequantized to a float buffer once and multiplied with every input row by
+// torch's GEMM.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -47,12 +48,14 @@ using namespace cpu::quant;
 
 // Input rows per pass over a weight row; more rows than this take passes.
 constexpr int64_t kRowGroup = 4;
-// For weights the panel path does not take (panel_linear.h), more input rows
-// than this take the tiled GEMM path. The Q8_0 matrix-vector kernel unpacks a
-// block once for several input rows, so it stays ahead of dequantizing tiles
-// through decode batches (bench.quant_bench); the one-row 4-bit kernels
-// (weights whose rows do not fill groups of 8) hand over sooner.
-constexpr int64_t gemv_max_rows(int64_t qtype) { return qtype == kQ8_0 ? 64 : 8; }
+// Where the panel path does not run (panel_linear.h), more input rows than
+// this take the tiled GEMM path. The Q4x8 and Q8_0 matrix-vector kernels
+// unpack a block once for several input rows, so they stay ahead of
+// dequantizing tiles through decode batches (bench.quant_bench); the one-row
+// 4-bit kernels (weights whose rows do not fill groups of 8) hand over sooner.
+constexpr int64_t gemv_max_rows(int64_t qtype) {
+  return qtype == kQ4x8 || qtype == kQ8_0 ? 64 : 8;
+}
 
 // The input as float32 and its per-block sums; thread-local, grows only.
 struct Activations {
@@ -330,6 +333,7 @@ void gemv(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t
 // W rows [n0, n1) as float32 into `dst` ([n1 - n0, K]), the reference's values exactly.
 template <int64_t kType>
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+  if constexpr (kType == kQ4x8) return cpu::q4x8::dequantize_rows(dst, w, n0, n1, k);
   const int64_t blocks = k / kBlock;
   const int64_t row_bytes = blocks * block_bytes(kType);
   at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
@@ -377,14 +381,16 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
   SHARDLM_DISPATCH_FLOAT_TYPES(out.scalar_type(), "quant_linear", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
-    if (m >= cpu::panel::kMinRows && cpu::panel::takes(kType, n)) {
+    if (cpu::panel::takes(kType, m, n)) {
       cpu::panel::linear(o, kType, w, a.x, b, m, n, k);
-    } else if constexpr (kType == kQ4x8) {
-      cpu::q4x8::gemv(o, w, a.x, a.xs, b, m, n, k);  // the panel path takes more rows
     } else if (m > gemv_max_rows(kType)) {
       tiled_gemm<kType>(out, a, w, bias, m, n, k);
     } else {
-      gemv<kType>(o, w, a, b, m, n, k);
+      if constexpr (kType == kQ4x8) {
+        cpu::q4x8::gemv(o, w, a.x, a.xs, b, m, n, k);
+      } else {
+        gemv<kType>(o, w, a, b, m, n, k);
+      }
     }
   });
 }

@@ -70,10 +70,10 @@ def test_quant_linear_matches_reference(qtype, m, n, k):
                                **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("m", [16, 17, 40, 130])
+@pytest.mark.parametrize("m", [16, 17, 40, 130, 300])
 @pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
 def test_q8_0_in_whole_groups_matches_reference(m, n, k):
-    """From 16 rows, Q8_0 weights whose rows fill groups of 8 take the panel path
+    """From 16 to 256 rows, Q8_0 weights whose rows fill groups of 8 take the panel path
     (csrc/cpu/panel_linear.h): eight rows transposed into one panel."""
     w = ggml_weight(n, k, "Q8_0", seed=m)
     gen = torch.Generator().manual_seed(m + n)
@@ -96,7 +96,7 @@ def test_q4x8_holds_the_same_weights(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("m", [1, 2, 3, 6, 9, 40, 70])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 9, 40, 70, 300])
 @pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
 def test_q4x8_linear_matches_reference(qtype, m, n, k):
     w = to_q4x8(ggml_weight(n, k, qtype, seed=m))
