@@ -150,7 +150,7 @@ struct Tile {
   const float* xt;
 };
 
-// The input split into tiles of near-equal size (32 rows: 11, 11, 10, not
+// The input split into tiles of near-equal size (32 rows: 10, 11, 11, not
 // 12, 12, 8, so every tile keeps enough FMA chains in flight), interleaved
 // into a thread-local buffer by the threads together.
 std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k) {
