@@ -38,26 +38,6 @@ void unpack_q8_0_scalar(float* panel, const uint8_t* rows, int64_t row_bytes, in
 }
 
 #if SHARDLM_HAVE_AVX2
-// v[r] (row r's 8 weights) -> v[j] (weight j of the 8 rows).
-SHARDLM_AVX2 inline void transpose8(__m256 v[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256 a = t[4 * i + h], b = t[4 * i + 2 + h];
-      u[4 * i + 2 * h] = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0));
-      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2));
-    }
-  }
-  for (int j = 0; j < 4; ++j) {
-    v[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
-    v[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
-  }
-}
-
 // d * q is exact in float32 (11 by 8 significant bits), as in the reference.
 // The quants are transposed first, so the 8 rows' scales are one vector.
 SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t row_bytes,
@@ -76,7 +56,7 @@ SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t ro
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * row_bytes + 2 + 8 * s));
         v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
       }
-      transpose8(v);
+      cpu::avx2::transpose8(v);
       float* o = panel + (b * kBlock + 8 * s) * kGroupRows;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * kGroupRows, _mm256_mul_ps(v[j], d));

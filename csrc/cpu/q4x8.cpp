@@ -166,6 +166,15 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k) {
     }
   }
 }
+
+SHARDLM_AVX2 void panel_to_rows_avx2(float* rows, const float* panel, int64_t k) {
+  for (int64_t i = 0; i < k; i += 8) {  // k is a multiple of 32
+    __m256 v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(panel + (i + j) * kGroupRows);
+    cpu::avx2::transpose8(v);
+    for (int r = 0; r < kGroupRows; ++r) _mm256_storeu_ps(rows + r * k + i, v[r]);
+  }
+}
 #endif
 
 }  // namespace
@@ -196,6 +205,17 @@ void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, c
   (void)avx2;
   for (int64_t r = 0; r < rows; ++r) {
     group_scalar(acc + kGroupRows * r, w, xp + r * x_stride, xs + r * xs_stride, k);
+  }
+}
+
+// rows[r * k + i] = panel[8 i + r]: a panel back into 8 row-major rows.
+static void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) return panel_to_rows_avx2(rows, panel, k);
+#endif
+  (void)avx2;
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t r = 0; r < kGroupRows; ++r) rows[r * k + i] = panel[i * kGroupRows + r];
   }
 }
 
@@ -251,18 +271,14 @@ void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2) {
 }
 
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  const int64_t group_bytes = blocks * kGroupBlockBytes;
+  const int64_t group_bytes = k / kBlock * kGroupBlockBytes;
+  const bool avx2 = cpu::use_avx2();
   at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> panel;
+    if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* p = w + g * group_bytes + b * kGroupBlockBytes;
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
-          float* o = dst + (g * kGroupRows + r - n0) * k + b * kBlock;
-          for (int64_t i = 0; i < kBlock; ++i) o[i] = d * quant_of(p, r, i) + m;
-        }
-      }
+      unpack_panel(panel.data(), w + g * group_bytes, k, avx2);
+      panel_to_rows(dst + (g * kGroupRows - n0) * k, panel.data(), k, avx2);
     }
   });
 }

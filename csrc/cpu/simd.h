@@ -115,6 +115,27 @@ SHARDLM_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// ---- 8 x 8 transpose ---------------------------------------------------------------
+// v[r][j] -> v[j][r]: eight rows of 8 floats into eight columns.
+SHARDLM_AVX2 inline void transpose8(__m256 v[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256 a = t[4 * i + h], b = t[4 * i + 2 + h];
+      u[4 * i + 2 * h] = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    v[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
 // ---- exp ---------------------------------------------------------------------------
 // Cephes-style expf: x = n ln2 + r with ln2 split in two for an exact
 // reduction, a degree-6 polynomial for e^r on |r| <= ln2/2, then scale by 2^n.

@@ -231,7 +231,7 @@ def _run(tmp_path, inputs_file, level: str):
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
     for qtype in (*QTYPES, "Q4x8", "Q8_0 in groups"):
-        for m in (1, 2, 3, 4, 5, 9, 16, 23):  # 16 and 23: the panel path, tiles of 12, 11 + 12
+        for m in (1, 2, 3, 4, 5, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
             if qtype == "Q4x8":
                 w = to_q4x8(ggml_weight(40, 288, "Q4_1", seed=m))
             else:
