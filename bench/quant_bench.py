@@ -5,8 +5,10 @@
 
 Kernels: the fastest of many calls of one linear layer (weights streamed from memory, not
 cache, for the large ones), as GB/s of weight bytes read at batch 1 and as GFLOP/s at a decode
-batch (`--batch-rows`, 32) and a 512-row prefill: float32 and bfloat16 `skinny_linear` against `quant_linear` on Q8_0, Q4_1
-and Q4_1 regrouped as Q4x8 (what a model loads on CPU).
+batch (`--batch-rows`, 32) and a 512-row prefill: float32 and bfloat16 `skinny_linear` against
+`quant_linear` on Q8_0, Q4_1 and Q4_1 regrouped as Q4x8 (what a model loads on CPU). `--simd
+avx2,avx512` times each case at both SIMD levels in turn (a level the CPU lacks runs the next
+narrower path).
 
 Model: the same GGUF file loaded twice in float32, blocks packed (`quantize=""`) and dequantized
 at load (`quantize="none"`); decode tok/s over a fixed number of greedy steps after a short
@@ -31,8 +33,11 @@ SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
           "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def kernel_table(budget_s: float, batch_rows: int, prefill_rows: int) -> None:
-    print(f"{'layer':10} {'N x K':>12} {'kind':>6} {'M=1 µs':>9} {'GB/s':>7} "
+def kernel_table(budget_s: float, batch_rows: int, prefill_rows: int,
+                 levels: list[str]) -> None:
+    """One line per layer, weight kind and SIMD level; the levels of a case are timed one after
+    the other, so a slow spell of the machine hits them alike."""
+    print(f"{'layer':10} {'N x K':>12} {'kind':>6} {'simd':>7} {'M=1 µs':>9} {'GB/s':>7} "
           f"{f'M={batch_rows} GFLOP/s':>15} {f'M={prefill_rows} ms':>10} {'GFLOP/s':>8}")
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k) / k**0.5
@@ -43,15 +48,20 @@ def kernel_table(budget_s: float, batch_rows: int, prefill_rows: int) -> None:
             dtype = torch.bfloat16 if kind == "bf16" else torch.float32
             nbytes = weight.nbytes if kind.startswith("Q") else weight.numel() * weight.itemsize
             x1 = torch.randn(1, k, dtype=dtype)
-            us = best_us(lambda x1=x1, w=weight: ops.linear(x1, w), budget_s)
             xb = torch.randn(batch_rows, k, dtype=dtype)
-            batch_us = best_us(lambda xb=xb, w=weight: ops.linear(xb, w), budget_s, min_calls=3)
             xm = torch.randn(prefill_rows, k, dtype=dtype)
-            ms = best_us(lambda xm=xm, w=weight: ops.linear(xm, w), budget_s,
-                         min_calls=3) / 1e3
-            gflops = 2 * prefill_rows * n * k / (ms * 1e6)
-            print(f"{name:10} {f'{n}x{k}':>12} {kind:>6} {us:9.1f} {nbytes / us / 1e3:7.1f} "
-                  f"{2 * batch_rows * n * k / batch_us / 1e3:15.1f} {ms:10.2f} {gflops:8.1f}")
+            for level in levels:
+                ops.set_cpu_simd(level)
+                us = best_us(lambda x1=x1, w=weight: ops.linear(x1, w), budget_s)
+                batch_us = best_us(lambda xb=xb, w=weight: ops.linear(xb, w), budget_s,
+                                   min_calls=3)
+                ms = best_us(lambda xm=xm, w=weight: ops.linear(xm, w), budget_s,
+                             min_calls=3) / 1e3
+                gflops = 2 * prefill_rows * n * k / (ms * 1e6)
+                print(f"{name:10} {f'{n}x{k}':>12} {kind:>6} {level:>7} {us:9.1f} "
+                      f"{nbytes / us / 1e3:7.1f} {2 * batch_rows * n * k / batch_us / 1e3:15.1f} "
+                      f"{ms:10.2f} {gflops:8.1f}")
+    ops.set_cpu_simd(True)
 
 
 def _decode_run(engine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
@@ -113,10 +123,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64, help="decode steps per model run")
     p.add_argument("--rounds", type=int, default=3, help="alternated model runs per variant")
     p.add_argument("--no-kernels", action="store_true", help="only the model")
+    p.add_argument("--simd", default="widest",
+                   help="comma-separated SIMD levels to time each kernel case at, in turn "
+                        f"({', '.join(ops.SIMD_LEVELS)}; widest: the CPU's own)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not args.no_kernels:
-        kernel_table(args.budget, args.batch_rows, args.prefill_rows)
+        levels = [level.strip() for level in args.simd.split(",")]
+        kernel_table(args.budget, args.batch_rows, args.prefill_rows,
+                     [ops.SIMD_LEVELS[-1] if level == "widest" else level for level in levels])
     if args.model:
         model_table(args.model, args.steps, args.prefill_rows, args.rounds)
 

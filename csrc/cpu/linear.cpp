@@ -7,8 +7,9 @@
 // thread (about half of what two cores can stream here), and bfloat16 is
 // converted in chunks. This kernel splits the output features over all
 // threads, streams each block of 4 weight rows (contiguous in memory) once,
-// and multiplies it with 2 input rows at a time held in float registers; later
-// pairs of input rows find the block in cache.
+// and multiplies it with 2 input rows at a time held in float registers (8
+// lanes with AVX2, 16 with AVX-512); later pairs of input rows find the block
+// in cache.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -41,22 +42,24 @@ float* input_as_float(const void* input, at::ScalarType type, int64_t count) {
   return buffer.data();
 }
 
-// bfloat16 weights on the AVX2 path are widened 16 at a time without a
-// shuffle: in each 32-bit lane of a 256-bit load, `<< 16` yields the even
-// element as a float and `& 0xffff0000` the odd one. The input rows are laid
-// out to match once per call: per chunk of 16, the 8 even then the 8 odd
-// features (the k % 16 tail keeps the plain layout, read from `x`).
-float* input_deinterleaved(const float* x, int64_t rows, int64_t k) {
+// bfloat16 weights on the SIMD paths are widened a vector at a time without a
+// shuffle: in each 32-bit lane of a load, `<< 16` yields the even element as a
+// float and `& 0xffff0000` the odd one. The input rows are laid out to match
+// once per call: per chunk of 2 L (L = 8 lanes for AVX2, 16 for AVX-512), the
+// L even then the L odd features (the tail past the last whole chunk keeps the
+// plain layout, read from `x`).
+float* input_deinterleaved(const float* x, int64_t rows, int64_t k, int64_t lanes) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < rows * k) buffer.resize(rows * k);
-  const int64_t k16 = k / 16 * 16;
+  const int64_t chunk = 2 * lanes;
+  const int64_t whole = k / chunk * chunk;
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = x + r * k;
     float* dst = buffer.data() + r * k;
-    for (int64_t c = 0; c < k16; c += 16) {
-      for (int64_t i = 0; i < 8; ++i) {
+    for (int64_t c = 0; c < whole; c += chunk) {
+      for (int64_t i = 0; i < lanes; ++i) {
         dst[c + i] = src[c + 2 * i];
-        dst[c + 8 + i] = src[c + 2 * i + 1];
+        dst[c + lanes + i] = src[c + 2 * i + 1];
       }
     }
   }
@@ -179,26 +182,114 @@ SHARDLM_AVX2 void block_bf16_avx2(c10::BFloat16* out, const float* x, const floa
   }
 }
 
-template <typename T>
-void rows_avx2(T* out, const float* x, const float* xp, const T* w, const T* bias,
+// ---- AVX-512F: the AVX2 blocks with 16 lanes ---------------------------------------
+
+template <typename T, bool kTwo>
+SHARDLM_AVX512 void block_avx512(T* out, const float* x, const T* w, const T* bias, int64_t m0,
+                                 int64_t j, int64_t k, int64_t n) {
+  using namespace cpu::avx512;
+  const T* rows[4] = {w + j * k, w + (j + 1) * k, w + (j + 2) * k, w + (j + 3) * k};
+  const float* xa = x + m0 * k;
+  const float* xb = kTwo ? xa + k : xa;
+  __m512 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    if (i % (64 / sizeof(T)) == 0) {  // a line of each row
+      for (const T* row : rows) cpu::avx2::prefetch_ahead(row + i);
+    }
+    const __m512 va = load16(xa + i);
+    const __m512 vb = kTwo ? load16(xb + i) : va;
+    for (int r = 0; r < 4; ++r) {
+      const __m512 v = load16(rows[r] + i);
+      a[r] = _mm512_fmadd_ps(v, va, a[r]);
+      if constexpr (kTwo) b[r] = _mm512_fmadd_ps(v, vb, b[r]);
+    }
+  }
+  alignas(16) float sa[4], sb[4];
+  _mm_store_ps(sa, hsum4(a[0], a[1], a[2], a[3]));
+  _mm_store_ps(sb, hsum4(b[0], b[1], b[2], b[3]));
+  for (int r = 0; r < 4; ++r) {
+    for (int64_t t = i; t < k; ++t) {  // tail of k
+      sa[r] += xa[t] * to_f(rows[r][t]);
+      sb[r] += xb[t] * to_f(rows[r][t]);
+    }
+    const float bv = bias != nullptr ? to_f(bias[j + r]) : 0.f;
+    out[m0 * n + j + r] = from_f<T>(sa[r] + bv);
+    if (kTwo) out[(m0 + 1) * n + j + r] = from_f<T>(sb[r] + bv);
+  }
+}
+
+// The bfloat16 twin: a 64-byte load is 32 weights, even and odd ones against
+// the input de-interleaved in chunks of 32 (input_deinterleaved, 16 lanes).
+template <bool kTwo>
+SHARDLM_AVX512 void block_bf16_avx512(c10::BFloat16* out, const float* x, const float* xp,
+                                      const c10::BFloat16* w, const c10::BFloat16* bias,
+                                      int64_t m0, int64_t j, int64_t k, int64_t n) {
+  using namespace cpu::avx512;
+  const c10::BFloat16* rows[4] = {w + j * k, w + (j + 1) * k, w + (j + 2) * k, w + (j + 3) * k};
+  const float* pa = xp + m0 * k;
+  const float* pb = kTwo ? pa + k : pa;
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  const int64_t k32 = k / 32 * 32;
+  for (int64_t i = 0; i < k32; i += 32) {  // a line of each row per step
+    for (const c10::BFloat16* row : rows) cpu::avx2::prefetch_ahead(row + i);
+    const __m512 ae = _mm512_loadu_ps(pa + i), ao = _mm512_loadu_ps(pa + i + 16);
+    __m512 be = ae, bo = ao;
+    if constexpr (kTwo) {
+      be = _mm512_loadu_ps(pb + i);
+      bo = _mm512_loadu_ps(pb + i + 16);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const __m512i v = _mm512_loadu_si512(rows[r] + i);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
+      a[r] = _mm512_fmadd_ps(odd, ao, _mm512_fmadd_ps(even, ae, a[r]));
+      if constexpr (kTwo) b[r] = _mm512_fmadd_ps(odd, bo, _mm512_fmadd_ps(even, be, b[r]));
+    }
+  }
+  alignas(16) float sa[4], sb[4];
+  _mm_store_ps(sa, hsum4(a[0], a[1], a[2], a[3]));
+  _mm_store_ps(sb, hsum4(b[0], b[1], b[2], b[3]));
+  const float* xa = x + m0 * k;
+  const float* xb = kTwo ? xa + k : xa;
+  for (int r = 0; r < 4; ++r) {
+    for (int64_t t = k32; t < k; ++t) {
+      sa[r] += xa[t] * to_f(rows[r][t]);
+      sb[r] += xb[t] * to_f(rows[r][t]);
+    }
+    const float bv = bias != nullptr ? to_f(bias[j + r]) : 0.f;
+    out[m0 * n + j + r] = from_f<c10::BFloat16>(sa[r] + bv);
+    if (kTwo) out[(m0 + 1) * n + j + r] = from_f<c10::BFloat16>(sb[r] + bv);
+  }
+}
+
+// One 4-row block of outputs for input rows m0 (and m0 + 1 when kTwo), on the
+// AVX-512 kernels when kWide, else the AVX2 ones.
+template <typename T, bool kWide, bool kTwo>
+void block_simd(T* out, const float* x, const float* xp, const T* w, const T* bias, int64_t m0,
+                int64_t j, int64_t k, int64_t n) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (kWide) return block_bf16_avx512<kTwo>(out, x, xp, w, bias, m0, j, k, n);
+    return block_bf16_avx2<kTwo>(out, x, xp, w, bias, m0, j, k, n);
+  } else {
+    if constexpr (kWide) return block_avx512<T, kTwo>(out, x, w, bias, m0, j, k, n);
+    return block_avx2<T, kTwo>(out, x, w, bias, m0, j, k, n);
+  }
+}
+
+template <typename T, bool kWide>
+void rows_simd(T* out, const float* x, const float* xp, const T* w, const T* bias,
                int64_t m_rows, int64_t n0, int64_t n1, int64_t k, int64_t n) {
   int64_t j = n0;
   for (; j + kRowBlock <= n1; j += kRowBlock) {
     int64_t m = 0;
     for (; m + kInputPair <= m_rows; m += kInputPair) {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        block_bf16_avx2<true>(out, x, xp, w, bias, m, j, k, n);
-      } else {
-        block_avx2<T, true>(out, x, w, bias, m, j, k, n);
-      }
+      block_simd<T, kWide, true>(out, x, xp, w, bias, m, j, k, n);
     }
-    if (m < m_rows) {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        block_bf16_avx2<false>(out, x, xp, w, bias, m, j, k, n);
-      } else {
-        block_avx2<T, false>(out, x, w, bias, m, j, k, n);
-      }
-    }
+    if (m < m_rows) block_simd<T, kWide, false>(out, x, xp, w, bias, m, j, k, n);
   }
   rows_scalar(out, x, w, bias, m_rows, j, n1, k, n);  // fewer than 4 rows left
 }
@@ -209,8 +300,9 @@ void skinny_linear_impl(T* out, const float* x, const T* w, const T* bias, int64
                         int64_t n, int64_t k) {
   const float* xp = nullptr;
 #if SHARDLM_HAVE_AVX2
-  if (std::is_same_v<T, c10::BFloat16> && cpu::use_avx2()) {
-    xp = input_deinterleaved(x, m_rows, k);
+  const bool avx2 = cpu::use_avx2(), wide = cpu::use_avx512();
+  if (std::is_same_v<T, c10::BFloat16> && avx2) {
+    xp = input_deinterleaved(x, m_rows, k, wide ? 16 : 8);
   }
 #endif
   // Tasks of whole 4-row blocks, each worth >= ~64 KiB of weights, so small
@@ -222,10 +314,8 @@ void skinny_linear_impl(T* out, const float* x, const T* w, const T* bias, int64
     const int64_t n0 = begin * kRowBlock;
     const int64_t n1 = std::min(n, end * kRowBlock);
 #if SHARDLM_HAVE_AVX2
-    if (cpu::use_avx2()) {
-      rows_avx2(out, x, xp, w, bias, m_rows, n0, n1, k, n);
-      return;
-    }
+    if (wide) return rows_simd<T, true>(out, x, xp, w, bias, m_rows, n0, n1, k, n);
+    if (avx2) return rows_simd<T, false>(out, x, xp, w, bias, m_rows, n0, n1, k, n);
 #endif
     rows_scalar(out, x, w, bias, m_rows, n0, n1, k, n);
   });

@@ -25,13 +25,14 @@ constexpr int64_t kTileRows = 12;
 
 // ---- Q8_0 rows 8g .. 8g+7 into a panel ---------------------------------------------
 
-void unpack_q8_0_scalar(float* panel, const uint8_t* rows, int64_t row_bytes, int64_t k) {
+void unpack_q8_0_scalar(float* panel, const uint8_t* rows, int64_t row_bytes, int64_t k,
+                        int64_t stride) {
   for (int64_t r = 0; r < kGroupRows; ++r) {
     for (int64_t b = 0; b < k / kBlock; ++b) {
       const uint8_t* p = rows + r * row_bytes + b * block_bytes(kQ8_0);
       const float d = half_at(p);
       for (int64_t i = 0; i < kBlock; ++i) {
-        panel[(b * kBlock + i) * kGroupRows + r] = d * static_cast<int8_t>(p[2 + i]);
+        panel[(b * kBlock + i) * stride + r] = d * static_cast<int8_t>(p[2 + i]);
       }
     }
   }
@@ -41,7 +42,7 @@ void unpack_q8_0_scalar(float* panel, const uint8_t* rows, int64_t row_bytes, in
 // d * q is exact in float32 (11 by 8 significant bits), as in the reference.
 // The quants are transposed first, so the 8 rows' scales are one vector.
 SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t row_bytes,
-                                   int64_t k) {
+                                   int64_t k, int64_t stride) {
   const int64_t bytes = block_bytes(kQ8_0);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* p = rows + b * bytes;
@@ -57,23 +58,25 @@ SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t ro
         v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
       }
       cpu::avx2::transpose8(v);
-      float* o = panel + (b * kBlock + 8 * s) * kGroupRows;
+      float* o = panel + (b * kBlock + 8 * s) * stride;
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * kGroupRows, _mm256_mul_ps(v[j], d));
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * stride, _mm256_mul_ps(v[j], d));
     }
   }
 }
 #endif
 
-// Group g of the weight as a panel.
-void unpack(float* panel, int64_t qtype, const uint8_t* w, int64_t g, int64_t k, bool avx2) {
+// Group g of the weight into lanes 0..7 of a panel whose rows are `stride`
+// floats apart (unpack_panel in q4x8.h).
+void unpack(float* panel, int64_t qtype, const uint8_t* w, int64_t g, int64_t k, int64_t stride,
+            bool avx2) {
   const int64_t blocks_row_bytes = k / kBlock * block_bytes(qtype);
   const uint8_t* group = w + g * (qtype == kQ4x8 ? 1 : kGroupRows) * blocks_row_bytes;
-  if (qtype == kQ4x8) return q4x8::unpack_panel(panel, group, k, avx2);
+  if (qtype == kQ4x8) return q4x8::unpack_panel(panel, group, k, stride, avx2);
 #if SHARDLM_HAVE_AVX2
-  if (avx2) return unpack_q8_0_avx2(panel, group, blocks_row_bytes, k);
+  if (avx2) return unpack_q8_0_avx2(panel, group, blocks_row_bytes, k, stride);
 #endif
-  unpack_q8_0_scalar(panel, group, blocks_row_bytes, k);
+  unpack_q8_0_scalar(panel, group, blocks_row_bytes, k, stride);
 }
 
 // ---- the register tile ------------------------------------------------------------
@@ -109,7 +112,34 @@ SHARDLM_AVX2 void tile_avx2(float* acc, const float* panel, const float* xt, int
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * kGroupRows, c[r]);
 }
+
+// The AVX-512 tile: V vectors of 16 lanes per panel row (2 V groups side by
+// side, panel [K][16 V]), R x V accumulators; 12 x 2 of them, the panel row
+// and a broadcast fill 27 of the 32 registers, and each broadcast input
+// feeds V FMAs.
+template <int R, int V>
+SHARDLM_AVX512 void tile_avx512(float* acc, const float* panel, const float* xt, int64_t k) {
+  __m512 c[R][V];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) c[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(panel + (i * V + v) * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(xt[i * R + r]);
+      for (int v = 0; v < V; ++v) c[r][v] = _mm512_fmadd_ps(w[v], x, c[r][v]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (r * V + v) * 16, c[r][v]);
+  }
+}
 #endif
+
 
 template <int R>
 void tile(float* acc, const float* panel, const float* xt, int64_t k, bool avx2) {
@@ -123,6 +153,26 @@ void tile(float* acc, const float* panel, const float* xt, int64_t k, bool avx2)
 using TileFn = void (*)(float*, const float*, const float*, int64_t, bool);
 constexpr TileFn kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>,  tile<5>,  tile<6>,
                                       tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+
+#if SHARDLM_HAVE_AVX2
+using WideTileFn = void (*)(float*, const float*, const float*, int64_t);
+template <int V>
+constexpr WideTileFn kWideTiles[kTileRows] = {
+    tile_avx512<1, V>, tile_avx512<2, V>, tile_avx512<3, V>,  tile_avx512<4, V>,
+    tile_avx512<5, V>, tile_avx512<6, V>, tile_avx512<7, V>,  tile_avx512<8, V>,
+    tile_avx512<9, V>, tile_avx512<10, V>, tile_avx512<11, V>, tile_avx512<12, V>};
+#endif
+
+// acc[r * 8 groups + l] for the R = rows input rows of xt against a panel of
+// `groups` groups side by side (1, or with AVX-512 2 or 4).
+void multiply(float* acc, const float* panel, int64_t groups, const float* xt, int64_t rows,
+              int64_t k, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (groups == 4) return kWideTiles<2>[rows - 1](acc, panel, xt, k);
+  if (groups == 2) return kWideTiles<1>[rows - 1](acc, panel, xt, k);
+#endif
+  kTiles[rows - 1](acc, panel, xt, k, avx2);
+}
 
 // Input rows [begin, begin + rows) of one tile, interleaved ([K][rows]).
 struct Tile {
@@ -174,6 +224,10 @@ template <typename T>
 void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
             int64_t n, int64_t k) {
   const bool avx2 = cpu::use_avx2();
+  // With AVX-512 four groups are unpacked side by side and multiplied
+  // together (tile_avx512); the last one to three take panels of two and one.
+  const int64_t span = cpu::use_avx512() ? 4 : 1;
+  const int64_t groups = n / kGroupRows;
   const std::vector<Tile> tiles = tiles_of(x, m, k);
   const int64_t pass_rows = rows_per_pass(k);
   for (size_t first = 0; first < tiles.size();) {
@@ -182,23 +236,31 @@ void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bi
                                       pass_rows) {
       ++last;
     }
-    at::parallel_for(0, n / kGroupRows, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, (groups + span - 1) / span, 1, [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> panel;
-      if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
-      float acc[kTileRows * kGroupRows];
-      for (int64_t g = begin; g < end; ++g) {
-        unpack(panel.data(), qtype, w, g, k, avx2);
+      if (static_cast<int64_t>(panel.size()) < k * kGroupRows * span) {
+        panel.resize(k * kGroupRows * span);
+      }
+      float acc[kTileRows * kGroupRows * 4];
+      for (int64_t g = begin * span; g < std::min(groups, end * span);) {
+        const int64_t left = std::min(groups, end * span) - g;
+        const int64_t width = span == 1 ? 1 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int64_t lanes = width * kGroupRows;
+        for (int64_t i = 0; i < width; ++i) {
+          unpack(panel.data() + i * kGroupRows, qtype, w, g + i, k, lanes, avx2);
+        }
         for (size_t i = first; i < last; ++i) {
           const Tile& t = tiles[i];
-          kTiles[t.rows - 1](acc, panel.data(), t.xt, k, avx2);
+          multiply(acc, panel.data(), width, t.xt, t.rows, k, avx2);
           for (int64_t r = 0; r < t.rows; ++r) {
-            for (int64_t l = 0; l < kGroupRows; ++l) {
+            for (int64_t l = 0; l < lanes; ++l) {
               const int64_t j = g * kGroupRows + l;
-              out[(t.begin + r) * n + j] = from_f<T>(acc[r * kGroupRows + l] +
-                                                     (bias != nullptr ? to_f(bias[j]) : 0.f));
+              out[(t.begin + r) * n + j] =
+                  from_f<T>(acc[r * lanes + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
             }
           }
         }
+        g += width;
       }
     });
     first = last;

@@ -146,14 +146,14 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
 // Quant j, masked in place (q * 2^4j), times d * 2^-4j is q * d exactly (d is a
 // float16, far from float32's subnormals), so one FMA gives d * q + m rounded
 // once, as the reference's float32 d * q + m.
-SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k) {
+SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* p = w + b * kGroupBlockBytes;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     __m256 scale[8];
     for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kScale[j]));
-    float* o = panel + b * kBlock * kGroupRows;
+    float* o = panel + b * kBlock * stride;
     for (int s = 0; s < 4; ++s) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
 #pragma GCC unroll 8
@@ -161,7 +161,7 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k) {
         const __m256 q = _mm256_cvtepi32_ps(
             j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
                   : _mm256_srli_epi32(v, 28));
-        _mm256_storeu_ps(o + (8 * s + j) * kGroupRows, _mm256_fmadd_ps(q, scale[j], m));
+        _mm256_storeu_ps(o + (8 * s + j) * stride, _mm256_fmadd_ps(q, scale[j], m));
       }
     }
   }
@@ -173,6 +173,82 @@ SHARDLM_AVX2 void panel_to_rows_avx2(float* rows, const float* panel, int64_t k)
     for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(panel + (i + j) * kGroupRows);
     cpu::avx2::transpose8(v);
     for (int r = 0; r < kGroupRows; ++r) _mm256_storeu_ps(rows + r * k + i, v[r]);
+  }
+}
+
+// ---- AVX-512F: two neighbouring groups side by side, one of 16 features a lane ------
+
+// 32 bytes at p (group g) in the low half, the same 32 bytes of group g + 1
+// (`next` bytes on) in the high half.
+SHARDLM_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t next) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + next)), 1);
+}
+
+// The 8 float16 at p and the 8 at p + next as 16 floats.
+SHARDLM_AVX512 inline __m512 halves_pair(const uint8_t* p, int64_t next) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + next)), 1));
+}
+
+// rows_avx2 for the groups at w and w + next at once: acc[16 i + l] for input
+// row i and lane l (g's 8 rows, then g + 1's). The quants are masked in place
+// against the pre-scaled input as in the AVX2 kernels, each unpacked vector
+// feeding R FMAs; 8 / R chains per row keep about 8 FMAs in flight, what two
+// 512-bit FMA units with a latency of 4 need.
+template <int R>
+SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const float* xp,
+                                int64_t x_stride, const float* xs, int64_t xs_stride, int64_t k) {
+  constexpr int kChains = R == 1 ? 8 : R == 2 ? 4 : 2;
+  const int64_t blocks = k / kBlock;
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = w + b * kGroupBlockBytes;
+    for (int64_t line = 0; line < kGroupBlockBytes; line += 64) {
+      cpu::avx2::prefetch_ahead(p + line);
+      cpu::avx2::prefetch_ahead(p + next + line);
+    }
+    __m512 c[R][kChains];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < kChains; ++h) c[r][h] = _mm512_setzero_ps();
+    }
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = load_pair(p + 32 + 32 * s, next);
+      const float* x8 = xp + b * kBlock + 8 * s;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512 q = _mm512_cvtepi32_ps(
+            j < 7 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0f << (4 * j)))
+                  : _mm512_srli_epi32(v, 28));
+        for (int r = 0; r < R; ++r) {
+          __m512& chain = c[r][(8 * s + j) % kChains];
+          chain = _mm512_fmadd_ps(q, _mm512_set1_ps(x8[r * x_stride + j]), chain);
+        }
+      }
+    }
+    const __m512 d = halves_pair(p, next);
+    const __m512 m = halves_pair(p + 16, next);
+    for (int r = 0; r < R; ++r) {
+      for (int width = kChains / 2; width > 0; width /= 2) {
+        for (int h = 0; h < width; ++h) c[r][h] = _mm512_add_ps(c[r][h], c[r][h + width]);
+      }
+      sum[r] = _mm512_fmadd_ps(d, c[r][0],
+                               _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * xs_stride + b]), sum[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 2 * kGroupRows * r, sum[r]);
+}
+
+void pair_dot(float* acc, const uint8_t* w, int64_t next, const float* xp, int64_t x_stride,
+              const float* xs, int64_t xs_stride, int64_t rows, int64_t k) {
+  switch (rows) {
+    case 1: return pair_avx512<1>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 2: return pair_avx512<2>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 3: return pair_avx512<3>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    default: return pair_avx512<4>(acc, w, next, xp, x_stride, xs, xs_stride, k);
   }
 }
 #endif
@@ -224,22 +300,35 @@ void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bi
           int64_t n, int64_t k) {
   const int64_t blocks = k / kBlock;
   const int64_t group_bytes = blocks * kGroupBlockBytes;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
+  const int64_t groups = n / kGroupRows;
   const bool avx2 = cpu::use_avx2();
+  // AVX-512 takes the groups in pairs (pair_dot); an odd last one takes rows_dot.
+  const int64_t span = cpu::use_avx512() ? 2 : 1;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (span * group_bytes));
   const float* xp = prepare(x, m * k, avx2);
-  at::parallel_for(0, n / kGroupRows, grain, [&](int64_t begin, int64_t end) {
-    float acc[kMaxRows * kGroupRows];
-    for (int64_t g = begin; g < end; ++g) {
-      // Later input rows find the group's weights in cache.
+  at::parallel_for(0, (groups + span - 1) / span, grain, [&](int64_t begin, int64_t end) {
+    float acc[kMaxRows * 2 * kGroupRows];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t g = unit * span;
+      const int64_t width = std::min(span, groups - g) * kGroupRows;  // features of this unit
+      // Later input rows find the groups' weights in cache.
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, m - m0);
-        rows_dot(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows, k,
-                 avx2);
+#if SHARDLM_HAVE_AVX2
+        if (width == 2 * kGroupRows) {
+          pair_dot(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k, xs + m0 * blocks,
+                   blocks, rows, k);
+        } else
+#endif
+        {
+          rows_dot(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows, k,
+                   avx2);
+        }
         for (int64_t i = 0; i < rows; ++i) {
-          for (int64_t r = 0; r < kGroupRows; ++r) {
-            const int64_t j = g * kGroupRows + r;
-            out[(m0 + i) * n + j] = from_f<T>(acc[i * kGroupRows + r] +
-                                              (bias != nullptr ? to_f(bias[j]) : 0.f));
+          for (int64_t l = 0; l < width; ++l) {
+            const int64_t j = g * kGroupRows + l;
+            out[(m0 + i) * n + j] =
+                from_f<T>(acc[i * width + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
           }
         }
       }
@@ -254,9 +343,9 @@ template void gemv<c10::BFloat16>(c10::BFloat16*, const uint8_t*, const float*, 
 template void gemv<c10::Half>(c10::Half*, const uint8_t*, const float*, const float*,
                               const c10::Half*, int64_t, int64_t, int64_t);
 
-void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2) {
+void unpack_panel(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
 #if SHARDLM_HAVE_AVX2
-  if (avx2) return unpack_panel_avx2(panel, w, k);
+  if (avx2) return unpack_panel_avx2(panel, w, k, stride);
 #endif
   (void)avx2;
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -264,7 +353,7 @@ void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2) {
     for (int64_t r = 0; r < kGroupRows; ++r) {
       const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
       for (int64_t i = 0; i < kBlock; ++i) {
-        panel[(b * kBlock + i) * kGroupRows + r] = d * quant_of(p, r, i) + m;
+        panel[(b * kBlock + i) * stride + r] = d * quant_of(p, r, i) + m;
       }
     }
   }
@@ -277,7 +366,7 @@ void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64
     thread_local std::vector<float> panel;
     if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
     for (int64_t g = begin; g < end; ++g) {
-      unpack_panel(panel.data(), w + g * group_bytes, k, avx2);
+      unpack_panel(panel.data(), w + g * group_bytes, k, kGroupRows, avx2);
       panel_to_rows(dst + (g * kGroupRows - n0) * k, panel.data(), k, avx2);
     }
   });

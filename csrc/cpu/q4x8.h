@@ -1,6 +1,6 @@
 // The Q4x8 kernels (q4x8.cpp): the matrix-vector product of decode (one group
-// of 8 weight rows, quant_blocks.h, against up to 4 input rows at a time, on
-// AVX2 or portably), and a group's rows unpacked to floats for the panel and
+// of 8 weight rows, quant_blocks.h, or with AVX-512 two groups, against up to
+// 4 input rows at a time, on AVX-512, AVX2 or portably), and a group's rows unpacked to floats for the panel and
 // tiled paths of more input rows (panel_linear.cpp, quant_linear.cpp).
 #pragma once
 
@@ -24,12 +24,14 @@ constexpr int64_t kMaxRows = 4;
 void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, const float* xs,
               int64_t xs_stride, int64_t rows, int64_t k, bool avx2);
 
-// The group at `w` (8 rows of K) as float32 in `panel` ([K][8]: weight i of row
-// r at 8 i + r), d * q + m exactly as the reference computes it; the operand of
-// the batched kernel (group_linear.cpp).
-void unpack_panel(float* panel, const uint8_t* w, int64_t k, bool avx2);
+// The group at `w` (8 rows of K) as float32 in `panel` (weight i of row r at
+// stride * i + r: [K][8] for a stride of 8, lanes 0..7 of [K][stride] when
+// groups are unpacked side by side), d * q + m exactly as the reference
+// computes it; the operand of the batched kernel (panel_linear.cpp).
+void unpack_panel(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2);
 
-// out[m, n] = x @ W^T (+ bias) by rows_dot, threads splitting the groups; xs
+// out[m, n] = x @ W^T (+ bias) by rows_dot (with AVX-512, on pairs of groups),
+// threads splitting the groups; xs
 // holds x's 32-element block sums.
 template <typename T>
 void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,

@@ -11,7 +11,7 @@
 // float conversions and FMAs, no dequantization arithmetic.
 //
 // 4-bit weights are regrouped at load into Q4x8 (quant_blocks.h: 8 rows side
-// by side; group_linear.cpp), where a vector lane is an output feature: fewer
+// by side; q4x8.cpp), where a vector lane is an output feature: fewer
 // instructions per weight than the one-row kernels, which remain for weights
 // kept as the file stores them.
 //
@@ -34,10 +34,6 @@
 #include "quant_blocks.h"
 #include "panel_linear.h"
 #include "q4x8.h"
-
-#if SHARDLM_HAVE_AVX2
-#define SHARDLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#endif
 
 namespace shardlm {
 namespace {

@@ -1,4 +1,5 @@
-// AVX2 building blocks for the CPU kernels, compiled without -mavx2.
+// AVX2 (and AVX-512F) building blocks for the CPU kernels, compiled without
+// -mavx2.
 //
 // The extension must load on any x86-64 CPU (and build on other
 // architectures), so the translation units are compiled for the baseline ISA
@@ -7,9 +8,10 @@
 // path at run time with cpu::use_avx2() (cpu_utils.h); every kernel keeps its
 // portable scalar loop as the fallback and for the tails.
 //
-// A SHARDLM_AVX2 function can only be inlined into another SHARDLM_AVX2
-// function, so the kernels dispatch once per row or per tile, never per
-// element.
+// A SHARDLM_AVX2 function can only be inlined into another SHARDLM_AVX2 (or
+// SHARDLM_AVX512) function, so the kernels dispatch once per row or per tile,
+// never per element. SHARDLM_AVX512 functions, taken where cpu::use_avx512(),
+// follow the same rules.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -21,8 +23,17 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define SHARDLM_HAVE_AVX2 1
+// GCC 12's AVX-512 headers start some intrinsics from an undefined register
+// and warn about it where they are inlined (GCC bug 105593, fixed in 13); the
+// warnings are silenced for the header's own lines only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define SHARDLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-512F (cpu::use_avx512()); every AVX-512F CPU also has AVX2, FMA and F16C.
+#define SHARDLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #else
 #define SHARDLM_HAVE_AVX2 0
 #endif
@@ -172,4 +183,35 @@ SHARDLM_AVX2 inline __m256 exp8(__m256 x) {
 }
 
 }  // namespace shardlm::cpu::avx2
+
+namespace shardlm::cpu::avx512 {
+
+// ---- 16 lanes of T -> 16 floats ------------------------------------------------------
+
+SHARDLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+SHARDLM_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+SHARDLM_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// ---- reductions ------------------------------------------------------------------
+
+// The low 8 lanes plus the high 8 (a whole-register shuffle: GCC's
+// _mm512_extract* read an undefined operand and warn).
+SHARDLM_AVX512 inline __m256 fold8(__m512 v) {
+  return _mm512_castps512_ps256(
+      _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+// {sum(a), sum(b), sum(c), sum(d)}
+SHARDLM_AVX512 inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  return avx2::hsum4(fold8(a), fold8(b), fold8(c), fold8(d));
+}
+
+}  // namespace shardlm::cpu::avx512
 #endif  // SHARDLM_HAVE_AVX2

@@ -1,10 +1,11 @@
-"""The CPU kernels' AVX2 and portable paths agree.
+"""The CPU kernels' AVX-512, AVX2 and portable paths agree.
 
-The compiled CPU ops pick AVX2 code at run time and fall back to portable loops
-on CPUs without it; ``ops.set_cpu_simd(False)`` (what a worker does for
-EngineOptions.disable_cpu_simd) forces the portable loops. Both paths run on the
-same inputs and the outputs are compared here. On a machine without AVX2 both
-runs take the portable path and the test is trivially true.
+The compiled CPU ops pick the widest SIMD code the CPU has at run time and fall
+back to portable loops on CPUs without AVX2; ``ops.set_cpu_simd(level)`` caps
+the level (``False``, what a worker does for EngineOptions.disable_cpu_simd,
+forces the portable loops). Every level runs on the same inputs and the
+outputs are compared with the portable ones here. A level the machine lacks
+takes the next narrower path, and its comparison is then trivially true.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _inputs(dtype):
     return inp
 
 
-def _run(inputs: dict, simd: bool) -> dict:
+def _run(inputs: dict, simd: bool | str) -> dict:
     ops.set_cpu_simd(simd)
     try:
         return _apply(inputs)
@@ -96,16 +97,17 @@ def _run(inputs: dict, simd: bool) -> dict:
         ops.set_cpu_simd(True)
 
 
+@pytest.mark.parametrize("level", ["avx512", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_avx2_and_portable_paths_agree(dtype):
+def test_simd_and_portable_paths_agree(dtype, level):
     inputs = _inputs(dtype)
-    simd, portable = _run(inputs, True), _run(inputs, False)
+    simd, portable = _run(inputs, level), _run(inputs, False)
     assert simd.keys() == portable.keys()
     for name in simd:
         # Same operations in the same order: equal bits. SiLU's exp and the
-        # attention sums differ in rounding only.
+        # attention and linear sums differ in rounding only.
         exact = name.split()[0] in ("rms_norm", "fused", "rotary")
         tol = {"atol": 0.0, "rtol": 0.0} if exact else TOL[dtype]
         torch.testing.assert_close(
-            simd[name], portable[name], **tol, msg=lambda m, n=name: f"{n}: {m}"
+            simd[name], portable[name], **tol, msg=lambda m, n=name: f"{level} {n}: {m}"
         )

@@ -230,10 +230,13 @@ def _run(tmp_path, inputs_file, level: str):
 
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
-    for qtype in (*QTYPES, "Q4x8", "Q8_0 in groups"):
+    # Q4x8 in 5 and 7 groups of 8 rows: AVX-512 takes groups in pairs for decode and in fours
+    # (then twos, then ones) for the panel, so odd counts leave every remainder.
+    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q8_0 in groups"):
         for m in (1, 2, 3, 4, 5, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
-            if qtype == "Q4x8":
-                w = to_q4x8(ggml_weight(40, 288, "Q4_1", seed=m))
+            if qtype.startswith("Q4x8"):
+                rows = 56 if "7 groups" in qtype else 40
+                w = to_q4x8(ggml_weight(rows, 288, "Q4_1", seed=m))
             else:
                 w = ggml_weight(40 if qtype == "Q8_0 in groups" else 37, 288, qtype[:4], seed=m)
             inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, 288), "qtype": w.qtype,
