@@ -12,8 +12,8 @@ narrower path).
 
 Model: the same GGUF file loaded twice in float32, blocks packed (`quantize=""`) and dequantized
 at load (`quantize="none"`); decode tok/s over a fixed number of greedy steps after a short
-prompt and prefill tok/s of a 512-token prompt, as medians of runs alternated between the two,
-plus whether both chose the same greedy tokens.
+prompt and prefill tok/s of a 512-token prompt, as medians of runs alternated between the two
+(and the `--simd` levels), plus whether all chose the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def _prefill_run(engine, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - t0)
 
 
-def model_table(path: str, steps: int, prefill_tokens: int, rounds: int) -> None:
+def model_table(path: str, steps: int, prefill_tokens: int, rounds: int,
+                levels: list[str]) -> None:
     from shardlm_server.worker.engine import Engine
     from shardlm_server.worker.kv_cache import CacheConfig
 
@@ -98,19 +99,26 @@ def model_table(path: str, steps: int, prefill_tokens: int, rounds: int) -> None
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (16,), generator=gen).tolist()
     long_prompt = torch.randint(100, 40000, (prefill_tokens,), generator=gen).tolist()
-    decode = {name: [] for name in engines}
-    prefill = {name: [] for name in engines}
+    variants = [(name, level) for name in engines for level in levels]
+    decode = {v: [] for v in variants}
+    prefill = {v: [] for v in variants}
     tokens = {}
     for _ in range(rounds):
-        for name, engine in engines.items():
-            rate, tokens[name] = _decode_run(engine, prompt, steps)
-            decode[name].append(rate)
-            prefill[name].append(_prefill_run(engine, long_prompt))
-    for name in engines:
-        print(f"{name:7} decode {statistics.median(decode[name]):7.1f} tok/s   "
-              f"prefill({prefill_tokens}) {statistics.median(prefill[name]):7.1f} tok/s")
-    same = sum(a == b for a, b in zip(tokens["packed"], tokens["none"], strict=True))
-    print(f"greedy tokens equal: {same}/{len(tokens['packed'])}")
+        for name, level in variants:
+            ops.set_cpu_simd(level)  # after Load, which sets the engine's own choice
+            rate, tokens[name, level] = _decode_run(engines[name], prompt, steps)
+            decode[name, level].append(rate)
+            prefill[name, level].append(_prefill_run(engines[name], long_prompt))
+    ops.set_cpu_simd(True)
+    for v in variants:
+        print(f"{v[0]:7} {v[1]:7} decode {statistics.median(decode[v]):7.1f} tok/s "
+              f"({min(decode[v]):.1f}-{max(decode[v]):.1f})   prefill({prefill_tokens}) "
+              f"{statistics.median(prefill[v]):7.1f} tok/s")
+    first = tokens[variants[0]]
+    for v in variants[1:]:
+        same = sum(a == b for a, b in zip(first, tokens[v], strict=True))
+        print(f"greedy tokens of {v[0]} {v[1]} equal to {variants[0][0]} {variants[0][1]}'s: "
+              f"{same}/{len(first)}")
 
 
 def main() -> None:
@@ -128,12 +136,12 @@ def main() -> None:
                         f"({', '.join(ops.SIMD_LEVELS)}; widest: the CPU's own)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    levels = [ops.SIMD_LEVELS[-1] if level.strip() == "widest" else level.strip()
+              for level in args.simd.split(",")]
     if not args.no_kernels:
-        levels = [level.strip() for level in args.simd.split(",")]
-        kernel_table(args.budget, args.batch_rows, args.prefill_rows,
-                     [ops.SIMD_LEVELS[-1] if level == "widest" else level for level in levels])
+        kernel_table(args.budget, args.batch_rows, args.prefill_rows, levels)
     if args.model:
-        model_table(args.model, args.steps, args.prefill_rows, args.rounds)
+        model_table(args.model, args.steps, args.prefill_rows, args.rounds, levels)
 
 
 if __name__ == "__main__":
