@@ -16,6 +16,7 @@ safetensors, only ShardLM's columns are measured and a line says why.
 
 from __future__ import annotations
 
+import gc
 import statistics
 from pathlib import Path
 
@@ -143,6 +144,12 @@ def measure(args) -> dict:
             "decode_tokens_per_s_spread": _spread([1 / s for s in theirs_dec]),
             "prefill_tokens_per_s": prefill_len / _median(theirs_pre),
             "prefill_tokens_per_s_spread": _spread([prefill_len / s for s in theirs_pre])})
+    # Let go of llama.cpp's in-process context (and its thread pool) before the servers run:
+    # kept alive through the full stack, it slowed the ShardLM rounds of this 2-core machine
+    # (one stream through the stack at half its speed), not the llama-server ones.
+    llama_ran = llama is not None
+    del llama
+    gc.collect()
 
     nbytes = weight_bytes(engine)
     bandwidth = roofline.read_bandwidth()
@@ -171,8 +178,7 @@ def measure(args) -> dict:
         reference = agreement.engine_top1(reference_engine, ids)
         del reference_engine
         result["agreement"] = {"tokens": len(ids), "shardlm": agreement.agreement(ours, reference)}
-        if llama is not None:
-            del llama
+        if llama_ran:
             scorer = llamacpp.LlamaCpp(gguf, threads, n_ctx=len(ids) + 16, logits_all=True)
             result["agreement"]["llama_cpp"] = agreement.agreement(scorer.top1(ids), reference)
     return result

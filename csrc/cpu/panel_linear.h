@@ -6,7 +6,9 @@
 // into a float panel ([K][8], lane = output feature; exactly the reference's
 // dequantized values), and the panel is multiplied with tiles of up to 12
 // input rows held in registers: one load and up to twelve FMAs per 8 weights,
-// the unpacking paid once per group instead of once per input row.
+// the unpacking paid once per group instead of once per input row. With
+// AVX-512 four groups are unpacked side by side ([K][32]) and a tile of up to
+// 12 rows holds 32 features in two vectors per row.
 #pragma once
 
 #include <cstdint>
