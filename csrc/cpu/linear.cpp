@@ -80,6 +80,26 @@ void rows_scalar(T* out, const float* x, const T* w, const T* bias, int64_t m_ro
 }
 
 #if SHARDLM_HAVE_AVX2
+// The end of a 4-row block on every SIMD path: adds the products of k's tail
+// [from, k) with the plain input rows to the vector sums sa / sb, then writes
+// the 4 outputs of input row m0 (and of m0 + 1 when `two`) with their bias.
+template <typename T>
+void finish_block(T* out, float* sa, float* sb, const float* x, const T* const* rows,
+                  const T* bias, int64_t m0, int64_t j, int64_t from, int64_t k, int64_t n,
+                  bool two) {
+  const float* xa = x + m0 * k;
+  const float* xb = two ? xa + k : xa;
+  for (int r = 0; r < 4; ++r) {
+    for (int64_t t = from; t < k; ++t) {
+      sa[r] += xa[t] * to_f(rows[r][t]);
+      sb[r] += xb[t] * to_f(rows[r][t]);
+    }
+    const float b = bias != nullptr ? to_f(bias[j + r]) : 0.f;
+    out[m0 * n + j + r] = from_f<T>(sa[r] + b);
+    if (two) out[(m0 + 1) * n + j + r] = from_f<T>(sb[r] + b);
+  }
+}
+
 // out[m][j..j+3] for input rows m0 and (when kTwo) m0+1.
 template <typename T, bool kTwo>
 SHARDLM_AVX2 void block_avx2(T* out, const float* x, const T* w, const T* bias, int64_t m0,
@@ -123,15 +143,7 @@ SHARDLM_AVX2 void block_avx2(T* out, const float* x, const T* w, const T* bias, 
   _mm_store_ps(sa, hsum4(a0, a1, a2, a3));
   _mm_store_ps(sb, hsum4(b0, b1, b2, b3));
   const T* rows[4] = {w0, w1, w2, w3};
-  for (int r = 0; r < 4; ++r) {
-    for (int64_t t = i; t < k; ++t) {  // tail of k
-      sa[r] += xa[t] * to_f(rows[r][t]);
-      sb[r] += xb[t] * to_f(rows[r][t]);
-    }
-    const float b = bias != nullptr ? to_f(bias[j + r]) : 0.f;
-    out[m0 * n + j + r] = from_f<T>(sa[r] + b);
-    if (two) out[(m0 + 1) * n + j + r] = from_f<T>(sb[r] + b);
-  }
+  finish_block(out, sa, sb, x, rows, bias, m0, j, i, k, n, two);
 }
 
 // The bfloat16 twin of block_avx2 (see input_deinterleaved): `xp` holds the
@@ -169,17 +181,7 @@ SHARDLM_AVX2 void block_bf16_avx2(c10::BFloat16* out, const float* x, const floa
   alignas(16) float sa[4], sb[4];
   _mm_store_ps(sa, hsum4(a[0], a[1], a[2], a[3]));
   _mm_store_ps(sb, hsum4(b[0], b[1], b[2], b[3]));
-  const float* xa = x + m0 * k;
-  const float* xb = kTwo ? xa + k : xa;
-  for (int r = 0; r < 4; ++r) {
-    for (int64_t t = k16; t < k; ++t) {
-      sa[r] += xa[t] * to_f(rows[r][t]);
-      sb[r] += xb[t] * to_f(rows[r][t]);
-    }
-    const float bv = bias != nullptr ? to_f(bias[j + r]) : 0.f;
-    out[m0 * n + j + r] = from_f<c10::BFloat16>(sa[r] + bv);
-    if (kTwo) out[(m0 + 1) * n + j + r] = from_f<c10::BFloat16>(sb[r] + bv);
-  }
+  finish_block(out, sa, sb, x, rows, bias, m0, j, k16, k, n, kTwo);
 }
 
 // ---- AVX-512F: the AVX2 blocks with 16 lanes ---------------------------------------
@@ -209,15 +211,7 @@ SHARDLM_AVX512 void block_avx512(T* out, const float* x, const T* w, const T* bi
   alignas(16) float sa[4], sb[4];
   _mm_store_ps(sa, hsum4(a[0], a[1], a[2], a[3]));
   _mm_store_ps(sb, hsum4(b[0], b[1], b[2], b[3]));
-  for (int r = 0; r < 4; ++r) {
-    for (int64_t t = i; t < k; ++t) {  // tail of k
-      sa[r] += xa[t] * to_f(rows[r][t]);
-      sb[r] += xb[t] * to_f(rows[r][t]);
-    }
-    const float bv = bias != nullptr ? to_f(bias[j + r]) : 0.f;
-    out[m0 * n + j + r] = from_f<T>(sa[r] + bv);
-    if (kTwo) out[(m0 + 1) * n + j + r] = from_f<T>(sb[r] + bv);
-  }
+  finish_block(out, sa, sb, x, rows, bias, m0, j, i, k, n, kTwo);
 }
 
 // The bfloat16 twin: a 64-byte load is 32 weights, even and odd ones against
@@ -253,17 +247,7 @@ SHARDLM_AVX512 void block_bf16_avx512(c10::BFloat16* out, const float* x, const 
   alignas(16) float sa[4], sb[4];
   _mm_store_ps(sa, hsum4(a[0], a[1], a[2], a[3]));
   _mm_store_ps(sb, hsum4(b[0], b[1], b[2], b[3]));
-  const float* xa = x + m0 * k;
-  const float* xb = kTwo ? xa + k : xa;
-  for (int r = 0; r < 4; ++r) {
-    for (int64_t t = k32; t < k; ++t) {
-      sa[r] += xa[t] * to_f(rows[r][t]);
-      sb[r] += xb[t] * to_f(rows[r][t]);
-    }
-    const float bv = bias != nullptr ? to_f(bias[j + r]) : 0.f;
-    out[m0 * n + j + r] = from_f<c10::BFloat16>(sa[r] + bv);
-    if (kTwo) out[(m0 + 1) * n + j + r] = from_f<c10::BFloat16>(sb[r] + bv);
-  }
+  finish_block(out, sa, sb, x, rows, bias, m0, j, k32, k, n, kTwo);
 }
 
 // One 4-row block of outputs for input rows m0 (and m0 + 1 when kTwo), on the
