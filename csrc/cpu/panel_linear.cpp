@@ -140,7 +140,6 @@ SHARDLM_AVX512 void tile_avx512(float* acc, const float* panel, const float* xt,
 }
 #endif
 
-
 template <int R>
 void tile(float* acc, const float* panel, const float* xt, int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
@@ -163,7 +162,7 @@ constexpr WideTileFn kWideTiles[kTileRows] = {
     tile_avx512<9, V>, tile_avx512<10, V>, tile_avx512<11, V>, tile_avx512<12, V>};
 #endif
 
-// acc[r * 8 groups + l] for the R = rows input rows of xt against a panel of
+// acc[r * 8 * groups + l] for the `rows` input rows of xt against a panel of
 // `groups` groups side by side (1, or with AVX-512 2 or 4).
 void multiply(float* acc, const float* panel, int64_t groups, const float* xt, int64_t rows,
               int64_t k, bool avx2) {
