@@ -25,7 +25,9 @@
 #define SHARDLM_HAVE_AVX2 1
 // GCC 12's AVX-512 headers start some intrinsics from an undefined register
 // and warn about it where they are inlined (GCC bug 105593, fixed in 13); the
-// warnings are silenced for the header's own lines only.
+// warnings are silenced for the header's own lines only, and only in files
+// where this is the header's first inclusion (quant_linear.cpp's ATen headers
+// include it earlier, so its AVX-512 code still prints them).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
