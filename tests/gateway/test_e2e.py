@@ -122,8 +122,13 @@ def test_cancel_and_deadline_free_blocks(live, loaded):
     stream = live.stub.Generate(request)
     next(stream)
     stream.cancel()
+    # The deadline must fall mid-generation: 500 tokens (near the tiny model's 512-token
+    # context) took 0.32-0.37 s through the stack on a fast 2-core machine, so 0.1 s leaves a
+    # wide margin where 400 tokens against 0.3 s did not.
+    long_request = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+                                               **greedy(500))
     with pytest.raises(grpc.RpcError) as err:
-        list(live.stub.Generate(request, timeout=0.3))
+        list(live.stub.Generate(long_request, timeout=0.1))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 10
     while live.kv_used() and time.monotonic() < deadline:
