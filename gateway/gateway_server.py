@@ -3,11 +3,17 @@
 Health is NOT_SERVING until a model is loaded and again while draining. Draining refuses new
 calls (UNAVAILABLE, reason DRAINING), lets in-flight streams finish within a grace period, then
 stops the server.
+
+The SMG engine API (gateway/smg_service.py) is imported only when the gateway starts, and served
+when its package, smg-grpc-proto, imports: a machine without it (or with a grpcio or protobuf
+older than its generated code asks for) still serves ShardLM's own API, and says why the
+engine API is missing; `--smg-port` then refuses to start (`smg_engine_problem`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +31,6 @@ from shardlm_server.gateway.gateway_servicer import GatewayServicer
 from shardlm_server.gateway.interceptors import ErrorInterceptor
 from shardlm_server.gateway.metrics import Metrics
 from shardlm_server.gateway.runtime import SERVICE_NAME, Runtime
-from shardlm_server.gateway.smg_service import add_smg_engine_service, start_smg_server
 from shardlm_server.gateway.worker_processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
@@ -65,6 +70,25 @@ def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.Serve
                                        require_client_auth=ca is not None)
 
 
+SMG_ENGINE_MODULE = "shardlm_server.gateway.smg_service"
+
+
+def _smg_engine():
+    """gateway/smg_service.py and "", or None and why it does not import here."""
+    try:
+        return importlib.import_module(SMG_ENGINE_MODULE), ""
+    # ImportError when smg-grpc-proto is missing; the generated stubs' own version checks raise
+    # RuntimeError (grpcio) or protobuf's VersionError (an Exception) when a runtime is too old.
+    except Exception as exc:  # noqa: BLE001 - any failure means "not served", and says why
+        return None, (f"the SMG engine API needs the smg-grpc-proto package, which does not "
+                      f"import here ({type(exc).__name__}: {exc})")
+
+
+def smg_engine_problem() -> str:
+    """Why the SMG engine API cannot be served here ("" when it can)."""
+    return _smg_engine()[1]
+
+
 async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: int = 0,
                         limits: Limits | None = None, metrics_port: int | None = None,
                         credentials: grpc.ServerCredentials | None = None,
@@ -84,10 +108,14 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
                  ("grpc.so_reuseport", 0)])
     api = GatewayServicer(runtime)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(api, server)
-    smg_engine = add_smg_engine_service(server, api)  # for the SMG router (gateway/smg_service.py)
+    smg_service, smg_problem = _smg_engine()
+    if smg_service is None:
+        log.warning("not serving the SMG engine API: %s", smg_problem)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
-             "grpc.health.v1.Health", reflection.SERVICE_NAME, smg_engine)
+             "grpc.health.v1.Health", reflection.SERVICE_NAME)
+    if smg_service is not None:  # for the SMG router (gateway/smg_service.py)
+        names += (smg_service.add_smg_engine_service(server, api),)
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
     try:
@@ -107,7 +135,12 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
             await server.stop(grace=None)
             await runtime.pool.close()
             raise OSError(f"cannot serve metrics on {host}:{metrics_port}: {exc.strerror}") from None
-    smg = (None if smg_port is None else
-           await start_smg_server(api, [ErrorInterceptor(metrics)], host, smg_port))
+    smg = None
+    if smg_port is not None:
+        if smg_service is None:
+            await server.stop(grace=None)
+            await runtime.pool.close()
+            raise OSError(f"cannot serve --smg-port: {smg_problem}")
+        smg = await smg_service.start_smg_server(api, [ErrorInterceptor(metrics)], host, smg_port)
     assert SERVICE_NAME == names[0]
     return GatewayServer(server, runtime, metrics, bound, smg)

@@ -24,7 +24,12 @@ from shardlm.errors import ShardLMError
 from shardlm_server.gateway.auth import load_tokens
 from shardlm_server.gateway.config import ServeConfig
 from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
-from shardlm_server.gateway.gateway_server import GatewayServer, server_credentials, start_gateway
+from shardlm_server.gateway.gateway_server import (
+    GatewayServer,
+    server_credentials,
+    smg_engine_problem,
+    start_gateway,
+)
 from shardlm_server.gateway.supervisor import Supervisor
 from shardlm_server.gateway.worker_processes import WorkerGroup, WorkerTLS
 
@@ -97,6 +102,8 @@ def _check_before_start(cfg: ServeConfig) -> None:
     check_port_free(cfg.host, cfg.port)
     check_port_free(cfg.host, cfg.metrics_port, "metrics")
     check_port_free(cfg.host, cfg.smg_port, "the SMG engine API")
+    if cfg.smg_port is not None and (problem := smg_engine_problem()):
+        raise ValueError(f"cannot serve --smg-port: {problem}")
 
 
 def _start_workers(cfg: ServeConfig, tls: WorkerTLS | None, group: WorkerGroup | None = None
