@@ -40,10 +40,10 @@ serve: install
 llama-server: install
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
 
-# GPU verification (README, "GPU verification"): make gpu-check [PART=tests|bench|all] [ARGS="--budget 0"]
+# GPU verification (README, "GPU verification"): make gpu-check [PART=tests|bench|all] [ARGS=...]
 # It builds the ops itself, against the torch of $(PY) when .venv exists, else of python3.
 gpu-check:
-	bash scripts/gpu_check.sh --part $(if $(PART),$(PART),all) $(ARGS)
+	bash scripts/gpu_check.sh --part $(if $(PART),$(PART),tests) $(ARGS)
 
 # The wheels the GPU machine lacks, into .whl/ (git-ignored), to carry with a device call.
 gpu-wheels:

@@ -135,7 +135,10 @@ def _extension():
     # links libgomp.so.1, which resolves to the copy torch already loaded).
     # -ffp-contract=off: no FMA contraction, so float32 rotary matches HF bit
     # for bit even with -march=native.
-    cxx_flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off"]
+    # -g0: Python's own CFLAGS (which setuptools passes first) hold -g, whose debug info is 90%
+    # of the library (16 MB instead of 1.6): too big to carry back from a lent GPU machine
+    # (scripts/gpu_check.sh), and nothing a user of the ops needs. The last -g flag wins.
+    cxx_flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", "-g0"]
     link_flags = ["-fopenmp"]
     if _want_cuda():
         _set_arch_list()

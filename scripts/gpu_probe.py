@@ -9,11 +9,18 @@ scripts/gpu_check.sh, each with what to do about it. Exit status 3 when there is
 --report-only (the dry run) is given. The GPU is looked at first, so a machine without one fails
 in a moment, before torch is imported.
 
-`wheels` prints the wheel files in --dir that provide the packages of scripts/gpu_wheels.txt
-whose module does not import here, one per line, for gpu_check.sh to install; exit status 3 when
-a missing package has no wheel there.
+`wheels` prints the wheel files in --dir to install before the check: one for each package of
+scripts/gpu_wheels.txt, at its listed version, whatever this machine has (see
+`wheels_to_install`). Exit status 3 when one of them has no wheel there.
 
-Standard library only: it must run before anything is installed.
+Versions, not just imports: `check` also holds every package the GPU check imports to what
+pyproject.toml asks of it, and every carried package to its own requirements. The packages it
+knows are `MACHINE_PACKAGES` (the machine's own), the wheel list (carried) and `NOT_NEEDED`;
+tests/scripts/test_gpu_imports.py walks the imports of what the GPU check runs and fails when
+one of them is in none of the three.
+
+Standard library only (plus the `packaging` that pip carries): it runs before anything is
+installed.
 """
 
 from __future__ import annotations
@@ -28,23 +35,42 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+try:
+    from packaging.requirements import InvalidRequirement, Requirement
+except ImportError:  # pip's own copy: there wherever pip is
+    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL_LIST = ROOT / "scripts" / "gpu_wheels.txt"
+PYPROJECT = ROOT / "pyproject.toml"
 FATAL = 3
-# Modules the CUDA tests, the full stack and the benchmark import, beyond the carried wheels'.
-REQUIRED_MODULES = {
+# Distributions the GPU machine must have itself (too big, or compiled against its CUDA, to
+# carry), with the module whose import proves each.
+MACHINE_PACKAGES = {
     "torch": "torch", "numpy": "numpy", "safetensors": "safetensors",
-    "tokenizers": "tokenizers", "transformers": "transformers", "grpcio": "grpc",
-    "protobuf": "google.protobuf", "pytest": "pytest", "setuptools": "setuptools",
+    "tokenizers": "tokenizers", "transformers": "transformers", "pytest": "pytest",
+    "pyyaml": "yaml", "requests": "requests", "tqdm": "tqdm",
+    "typing-extensions": "typing_extensions",
+}
+# Distributions the checked code imports only on paths the GPU check does not take.
+NOT_NEEDED = {
+    "cupy-cuda13x": "the NCCL tests need CuPy and skip without it",
+    "cupy-cuda12x": "the NCCL tests need CuPy and skip without it",
+    "llama-cpp-python": "only `bench.run --model`, the CPU comparison with llama.cpp",
+    "hypothesis": "only the fuzz tests, which the GPU check does not select",
+    "smg": "only the SMG router tests, which the GPU check does not select",
 }
 CARRY_HINT = ("run `make gpu-wheels` where pip reaches a registry and name .whl in the device "
               "call's carry (README, GPU verification)")
 
 
-def wheel_list(path: Path = WHEEL_LIST) -> list[tuple[str, str, str]]:
-    """(package name, version, module) for each line of gpu_wheels.txt."""
+# ----------------------------------------------------------------------------- what is wanted
+def wheel_list(path: Path | None = None) -> list[tuple[str, str, str]]:
+    """(distribution, version, module) for each line of gpu_wheels.txt."""
+    path = path or WHEEL_LIST
     entries = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -58,11 +84,25 @@ def wheel_list(path: Path = WHEEL_LIST) -> list[tuple[str, str, str]]:
 
 
 def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def project_requirements(path: Path = PYPROJECT) -> dict[str, Requirement]:
+    """pyproject.toml's dependencies and test extra, by normalized distribution name."""
+    project = tomllib.loads(path.read_text(encoding="utf-8"))["project"]
+    lines = project["dependencies"] + project["optional-dependencies"]["test"]
+    return {normalize(r.name): r for r in map(Requirement, lines)}
+
+
+def known_distributions() -> set[str]:
+    """Every distribution the probe accounts for: the machine's, the carried and the unneeded."""
+    names = set(MACHINE_PACKAGES) | {name for name, _v, _m in wheel_list()} | set(NOT_NEEDED)
+    return {normalize(n) for n in names}
+
+
+# ----------------------------------------------------------------------------- what is here
 def importable(module: str) -> bool:
-    """Imports it: the carried packages are small, and a broken one must count as missing."""
+    """Imports it: a broken or too-old package (a generated stub's version check) is missing."""
     try:
         importlib.import_module(module)
     except Exception:  # noqa: BLE001 - any failure to import means "not usable here"
@@ -78,30 +118,76 @@ def installed(module: str) -> bool:
         return False
 
 
-def version_of(distribution: str) -> str:
+def version_of(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return "none"
+        return None
 
 
+def unmet(requirement: Requirement, versions: dict[str, str | None]) -> str | None:
+    """Why `versions` (normalized name -> version, None = absent) fails `requirement`."""
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        return None  # an extra's or another platform's requirement
+    have = versions.get(normalize(requirement.name), version_of(requirement.name))
+    if have is None:
+        return f"{requirement} is not installed"
+    if not requirement.specifier.contains(have, prereleases=True):
+        return f"{requirement} is needed, {requirement.name} {have} is here"
+    return None
+
+
+def requirements_of(distribution: str) -> list[Requirement]:
+    try:
+        lines = importlib.metadata.requires(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(Requirement(line))
+        except InvalidRequirement:
+            continue  # metadata we cannot read is no reason to stop a run
+    return found
+
+
+# ----------------------------------------------------------------------------- carried wheels
 def wheels_to_install(directory: Path) -> tuple[list[Path], list[str]]:
-    """The wheel files for packages whose module is missing, and the packages with none."""
+    """The wheel file of every listed package, and the listed packages with none there.
+
+    All of them, not only those missing here: the grpc and protobuf family must be one tested
+    set (an add-on's generated code and bounds hold only with the runtimes it was built for),
+    and installed ahead of the machine's own copies they make every run the same as CI's."""
     files = sorted(directory.glob("*.whl")) if directory.is_dir() else []
-    chosen, lacking = [], []
-    for name, version, module in wheel_list():
-        if importable(module):
-            continue
+    paths, lacking = [], []
+    for name, version, _module in wheel_list():
         # A wheel's file name starts with its distribution name and version: NAME-VERSION-...
-        match = [f for f in files if [normalize(f.name.split("-")[0]), f.name.split("-")[1]]
-                 == [normalize(name), version]]
+        match = [f for f in files if normalize(f.name.split("-")[0]) == normalize(name)
+                 and f.name.split("-")[1] == version]
         if match:
-            chosen.append(match[0])
+            paths.append(match[0])
         else:
             lacking.append(f"{name}=={version}")
-    return chosen, lacking
+    return paths, lacking
 
 
+def version_problems() -> list[str]:
+    """What pyproject.toml asks of each package the check uses, and each carried package's own
+    requirements, against what is installed (the carried wheels included, once installed)."""
+    wanted = project_requirements()
+    problems = []
+    for name in sorted(known_distributions() - {normalize(n) for n in NOT_NEEDED}):
+        if name in wanted and version_of(name) is not None and (why := unmet(wanted[name], {})):
+            problems.append(f"pyproject.toml: {why}")
+    for name, _version, _module in wheel_list():
+        if version_of(name) is None:
+            continue  # reported as missing
+        problems += [f"{name} {version_of(name)}: {why}" for r in requirements_of(name)
+                     if (why := unmet(r, {}))]
+    return problems
+
+
+# ----------------------------------------------------------------------------- facts
 def _run(*cmd: str) -> str | None:
     if shutil.which(cmd[0]) is None:
         return None
@@ -162,11 +248,12 @@ def tool_facts() -> tuple[dict[str, str], list[str]]:
 def python_facts() -> tuple[dict[str, str], list[str]]:
     facts = {"python": f"{platform.python_version()} ({sys.executable})"}
     problems = []
-    missing = [pkg for pkg, module in REQUIRED_MODULES.items() if not installed(module)]
+    missing = [pkg for pkg, module in MACHINE_PACKAGES.items() if not installed(module)]
     missing += [f"{name}=={version}" for name, version, module in wheel_list()
                 if not importable(module)]
     if missing:
         problems.append(f"missing Python packages: {', '.join(missing)}; {CARRY_HINT}")
+    problems += [f"{p}; {CARRY_HINT}" for p in version_problems()]
     if installed("torch"):
         import torch
 
@@ -193,8 +280,9 @@ def python_facts() -> tuple[dict[str, str], list[str]]:
             facts["cupy_nccl"] = f"none ({type(exc).__name__}: {exc})"[:200]
     else:
         facts["cupy"] = "none (the NCCL tests skip)"
-    for distribution in ("transformers", "grpcio", "protobuf", "tokenizers", "safetensors"):
-        facts[distribution] = version_of(distribution)
+    for distribution in ("transformers", "grpcio", "protobuf", "smg-grpc-proto", "gguf",
+                         "setuptools", "tokenizers", "safetensors"):
+        facts[distribution] = version_of(distribution) or "none"
     return facts, problems
 
 
@@ -231,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="print the environment; fail on what stops a run")
     p.add_argument("--out", type=Path, help="also write the facts here")
     p.add_argument("--report-only", action="store_true", help="print problems, exit 0")
-    p = sub.add_parser("wheels", help="wheel files to install for missing packages")
+    p = sub.add_parser("wheels", help="wheel files to install for missing or old packages")
     p.add_argument("--dir", type=Path, default=ROOT / ".whl")
     args = parser.parse_args(argv)
     if args.command == "check":
@@ -240,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in chosen:
         print(path)
     if lacking:
-        print(f"missing Python packages with no wheel in {args.dir}: {', '.join(lacking)}; "
+        print(f"Python packages needed here with no wheel in {args.dir}: {', '.join(lacking)}; "
               f"{CARRY_HINT}", file=sys.stderr)
         return FATAL
     return 0

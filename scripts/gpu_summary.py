@@ -42,10 +42,11 @@ def read_env(path: Path | None) -> dict[str, str]:
     return facts
 
 
-def read_steps(path: Path | None) -> list[tuple[str, str, str]]:
+def read_steps(path: Path | None) -> list[tuple[str, str, str, str]]:
+    """(name, status, seconds, share) per step: its share of the budget, in seconds."""
     if path is None or not path.exists():
         return []
-    return [tuple((line.split("\t") + ["", ""])[:3])  # type: ignore[misc]
+    return [tuple((line.split("\t") + ["", "", ""])[:4])  # type: ignore[misc]
             for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -134,7 +135,7 @@ def bench_rows(bench: dict) -> tuple[list[str], list[str]]:
     return lines, targets
 
 
-def summary(title: str, env: dict[str, str], steps: list[tuple[str, str, str]],
+def summary(title: str, env: dict[str, str], steps: list[tuple[str, str, str, str]],
             junits: list[dict], bench: dict | None) -> str:
     out = [f"# {title}", ""]
     if env:
@@ -142,8 +143,9 @@ def summary(title: str, env: dict[str, str], steps: list[tuple[str, str, str]],
         out += [f"| {key} | {value} |" for key, value in env.items()]
         out.append("")
     if steps:
-        out += ["| step | status | seconds |", "|---|---|---|"]
-        out += [f"| {name} | {status} | {seconds} |" for name, status, seconds in steps]
+        out += ["| step | status | seconds | share of the budget (s) |", "|---|---|---|---|"]
+        out += [f"| {name} | {status} | {seconds} | {share or '-'} |"
+                for name, status, seconds, share in steps]
         out.append("")
     if junits:
         out += ["| tests | passed | failed | errors | skipped | seconds | note |",

@@ -14,6 +14,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 mapfile -t REQUIREMENTS < <(grep -vE '^[[:space:]]*(#|$)' scripts/gpu_wheels.txt | awk '{print $1}')
 mkdir -p "$DEST"
+rm -f "$DEST"/*.whl  # a stale version beside the pinned one would stop the install there
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
