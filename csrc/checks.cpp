@@ -1,8 +1,13 @@
-// Input validation shared by the CPU and CUDA implementations. Only metadata
-// (shapes, strides, dtypes, devices) is checked here; data-dependent checks
-// (slot / block-table / length ranges) are done by the CPU kernels, which can
-// read the index tensors for free. The CUDA kernels instead skip out-of-range
-// indices so that a bad input cannot corrupt memory.
+// Input validation shared by the CPU and CUDA implementations, so that both
+// reject exactly the same inputs with the same messages. check_* of the op
+// name checks metadata (shapes, strides, dtypes, devices). The paged
+// attention index checks (context / query / sequence lengths, block-table
+// entries) read the index tensors' data: the CPU ops pass their own pointers,
+// the CUDA launchers a host copy made before launch (skipped while a CUDA
+// graph is being captured; see copy_indices_to_host in cuda/cuda_utils.cuh).
+// rotary_embedding's positions and reshape_and_cache's slots are checked by
+// the CPU ops only; their CUDA kernels skip out-of-range entries instead, so
+// a bad index there writes nothing rather than raising.
 #include "ops.h"
 
 #include <c10/util/Exception.h>
@@ -93,6 +98,19 @@ AttnDims check_attention_common(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(d.num_kv_heads > 0 && d.num_heads % d.num_kv_heads == 0, op, ": num_heads (",
               d.num_heads, ") must be a multiple of num_kv_heads (", d.num_kv_heads, ")");
   return d;
+}
+
+// Block-table entries needed for `len` tokens must point inside the cache.
+void check_block_row(const int32_t* row, int64_t len, const AttnDims& d, int64_t seq,
+                     const char* op) {
+  const int64_t needed = (len + d.block_size - 1) / d.block_size;
+  TORCH_CHECK(needed <= d.max_blocks_per_seq, op, ": sequence ", seq, " needs ", needed,
+              " blocks for ", len, " tokens but block_tables has ", d.max_blocks_per_seq,
+              " columns");
+  for (int64_t i = 0; i < needed; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < d.num_blocks, op, ": block_tables[", seq, "][", i,
+                "] = ", row[i], " is outside [0, ", d.num_blocks, ")");
+  }
 }
 
 }  // namespace
@@ -334,6 +352,41 @@ AttnDims check_paged_prefill(const at::Tensor& out, const at::Tensor& query,
               ": max_query_len and max_seq_len must be >= 0");
   return check_attention_common(out, query, key_cache, value_cache, block_tables,
                                 seq_lens.size(0), op);
+}
+
+void check_paged_decode_indices(const AttnDims& d, const int32_t* block_tables,
+                                const int32_t* context_lens, int64_t max_context_len) {
+  const char* op = "paged_attention_decode";
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    // The CUDA kernel sizes its grid from max_context_len: a longer context
+    // would silently attend to its first max_context_len tokens only.
+    TORCH_CHECK(context_lens[b] >= 0 && context_lens[b] <= max_context_len, op,
+                ": context_lens[", b, "] = ", context_lens[b],
+                " is outside [0, max_context_len=", max_context_len, "]");
+    check_block_row(block_tables + b * d.max_blocks_per_seq, context_lens[b], d, b, op);
+  }
+}
+
+void check_paged_prefill_indices(const AttnDims& d, const int32_t* block_tables,
+                                 const int32_t* query_start_loc, const int32_t* seq_lens,
+                                 int64_t max_query_len, int64_t max_seq_len) {
+  const char* op = "paged_attention_prefill";
+  const int32_t* qsl = query_start_loc;
+  TORCH_CHECK(qsl[0] == 0 && qsl[d.num_seqs] == d.num_tokens, op,
+              ": query_start_loc must start at 0 and end at the number of query tokens (",
+              d.num_tokens, "), got [", qsl[0], ", ..., ", qsl[d.num_seqs], "]");
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    // With the two ends fixed, non-negative lengths keep every row inside
+    // query. The CUDA grid is sized by max_query_len, so a longer sequence
+    // would leave its last rows unwritten.
+    const int64_t q_len = static_cast<int64_t>(qsl[b + 1]) - qsl[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= max_query_len, op, ": query length ", q_len,
+                " of sequence ", b, " is outside [0, max_query_len=", max_query_len, "]");
+    TORCH_CHECK(seq_lens[b] >= q_len && seq_lens[b] <= max_seq_len, op, ": seq_lens[", b,
+                "] = ", seq_lens[b], " must be in [query length ", q_len,
+                ", max_seq_len=", max_seq_len, "]");
+    check_block_row(block_tables + b * d.max_blocks_per_seq, seq_lens[b], d, b, op);
+  }
 }
 
 }  // namespace shardlm

@@ -12,8 +12,9 @@
 namespace shardlm {
 
 // ---------------------------------------------------------------------------
-// Validation helpers (checks.cpp). Each returns the sizes the kernels need, so
-// the kernels never re-derive them differently from what was checked.
+// Validation helpers (checks.cpp). The metadata checks return the sizes the
+// kernels need, so the kernels never re-derive them differently from what was
+// checked.
 // ---------------------------------------------------------------------------
 
 // rms_norm / fused_add_rms_norm: `dst` and `src` are [..., H] tensors of the
@@ -70,6 +71,17 @@ AttnDims check_paged_prefill(const at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, int64_t max_query_len,
                              int64_t max_seq_len);
+// Data checks of the paged attention index tensors, given as host pointers
+// (contiguous int32, shapes already checked by the two functions above):
+// lengths within the max_* the kernels are sized by, query_start_loc
+// spanning exactly the query rows, and every block-table entry a sequence
+// needs inside [0, num_blocks) and within the table's columns. The CPU ops
+// pass the tensors' own data; the CUDA launchers a host copy.
+void check_paged_decode_indices(const AttnDims& d, const int32_t* block_tables,
+                                const int32_t* context_lens, int64_t max_context_len);
+void check_paged_prefill_indices(const AttnDims& d, const int32_t* block_tables,
+                                 const int32_t* query_start_loc, const int32_t* seq_lens,
+                                 int64_t max_query_len, int64_t max_seq_len);
 
 // ---------------------------------------------------------------------------
 // CPU implementations (cpu/*.cpp)

@@ -16,7 +16,6 @@
 // picked once per call, which reads the cache rows in place when there are
 // few rows (decode) and a float copy otherwise.
 #include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -44,19 +43,6 @@ constexpr int64_t kMinParallelWork = 1 << 15;
 // task per chunk (tasks differ in length, so small chunks balance better).
 int64_t attention_grain(int64_t tasks, int64_t work) {
   return work < kMinParallelWork ? std::max<int64_t>(tasks, 1) : 1;
-}
-
-// Block-table entries needed for `len` tokens must point inside the cache.
-void check_block_row(const int32_t* row, int64_t len, const AttnDims& d, int64_t seq,
-                     const char* op) {
-  const int64_t needed = (len + d.block_size - 1) / d.block_size;
-  TORCH_CHECK(needed <= d.max_blocks_per_seq, op, ": sequence ", seq, " needs ", needed,
-              " blocks for ", len, " tokens but block_tables has ", d.max_blocks_per_seq,
-              " columns");
-  for (int64_t i = 0; i < needed; ++i) {
-    TORCH_CHECK(row[i] >= 0 && row[i] < d.num_blocks, op, ": block_tables[", seq, "][", i,
-                "] = ", row[i], " is outside [0, ", d.num_blocks, ")");
-  }
 }
 
 template <typename T>
@@ -150,21 +136,15 @@ void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,
                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
                                 double scale, int64_t max_context_len) {
-  const char* op = "paged_attention_decode";
   const AttnDims d = check_paged_decode(out, query, key_cache, value_cache, block_tables,
                                         context_lens, max_context_len);
   if (out.numel() == 0) {
     return;
   }
+  // The index tensors are host memory here: checked in place, no copy.
   const int32_t* ctx = context_lens.const_data_ptr<int32_t>();
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
-  for (int64_t b = 0; b < d.num_seqs; ++b) {
-    // The CUDA kernel sizes its grid from max_context_len, so reject a wrong
-    // value here where it is cheap to notice.
-    TORCH_CHECK(ctx[b] >= 0 && ctx[b] <= max_context_len, op, ": context_lens[", b, "] = ",
-                ctx[b], " is outside [0, max_context_len=", max_context_len, "]");
-    check_block_row(tables + b * d.max_blocks_per_seq, ctx[b], d, b, op);
-  }
+  check_paged_decode_indices(d, tables, ctx, max_context_len);
   SHARDLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_decode", [&] {
     decode_impl(out.data_ptr<scalar_t>(), query.const_data_ptr<scalar_t>(),
                 key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
@@ -177,24 +157,12 @@ void paged_attention_prefill_cpu(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& block_tables,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                  double scale, int64_t max_query_len, int64_t max_seq_len) {
-  const char* op = "paged_attention_prefill";
   const AttnDims d = check_paged_prefill(out, query, key_cache, value_cache, block_tables,
                                          query_start_loc, seq_lens, max_query_len, max_seq_len);
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
-  TORCH_CHECK(qsl[0] == 0 && qsl[d.num_seqs] == d.num_tokens, op,
-              ": query_start_loc must start at 0 and end at the number of query tokens (",
-              d.num_tokens, "), got [", qsl[0], ", ..., ", qsl[d.num_seqs], "]");
-  for (int64_t b = 0; b < d.num_seqs; ++b) {
-    const int64_t q_len = qsl[b + 1] - qsl[b];
-    TORCH_CHECK(q_len >= 0 && q_len <= max_query_len, op, ": query length ", q_len,
-                " of sequence ", b, " is outside [0, max_query_len=", max_query_len, "]");
-    TORCH_CHECK(lens[b] >= q_len && lens[b] <= max_seq_len, op, ": seq_lens[", b, "] = ",
-                lens[b], " must be in [query length ", q_len, ", max_seq_len=", max_seq_len,
-                "]");
-    check_block_row(tables + b * d.max_blocks_per_seq, lens[b], d, b, op);
-  }
+  check_paged_prefill_indices(d, tables, qsl, lens, max_query_len, max_seq_len);
   if (out.numel() == 0) {
     return;
   }

@@ -220,7 +220,14 @@ void paged_attention_decode_cuda(at::Tensor& out, const at::Tensor& query,
   }
   const c10::cuda::CUDAGuard guard(query.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  // At least one partition so that all-padding batches still get zeroed.
+  // The CPU op's data checks, on a host copy (none while capturing a graph).
+  if (const auto host = copy_indices_to_host({block_tables, context_lens})) {
+    check_paged_decode_indices(d, (*host)[0].const_data_ptr<int32_t>(),
+                               (*host)[1].const_data_ptr<int32_t>(), max_context_len);
+  }
+  // max_context_len sizes the grid (every context is <= it, checked above
+  // outside graph capture). At least one partition so that all-padding
+  // batches still get zeroed.
   const int max_parts = std::max(1, ceil_div(max_context_len, kPartition));
   // The reducer keeps one weight per partition in (default, <= 48 KiB) shared memory.
   TORCH_CHECK(max_parts <= kMaxPartitions, "paged_attention_decode: max_context_len ",

@@ -210,11 +210,20 @@ void paged_attention_prefill_cuda(at::Tensor& out, const at::Tensor& query,
               " > ", kMaxHeadDim, " is not supported on CUDA");
   TORCH_CHECK(d.num_heads <= 65535 && d.num_seqs <= 65535,
               "paged_attention_prefill: at most 65535 heads and sequences per call on CUDA");
+  const c10::cuda::CUDAGuard guard(query.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  // The CPU op's data checks, on a host copy (none while capturing a graph).
+  // They run before the early return below, as on CPU: a call with
+  // max_query_len 0 but query rows is an error, not a no-op.
+  if (const auto host = copy_indices_to_host({block_tables, query_start_loc, seq_lens})) {
+    check_paged_prefill_indices(d, (*host)[0].const_data_ptr<int32_t>(),
+                                (*host)[1].const_data_ptr<int32_t>(),
+                                (*host)[2].const_data_ptr<int32_t>(), max_query_len,
+                                max_seq_len);
+  }
   if (out.numel() == 0 || max_query_len == 0) {
     return;
   }
-  const c10::cuda::CUDAGuard guard(query.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   const size_t smem = prefill_smem_bytes(static_cast<int>(d.head_dim));
   int dev_limit = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&dev_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
@@ -235,7 +244,8 @@ void paged_attention_prefill_cuda(at::Tensor& out, const at::Tensor& query,
   a.block_size = static_cast<int>(d.block_size);
   a.max_blocks = static_cast<int>(d.max_blocks_per_seq);
   a.scale = static_cast<float>(scale);
-  // max_query_len sizes the grid; tiles past a sequence's length exit early.
+  // max_query_len sizes the grid (every query length is <= it, checked above
+  // outside graph capture); tiles past a sequence's length exit early.
   const dim3 grid(static_cast<unsigned>(ceil_div(max_query_len, kBQ)),
                   static_cast<unsigned>(d.num_heads), static_cast<unsigned>(d.num_seqs));
 

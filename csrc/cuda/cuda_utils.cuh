@@ -1,8 +1,12 @@
 // Device helpers shared by the CUDA kernels: float conversion, vectorised
-// loads/stores, warp and block reductions, launch boilerplate.
+// loads/stores, warp and block reductions, launch boilerplate (including the
+// host copy of index tensors that the launchers check before a launch).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
@@ -10,6 +14,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <vector>
 
 namespace shardlm::cuda {
 
@@ -115,6 +122,41 @@ inline int threads_for(int64_t items, int max_threads) {
   if (t < 32) t = 32;
   if (t > max_threads) t = max_threads;
   return static_cast<int>(t);
+}
+
+// Host copies of small int32 index tensors (block tables, lengths), for the
+// launchers' data checks (checks.cpp): the kernels trust these values, and a
+// bad one reads outside the cache or silently drops work. The copies go into
+// one pinned buffer, queued on the current stream after whatever wrote the
+// indices, then one synchronisation: an eager call pays one small blocking
+// device-to-host round trip. While the current stream is capturing a CUDA
+// graph (worker/decode_runner.py captures decode steps) that synchronisation
+// is not allowed, and the values seen at capture are not those a replay reads
+// anyway, so this returns nullopt and the launcher skips the checks: graph
+// replays run on index buffers the runner fills itself.
+inline std::optional<std::vector<at::Tensor>> copy_indices_to_host(
+    std::initializer_list<at::Tensor> tensors) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return std::nullopt;
+  }
+  int64_t total = 0;
+  for (const at::Tensor& t : tensors) {
+    TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kInt && t.is_contiguous());
+    total += t.numel();
+  }
+  const at::Tensor host =
+      at::empty({total}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  std::vector<at::Tensor> copies;
+  copies.reserve(tensors.size());
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    at::Tensor part = host.narrow(0, offset, t.numel()).view(t.sizes());
+    part.copy_(t, /*non_blocking=*/true);
+    copies.push_back(std::move(part));
+    offset += t.numel();
+  }
+  c10::cuda::getCurrentCUDAStream().synchronize();
+  return copies;
 }
 
 }  // namespace shardlm::cuda

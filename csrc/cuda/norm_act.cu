@@ -42,7 +42,10 @@ __global__ void rms_norm_kernel(T* dst, T* src, const T* weight, int64_t n, floa
     }
   }
   const float total = block_reduce<false>(acc, scratch);
-  const float inv_rms = rsqrtf(total / static_cast<float>(n) + eps);
+  // Exact 1 / sqrt (both IEEE-rounded without fast math), as the CPU kernel and
+  // the reference compute it: rsqrtf is off by up to 2 ulp, enough to flip a
+  // token in the float32 GPU-vs-CPU engine comparison, which is token for token.
+  const float inv_rms = 1.f / sqrtf(total / static_cast<float>(n) + eps);
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
     float x[VEC], w[VEC];
     load_f<T, VEC>(s + c * VEC, x);
