@@ -83,7 +83,7 @@ def _spread(values: list[float]) -> list[float]:
 
 def measure(args) -> dict:
     """Every figure for the checkpoint at args.model; see the module docstring."""
-    from shardlm_server.gateway.gguf_tokenizer import find_gguf_file
+    from shardlm_server.gateway.text.gguf_tokenizer import find_gguf_file
 
     path = Path(args.model)
     gguf = find_gguf_file(path)

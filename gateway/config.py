@@ -2,7 +2,7 @@
 
 Each field of `ServeConfig` is one setting: its name (the config-file key; the flag is the name
 with dashes, the environment variable SHARDLM_<NAME>), its type (the annotation), its default,
-its help text, its group in `--help` and its bounds. gateway/config_sources.py fills it from
+its help text, its group in `--help` and its bounds. gateway/serve/config_sources.py fills it from
 flags, a TOML/JSON file and the environment; `check` validates the merged result once.
 
 The gateway's parts receive views of it: `Limits` (the runtime's scheduling and timing knobs),

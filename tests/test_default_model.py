@@ -13,9 +13,9 @@ from grpc_status import rpc_status
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
-from shardlm_server.gateway.runtime import Limits
-from shardlm_server.gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.api.runtime import Limits
+from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.text.tokenizer import Tokenizer
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.gateway.conftest import LiveGateway

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlm_server.gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.text.tokenizer import Tokenizer
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
 

@@ -39,7 +39,7 @@ def test_client_commands_do_not_import_the_server_or_torch():
 
 
 def test_server_commands_without_the_server_say_so_in_one_line(monkeypatch, capsys):
-    for name in ("shardlm_server", "shardlm_server.gateway", "shardlm_server.gateway.cli",
+    for name in ("shardlm_server", "shardlm_server.gateway", "shardlm_server.gateway.serve.cli",
                  "shardlm_server.worker", "shardlm_server.worker.worker_server"):
         monkeypatch.setitem(sys.modules, name, None)  # as if only the SDK were installed
     assert cli.main(["serve", "--help"]) == 2

@@ -18,7 +18,7 @@ NODE_DIR = ROOT / "clients" / "node"
 
 
 def _start_gateway(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "shardlm_server.gateway.cli", "serve", "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm_server.gateway.serve.cli", "serve", "--port", "0", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert proc.stdout is not None

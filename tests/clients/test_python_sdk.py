@@ -24,7 +24,7 @@ from shardlm.errors import (
 )
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 
 KV = common_pb2.KvCacheConfig(block_size=16, num_blocks=128)

@@ -17,7 +17,7 @@ import pytest
 from shardlm.client import Client
 from shardlm.common.v1 import common_pb2
 
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -191,7 +191,7 @@ def test_healthcheck_script(llama_dir):
         stop(worker)
     assert healthcheck(address, "--worker") == 1  # nothing listens any more
 
-    gateway, lines = start(["shardlm_server.gateway.cli", "serve", "--port", "0", "--model", str(llama_dir),
+    gateway, lines = start(["shardlm_server.gateway.serve.cli", "serve", "--port", "0", "--model", str(llama_dir),
                             "--dtype", "float32"], "ready:")
     try:
         address = next(x.split()[3] for x in lines if x.startswith("ShardLM gateway on "))

@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2  # noqa: F401 - registers grpc.health.v1 f
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.runtime import Limits
 from tests.clients.test_node_client import node_env  # noqa: F401 - the fixture, shared
 from tests.gateway.conftest import LiveGateway
 

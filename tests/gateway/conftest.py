@@ -10,9 +10,9 @@ import grpc
 import pytest
 from shardlm.gateway.v1 import gateway_pb2_grpc
 
-from shardlm_server.gateway.gateway_server import start_gateway
-from shardlm_server.gateway.runtime import Limits
-from shardlm_server.gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.api.runtime import Limits
+from shardlm_server.gateway.api.server import start_gateway
+from shardlm_server.gateway.workers.processes import WorkerGroup
 
 # Where the live gateway's workers run: "cpu" unless SHARDLM_TEST_DEVICE says "cuda"
 # (scripts/gpu_check.sh runs tests/gateway/test_e2e.py that way on a GPU machine).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.runtime import Limits
 from tests.checkpoints import LLAMA, build_checkpoint
 from tests.gateway.conftest import LiveGateway
 

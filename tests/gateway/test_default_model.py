@@ -7,8 +7,8 @@ import importlib.metadata
 
 import pytest
 
-from shardlm_server.gateway import default_model
-from shardlm_server.gateway.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.serve import default_model
+from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 
 
 def test_the_default_model_is_the_packaged_gguf_file():

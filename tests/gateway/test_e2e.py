@@ -13,7 +13,7 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.tokenizer import Tokenizer
+from shardlm_server.gateway.text.tokenizer import Tokenizer
 from tests.checkpoints import load_reference
 
 KV = common_pb2.KvCacheConfig(block_size=16, num_blocks=256)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 from shardlm.errors import ResourceExhaustedError, UnavailableError
 
-from shardlm_server.gateway.interceptors import to_error
-from shardlm_server.gateway.runtime import Runtime
-from shardlm_server.gateway.tokenizer import TokenizerError
+from shardlm_server.gateway.api.interceptors import to_error
+from shardlm_server.gateway.api.runtime import Runtime
+from shardlm_server.gateway.text.tokenizer import TokenizerError
 
 
 def test_to_error():

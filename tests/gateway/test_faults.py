@@ -12,9 +12,9 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.runtime import Limits
-from shardlm_server.gateway.supervisor import Supervisor
-from shardlm_server.gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.api.runtime import Limits
+from shardlm_server.gateway.serve.supervisor import Supervisor
+from shardlm_server.gateway.workers.processes import WorkerGroup
 from tests.gateway.conftest import LiveGateway
 
 

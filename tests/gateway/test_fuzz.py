@@ -34,9 +34,9 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import DOMAIN
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.gateway_server import MAX_REQUEST_BYTES
-from shardlm_server.gateway.runtime import Limits
-from shardlm_server.gateway.tokenizer import ALLOWED_ROLES
+from shardlm_server.gateway.api.runtime import Limits
+from shardlm_server.gateway.api.server import MAX_REQUEST_BYTES
+from shardlm_server.gateway.text.tokenizer import ALLOWED_ROLES
 from tests.gateway.conftest import LiveGateway
 
 SERVICE = "/shardlm.gateway.v1.GatewayService/"
@@ -737,7 +737,7 @@ def test_known_bug_unallocatable_cache_is_resource_exhausted(scratch):
         scratch.stub.ResetCache(gateway_pb2.ResetCacheRequest(all=True, kv_cache=KV), timeout=30)
 
 
-@_xfail("KNOWN_BUG_LONG_PATH", "Path.exists() raises OSError ENAMETOOLONG in gateway/paths.py "
+@_xfail("KNOWN_BUG_LONG_PATH", "Path.exists() raises OSError ENAMETOOLONG in gateway/api/paths.py "
         "check_model_path: INTERNAL")
 def test_known_bug_overlong_model_path_is_not_internal(scratch):
     for path in ["/" + "a" * 300, "/" + "a" * 5000]:

@@ -26,7 +26,7 @@ import pytest
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 from tests.gateway.test_e2e import collect, greedy
 

@@ -14,8 +14,8 @@ from shardlm.common.v1 import common_pb2
 from shardlm.errors import ShardLMError
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.auth import load_tokens
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.auth import load_tokens
+from shardlm_server.gateway.api.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 
 BLOCK = 4

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from shardlm_server.gateway.worker_processes import free_port
+from shardlm_server.gateway.workers.processes import free_port
 from tests.gateway.test_serve import start_serve
 
 pytestmark = [pytest.mark.cuda,

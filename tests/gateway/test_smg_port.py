@@ -17,9 +17,9 @@ pytest.importorskip("smg_grpc_proto")
 from smg_grpc_proto.generated import vllm_engine_pb2 as engine_pb2  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc  # noqa: E402
 
-from shardlm_server.gateway.auth import Identity  # noqa: E402
-from shardlm_server.gateway.gateway_server import server_credentials  # noqa: E402
-from shardlm_server.gateway.runtime import Limits  # noqa: E402
+from shardlm_server.gateway.api.auth import Identity  # noqa: E402
+from shardlm_server.gateway.api.runtime import Limits  # noqa: E402
+from shardlm_server.gateway.api.server import server_credentials  # noqa: E402
 from tests.gateway.conftest import LiveGateway  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")

@@ -23,8 +23,8 @@ FIRST_PARTY = {"shardlm_server.gateway": ROOT / "gateway", "shardlm_server.worke
                "bench": ROOT / "bench", "shardlm_server": None}
 # Modules started by name rather than imported: the CLI and what it hands commands to, the worker
 # processes, the SMG engine API (imported when the gateway starts), the benchmark.
-ENTRY_MODULES = ["shardlm.cli", "shardlm_server.gateway.cli", "shardlm_server.worker.worker_server",
-                 "shardlm_server.gateway.smg_service", "bench.run"]
+ENTRY_MODULES = ["shardlm.cli", "shardlm_server.gateway.serve.cli", "shardlm_server.worker.worker_server",
+                 "shardlm_server.gateway.api.smg_service", "bench.run"]
 
 
 def selected_test_files() -> list[Path]:

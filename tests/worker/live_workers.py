@@ -11,8 +11,8 @@ import grpc
 from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from shardlm_server.gateway.config import Limits
-from shardlm_server.gateway.worker_client import CHANNEL_OPTIONS, WorkerPool
-from shardlm_server.gateway.worker_processes import WorkerGroup
+from shardlm_server.gateway.workers.client import CHANNEL_OPTIONS, WorkerPool
+from shardlm_server.gateway.workers.processes import WorkerGroup
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.runtime import Limits
+from shardlm_server.gateway.api.runtime import Limits
 from shardlm_server.worker.gguf.file import SUPPORTED_TYPES
 from tests.gateway.conftest import LiveGateway
 from tests.gguf_files import GGUFSpec, T, every_type_once, write_gguf

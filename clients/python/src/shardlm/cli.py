@@ -26,7 +26,7 @@ from shardlm.errors import ShardLMError, UnavailableError
 
 # subcommand -> (module whose main(argv) runs it, one-line help); argv is what follows the name.
 SERVER_COMMANDS = {
-    "serve": ("shardlm_server.gateway.cli", "start the gateway and its workers, load a model, serve"),
+    "serve": ("shardlm_server.gateway.serve.cli", "start the gateway and its workers, load a model, serve"),
     "worker": ("shardlm_server.worker.worker_server", "serve one worker (normally started by `serve`)"),
 }
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE

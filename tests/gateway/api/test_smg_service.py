@@ -1,0 +1,182 @@
+"""The SMG engine service (gateway/api/smg_service.py) and the load report, driven with a plain gRPC
+client on SMG's own stubs against a live gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import zipfile
+
+import grpc
+import pytest
+from shardlm.gateway.v1 import gateway_pb2
+
+pytest.importorskip("smg_grpc_proto")
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
+from smg_grpc_proto.generated import vllm_engine_pb2 as engine_pb2  # noqa: E402
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc  # noqa: E402
+
+from shardlm_server.gateway.text.tokenizer import Tokenizer  # noqa: E402
+from tests.gateway.smg_fixtures import chat_checkpoint, loaded_gateway  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp("smg-llama"))
+
+
+@pytest.fixture(scope="module")
+def gateway(model):
+    live = loaded_gateway(model)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def engine(gateway):
+    return engine_pb2_grpc.VllmEngineStub(gateway.channel)
+
+
+def prompt_ids(gateway, text: str) -> list[int]:
+    return list(gateway.stub.Tokenize(gateway_pb2.TokenizeRequest(text=text)).token_ids)
+
+
+def generate(engine, ids, *, stream: bool, request_id: str = "r", **sampling):
+    request = engine_pb2.GenerateRequest(
+        request_id=request_id, tokenized=engine_pb2.TokenizedInput(input_ids=ids), stream=stream,
+        sampling_params=engine_pb2.SamplingParams(**sampling))
+    return list(engine.Generate(request))
+
+
+def test_generate_matches_shardlm_generate(gateway, engine):
+    ids = prompt_ids(gateway, "To be, or not to be")
+    reference = list(gateway.stub.Generate(gateway_pb2.GenerateRequest(
+        token_ids={"token_ids": ids}, sampling={"temperature": 0}, stop={"max_new_tokens": 10})))
+    expected = [t for m in reference for t in m.token_ids]
+    whole = generate(engine, ids, stream=False, temperature=0, max_tokens=10)
+    assert len(whole) == 1 and whole[0].WhichOneof("response") == "complete"
+    complete = whole[0].complete
+    assert list(complete.output_ids) == expected
+    assert complete.prompt_tokens == len(ids) and complete.completion_tokens == len(expected)
+    assert complete.finish_reason == ("length" if len(expected) == 10 else "stop")
+
+    streamed = generate(engine, ids, stream=True, temperature=0, max_tokens=10)
+    chunks = [m.chunk for m in streamed[:-1]]
+    assert all(m.WhichOneof("response") == "chunk" for m in streamed[:-1])
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert chunks[-1].completion_tokens == len(expected)
+    last = streamed[-1].complete
+    assert last.finish_reason == complete.finish_reason and not last.output_ids
+
+
+def test_stop_token_is_reported_as_matched(gateway, engine):
+    ids = prompt_ids(gateway, "To be, or not to be")
+    first = generate(engine, ids, stream=False, temperature=0, max_tokens=3)[0].complete
+    stop_id = first.output_ids[1]
+    done = generate(engine, ids, stream=False, temperature=0, max_tokens=3,
+                    stop_token_ids=[stop_id])[0].complete
+    assert done.finish_reason == "stop" and done.matched_token_id == stop_id
+    assert list(done.output_ids) == list(first.output_ids[:2])
+
+
+def test_abort_ends_the_stream(gateway, engine):
+    ids = prompt_ids(gateway, "Whether 'tis nobler")
+    request = engine_pb2.GenerateRequest(
+        request_id="to-abort", tokenized=engine_pb2.TokenizedInput(input_ids=ids), stream=True,
+        sampling_params=engine_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    call = engine.Generate(request)
+    first = next(call)
+    assert first.WhichOneof("response") == "chunk"
+    engine.Abort(engine_pb2.AbortRequest(request_ids=["to-abort", "unknown-id"]))
+    rest = list(call)
+    assert rest[-1].complete.finish_reason == "abort"
+    assert rest[-1].complete.completion_tokens < 400
+    assert gateway.call(_released(gateway))  # the scheduler let the sequence go
+
+
+async def _released(gateway) -> bool:
+    """Whether the decode batch empties (the scheduler frees a released sequence on its next
+    iteration, so this waits a little for it)."""
+    scheduler = gateway.runtime.model.scheduler
+    for _ in range(200):
+        if scheduler.running == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"n": 2}, "sampling_params.n"),
+    ({"json_schema": "{}"}, "sampling_params.constraint"),
+    ({"min_tokens": 3}, "sampling_params.min_tokens"),
+])
+def test_unsupported_requests_are_invalid_argument(gateway, engine, sampling, field):
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(engine, [5, 6], stream=False, **sampling)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in caught.value.details()
+
+
+def test_unserved_rpcs_are_unimplemented(engine):
+    with pytest.raises(grpc.RpcError) as caught:
+        engine.FlushCache(smg_common_pb2.FlushCacheRequest())
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_model_server_info_and_health(gateway, engine, model):
+    info = engine.GetModelInfo(engine_pb2.GetModelInfoRequest())
+    assert info.served_model_name == model.name and info.is_generation
+    assert info.model_type == "llama" and list(info.architectures) == ["LlamaForCausalLM"]
+    assert list(info.eos_token_ids) == [2] and info.bos_token_id == 1
+    assert info.vocab_size == 1000 and info.max_context_length == 512
+    server = engine.GetServerInfo(engine_pb2.GetServerInfoRequest())
+    assert server.server_type == "shardlm-grpc" and server.block_size > 0
+    assert engine.HealthCheck(engine_pb2.HealthCheckRequest()).healthy
+
+
+def test_tokenizer_download_rebuilds_the_same_tokenizer(engine, model):
+    chunks = list(engine.GetTokenizer(smg_common_pb2.GetTokenizerRequest()))
+    assert chunks[-1].sha256 and not any(c.sha256 for c in chunks[:-1])
+    data = b"".join(c.data for c in chunks)
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        files = {name: archive.read(name) for name in archive.namelist()}
+    assert set(files) == {"tokenizer.json", "tokenizer_config.json"}
+    config = json.loads(files["tokenizer_config.json"])
+    assert config["chat_template"] and config["bos_token"] == "<s>"
+    original = Tokenizer.from_pretrained(model)
+    text = "To be, or not to be, café 🙂"
+    folder = model.parent / "downloaded-tokenizer"
+    folder.mkdir(exist_ok=True)
+    for name, body in files.items():
+        (folder / name).write_bytes(body)
+    rebuilt = Tokenizer.from_pretrained(folder)
+    assert rebuilt.encode(text) == original.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert rebuilt.encode_chat(messages) == original.encode_chat(messages)
+
+
+def test_load_report_in_both_apis(gateway, engine):
+    report = gateway.stub.GetLoad(gateway_pb2.GetLoadRequest())
+    assert report.loaded and report.block_size > 0
+    assert report.kv_blocks_used + report.kv_blocks_free == report.kv_blocks_total
+    assert report.prefix_cache_blocks == gateway.runtime.model.allocator.cached_blocks
+    metrics = gateway.metrics
+    assert metrics.value("shardlm_kv_blocks_total") == report.kv_blocks_total
+    assert metrics.value("shardlm_prefix_cache_blocks") == report.prefix_cache_blocks
+    session = gateway.stub.Prefill(gateway_pb2.PrefillRequest(text="To be"))
+    try:
+        held = gateway.stub.GetLoad(gateway_pb2.GetLoadRequest())
+        assert held.sessions == report.sessions + 1
+        assert held.kv_blocks_used > report.kv_blocks_used
+        loads = engine.GetLoads(engine_pb2.GetLoadsRequest())
+        assert loads.dp_rank_count == 1 and len(loads.loads) == 1
+        load = loads.loads[0]
+        assert load.num_used_tokens == held.kv_blocks_used * held.block_size
+        assert load.max_total_num_tokens == held.kv_blocks_total * held.block_size
+        assert 0 < load.token_usage <= 1
+    finally:
+        gateway.stub.ResetCache(gateway_pb2.ResetCacheRequest(session_ids=[session.session_id]))
+    with pytest.raises(grpc.RpcError) as caught:
+        engine.GetLoads(engine_pb2.GetLoadsRequest(dp_rank=1))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

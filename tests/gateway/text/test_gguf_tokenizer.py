@@ -1,0 +1,167 @@
+"""The tokenizer built from a GGUF file's metadata encodes and decodes exactly as transformers'
+own GGUF conversion does: on the default model's file, and on small files written here for each
+tokenizer kind (byte-level BPE with several pre-tokenizers, sentencepiece BPE from scores)."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+
+from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.text.tokenizer import Tokenizer, TokenizerError
+from tests.checkpoints import TOKENIZER_TEXT
+from tests.gguf_files import CHAT_TEMPLATE, byte_level_vocab
+
+CORPUS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "It's we'll they've I'M you'd",
+    "def square(x: int) -> int:\n    return x ** 2  # comment\n\n\tif x != 0: pass\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "你好，世界。天气很好。日本語のテキストと한국어",
+    "emoji 🙂🚀👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
+    "numbers 1234567 3.14159 1e-9 0x1F",
+    "   leading spaces, trailing   ",
+    "\n\n\n   \n\t\t  \r\nmixed\rline endings",
+    "café naïve résumé Ångström",
+    "a" * 40 + " " + "ab" * 20,
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "x<|endoftext|>y",
+    "hello</s>world <s> again",
+    " ",
+    "",
+]
+
+
+def _reference(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _assert_same(ours: Tokenizer, reference) -> None:
+    for text in CORPUS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(
+            text, add_special_tokens=False), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(
+                ids, skip_special_tokens=skip), (text, skip)
+
+
+def _model_keys(writer: gguf.GGUFWriter) -> None:
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+
+
+def _close(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_byte_level(path, pre: str, arch: str = "qwen2") -> None:
+    tokens, merges, types = byte_level_vocab()
+    writer = gguf.GGUFWriter(str(path), arch)
+    _model_keys(writer)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    _close(writer)
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A llama.cpp-style sentencepiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then
+    pieces (with the ▁ word marker) scored by merge rank; no merges stored."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer=trainers.BpeTrainer(
+        vocab_size=300, show_progress=False))
+    learned = [t for t, _ in sorted(json.loads(tok.to_str())["model"]["vocab"].items(),
+                                    key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + learned
+    types = [2, 3, 3] + [6] * 256 + [1] * len(learned)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(learned))]
+    return tokens, scores, types
+
+
+def write_sentencepiece(path) -> None:
+    tokens, scores, types = sentencepiece_vocab()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _model_keys(writer)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    _close(writer)
+
+
+def test_default_model_tokenizer_matches_transformers():
+    try:
+        path = default_model_path()
+    except DefaultModelMissing as exc:
+        pytest.skip(str(exc))
+    ours = Tokenizer.from_pretrained(path)
+    reference = _reference(path)
+    _assert_same(ours, reference)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if not isinstance(expected, list) else expected
+    assert ours.encode_chat(messages) == expected
+    assert ours.has_chat_template and ours.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "default"])
+def test_byte_level_tokenizers_match_transformers(tmp_path, pre):
+    path = tmp_path / "m.gguf"
+    write_byte_level(path, pre)
+    ours = Tokenizer.from_pretrained(tmp_path)  # a folder holding one .gguf
+    _assert_same(ours, _reference(path))
+    assert ours.has_chat_template and ours.bos_token_id == 1
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_sentencepiece(path)
+    ours = Tokenizer.from_pretrained(path)
+    _assert_same(ours, _reference(path))
+    assert ours.encode("hi")[0] == 1  # llama.cpp's sentencepiece default: BOS added
+    assert not ours.has_chat_template
+
+
+def test_unsupported_tokenizer_kind_is_named(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    _model_keys(writer)
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[PAD]", "[UNK]", "a"])
+    _close(writer)
+    with pytest.raises(TokenizerError, match="'bert' is not supported"):
+        Tokenizer.from_pretrained(tmp_path / "m.gguf")
+
+
+def test_corrupt_file_is_a_tokenizer_error(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_byte_level(path, "qwen2")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TokenizerError, match="corrupt or truncated"):
+        Tokenizer.from_pretrained(path)
