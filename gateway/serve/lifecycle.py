@@ -31,7 +31,7 @@ from shardlm_server.gateway.api.server import (
 from shardlm_server.gateway.config import ServeConfig
 from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 from shardlm_server.gateway.serve.supervisor import Supervisor
-from shardlm_server.gateway.workers.processes import WorkerGroup, WorkerTLS
+from shardlm_server.gateway.workers.processes import WorkerGroup, WorkerTLS, local_device
 
 log = logging.getLogger("shardlm.serve")
 T = TypeVar("T")
@@ -80,15 +80,6 @@ def check_port_free(host: str, port: int | None, what: str = "the gateway") -> N
             raise OSError(f"{what} cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
 def _worker_tls(cfg: ServeConfig) -> WorkerTLS | None:
     if not cfg.worker_tls_ca:  # validated: the three files come together
         return None
@@ -114,7 +105,7 @@ def _start_workers(cfg: ServeConfig, tls: WorkerTLS | None, group: WorkerGroup |
         return WorkerGroup.connect(cfg.worker_addresses(),
                                    "cuda" if cfg.device == "cuda" else "cpu", tls)
     group = group if group is not None else WorkerGroup(tls=tls)
-    device = cfg.device or ("cuda" if _cuda_available() else "cpu")
+    device = cfg.device or local_device()
     devices = cfg.device_ids()
     count = len(devices) if devices else cfg.tp or 1
     try:

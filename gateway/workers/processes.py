@@ -10,6 +10,7 @@ Load, steps) is gateway/workers/client.py's job.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -44,6 +45,33 @@ class WorkerTLS:
         return grpc.ssl_channel_credentials(
             root_certificates=Path(self.ca).read_bytes(), private_key=Path(self.key).read_bytes(),
             certificate_chain=Path(self.cert).read_bytes())
+
+
+# Whether the workers' Python sees a usable GPU: asked in a child process, so the gateway itself
+# never loads torch (about 0.6 GB and seconds of start-up it has no use for).
+_CUDA_QUESTION = "import torch; print(int(torch.cuda.is_available()))"
+CUDA_QUESTION_TIMEOUT_S = 120.0
+
+
+def nvidia_driver_present() -> bool:
+    """An NVIDIA driver on this host: its /proc entry, a device node, or nvidia-smi."""
+    return (Path("/proc/driver/nvidia/version").exists() or any(Path("/dev").glob("nvidia[0-9]*"))
+            or shutil.which("nvidia-smi") is not None)
+
+
+def local_device() -> str:
+    """The device local workers run on when none is named: "cuda" where the workers' torch can
+    use a GPU, else "cpu". Without an NVIDIA driver the answer is "cpu" at once; with one, a
+    child process of the workers' interpreter asks torch (which also knows whether it was built
+    with CUDA and what CUDA_VISIBLE_DEVICES leaves)."""
+    if not nvidia_driver_present():
+        return "cpu"
+    try:
+        done = subprocess.run([sys.executable, "-c", _CUDA_QUESTION], capture_output=True,
+                              text=True, timeout=CUDA_QUESTION_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    return "cuda" if done.returncode == 0 and done.stdout.strip() == "1" else "cpu"
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
