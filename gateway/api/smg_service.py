@@ -12,8 +12,8 @@ protocol carries SGLang's own scheduler features; MLX's has no load report.)
 Each call is translated onto the public API's handlers (gateway/api/servicer.py), so validation,
 limits, errors and metrics are the same as for ShardLM's own clients. What ShardLM does not do
 (n > 1, constrained decoding, logit bias, prompt logprobs, min_tokens, multimodal input, KV
-transfer) is refused with INVALID_ARGUMENT; Embed, FlushCache, profiling and KV events are
-left UNIMPLEMENTED (SMG then polls GetLoads).
+transfer) is refused with INVALID_ARGUMENT; FlushCache empties the prefix cache; Embed, profiling
+and KV events are left UNIMPLEMENTED (SMG then polls GetLoads).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as engine_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc
 
 from shardlm_server.gateway import __version__
+from shardlm_server.gateway.api.auth import require_admin
 from shardlm_server.gateway.api.load_report import load_report
 from shardlm_server.gateway.api.runtime import Model
 from shardlm_server.gateway.api.servicer import GatewayServicer
@@ -168,9 +169,6 @@ class _Unimplemented:
     async def Embed(self, request, context):
         await _unimplemented(context, "embeddings")
 
-    async def FlushCache(self, request, context):
-        await _unimplemented(context, "FlushCache (it keeps no prefix cache to flush)")
-
     async def StartProfile(self, request, context):
         await _unimplemented(context, "profiling")
 
@@ -189,6 +187,14 @@ class SmgEngineServicer(_Unimplemented, engine_pb2_grpc.VllmEngineServicer):
         self.started = time.time()
         self.last_request = 0.0
         self._aborts: dict[str, asyncio.Event] = {}
+
+    async def FlushCache(self, request, context) -> smg_common_pb2.FlushCacheResponse:
+        """Empty the prefix cache, at once: the blocks running requests hold stay theirs (only
+        their sharing ends), so there is nothing to wait for and `timeout_s` is not needed. An
+        admin's call where the gateway has tokens, as ResetCache of everything is."""
+        require_admin("FlushCache")
+        self.rt.require().scheduler.clear_prefix_cache()
+        return smg_common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
 
     async def Generate(self, request, context) -> AsyncIterator[engine_pb2.GenerateResponse]:
         self.last_request = time.time()

@@ -120,8 +120,20 @@ def test_unsupported_requests_are_invalid_argument(gateway, engine, sampling, fi
 
 def test_unserved_rpcs_are_unimplemented(engine):
     with pytest.raises(grpc.RpcError) as caught:
-        engine.FlushCache(smg_common_pb2.FlushCacheRequest())
+        engine.StartProfile(smg_common_pb2.StartProfileRequest())
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_flush_cache_empties_the_prefix_cache(gateway, engine):
+    ids = prompt_ids(gateway, "Now is the winter of our discontent made glorious summer " * 4)
+    generate(engine, ids, stream=False, temperature=0, max_tokens=2)
+    again = generate(engine, ids, stream=False, temperature=0, max_tokens=2)[0].complete
+    assert again.cached_tokens > 0  # the prompt's full blocks were published and reused
+    done = engine.FlushCache(smg_common_pb2.FlushCacheRequest())
+    assert done.success and "flushed" in done.message
+    assert gateway.stub.GetLoad(gateway_pb2.GetLoadRequest()).prefix_cache_blocks == 0
+    after = generate(engine, ids, stream=False, temperature=0, max_tokens=2)[0].complete
+    assert after.cached_tokens == 0  # computed anew: nothing was left to share
 
 
 def test_model_server_info_and_health(gateway, engine, model):

@@ -59,8 +59,9 @@ def generate(args: argparse.Namespace, client: Client) -> None:
 
 def _reply(args: argparse.Namespace, client: Client, session: str) -> None:
     """Stream one reply; Ctrl-C stops the reply (the call is cancelled), not the chat."""
-    chunks = client.stream_decode(session, max_new_tokens=args.max_new_tokens - 1,
-                                  stop=args.stop or None)
+    # The reply's first token came with the turn's prefill.
+    rest = None if args.max_new_tokens is None else args.max_new_tokens - 1
+    chunks = client.stream_decode(session, max_new_tokens=rest, stop=args.stop or None)
     try:
         with contextlib.closing(chunks):
             for chunk in chunks:
@@ -135,7 +136,9 @@ def _connection_flags(p: argparse.ArgumentParser, token_help: str) -> None:
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     _connection_flags(p, "bearer token, when the gateway requires one")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int,
+                   help="tokens to generate at most; unset: the gateway's default "
+                   "(its --default-max-new-tokens, 256 unless set otherwise)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int, default=0)
