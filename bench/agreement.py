@@ -22,11 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 def text_ids(model_path: Path, tokens: int) -> list[int]:
     """`tokens` ids of the repository's README (plain English and code), tokenized with the
     checkpoint's own tokenizer, repeated if it is shorter."""
-    from shardlm_server.gateway.text.gguf_tokenizer import find_gguf_file, load_gguf_tokenizer
     from shardlm_server.gateway.text.tokenizer import Tokenizer
 
-    gguf = find_gguf_file(model_path)
-    tok = load_gguf_tokenizer(gguf) if gguf else Tokenizer.from_pretrained(model_path)
+    tok = Tokenizer.from_pretrained(model_path)  # a GGUF file's, or a Hugging Face folder's
     ids = tok.encode((REPO / "README.md").read_text(encoding="utf-8"), add_special_tokens=False)
     while len(ids) < tokens:
         ids = ids + ids

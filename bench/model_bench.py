@@ -21,9 +21,11 @@ import statistics
 from pathlib import Path
 
 import torch
+from shardlm.gguf_header import find_gguf
 
 from bench import agreement, llamacpp, model_stack, roofline
 from bench import engine_bench as eb
+from bench.quiet_profiler import quiet_profiler
 from shardlm_server.worker.engine import Engine
 
 # Profiler names: the ops, and the scopes the fused CPU blocks open around the same kernels.
@@ -50,7 +52,7 @@ def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: fl
     from torch.profiler import ProfilerActivity, profile
 
     def self_times(decode_steps: int) -> dict[str, float]:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
             eb.engine_decode_runs(engine, prompt, decode_steps, torch.device("cpu"), 1)
         return {e.key: e.self_cpu_time_total for e in prof.key_averages()}
 
@@ -83,10 +85,8 @@ def _spread(values: list[float]) -> list[float]:
 
 def measure(args) -> dict:
     """Every figure for the checkpoint at args.model; see the module docstring."""
-    from shardlm_server.gateway.text.gguf_tokenizer import find_gguf_file
-
     path = Path(args.model)
-    gguf = find_gguf_file(path)
+    gguf = find_gguf(path)
     cpu = torch.device("cpu")
     threads = torch.get_num_threads()
     dtype = getattr(torch, args.dtype)

@@ -153,15 +153,16 @@ def engine_section(engine, fitting: list[int], args, shape, device) -> dict:
                         "ms": 1000 * seconds})
     section = {"decode": decode, "prefill": prefill,
                "cuda_graphs": engine.runner.graphs is not None}
-    if engine.runner.graphs is not None and 1 in fitting:
-        # The same padded steps without replaying the graphs: what the graphs are worth.
-        engine.runner.replay_graphs = False
+    graphs = engine.runner.graphs
+    if graphs is not None and 1 in fitting:
+        # The same batch-1 decode with the graphs set aside (every step eager): what they are worth.
+        engine.runner.graphs = None
         try:
             prompts = eb.random_prompts(1, args.prompt_len, vocab)
             seconds = eb.engine_decode_seconds(engine, prompts, args.new_tokens, device, args.repeats)
             section["without_graphs_batch1"] = eb.decode_row(1, seconds, steps)
         finally:
-            engine.runner.replay_graphs = True
+            engine.runner.graphs = graphs
     return section
 
 

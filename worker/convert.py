@@ -27,7 +27,7 @@ from shardlm_server.worker.engine import (
     StopParams,
 )
 from shardlm_server.worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
-from shardlm_server.worker.sampling import SamplingParams
+from shardlm_server.worker.sampling import SamplerSettings
 
 # Dtype enum <-> the engine's names and torch dtypes, derived from the one list of names.
 DTYPE_BY_ENUM = {common_pb2.Dtype.Value(dtype_enum_name(name)): name for name in DTYPE_NAMES}
@@ -43,8 +43,8 @@ MODE_ENUMS = {CacheMode.PAGED: common_pb2.KV_CACHE_MODE_PAGED,
               CacheMode.STATIC: common_pb2.KV_CACHE_MODE_STATIC}
 
 
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplerSettings:
+    return SamplerSettings(
         temperature=p.temperature,
         top_k=p.top_k,
         top_p=p.top_p if p.HasField("top_p") else 1.0,

@@ -195,7 +195,7 @@ class DecodeCall:
 
     def run(self, taps: Taps | None = None) -> torch.Tensor:
         """Logits of the staged step: [rows, vocab] (float32)."""
-        if self.graphs is not None and self.runner.replay_graphs:
+        if self.graphs is not None:
             return self.graphs.replay((self.rows, self.max_context))
         return self.buffers.forward(self.runner.model, self.runner.kv_caches, self.rows,
                                     self.max_context, taps)
@@ -214,9 +214,6 @@ class DecodeRunner:
         self._eager: StepBuffers | None = None
         self._graph_buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
-        # False runs a graph's step eagerly on the same padded buffers: the same shapes, hence the
-        # same kernels, so its tokens must equal the replay's exactly (how graphs are checked).
-        self.replay_graphs = True
         if self._graphs_possible():
             self._capture()
 

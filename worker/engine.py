@@ -21,6 +21,7 @@ from shardlm.constants import DTYPE_NAMES
 
 from shardlm_server.worker import ops
 from shardlm_server.worker.batch import build_prefill_batch, slot_of
+from shardlm_server.worker.checkpoint import CheckpointSource
 from shardlm_server.worker.comm import Communicator, SingleRankCommunicator
 from shardlm_server.worker.config import ModelConfig
 from shardlm_server.worker.decode_runner import DecodeCall, DecodeRunner, GraphConfig
@@ -28,7 +29,7 @@ from shardlm_server.worker.engine_types import (  # noqa: F401 - the engine's AP
     DecodeItem,
     FinishReason,
     PrefillItem,
-    Sequence,
+    ResidentSequence,
     StepOutput,
     StopParams,
     TokenOutput,
@@ -37,7 +38,7 @@ from shardlm_server.worker.eos import checkpoint_eos_ids
 from shardlm_server.worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
 from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from shardlm_server.worker.layers import Parallel
-from shardlm_server.worker.loader import CheckpointSource, load_checkpoint_config, open_checkpoint
+from shardlm_server.worker.loader import load_checkpoint_config, open_checkpoint
 from shardlm_server.worker.model import TransformerModel, tap_names
 from shardlm_server.worker.quant import check_mode as check_quantize_mode
 from shardlm_server.worker.sampling import (
@@ -55,8 +56,9 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine runs, not what it computes: decode CUDA graphs, and whether the CPU kernels
-    may take their AVX2 paths (a process-wide switch, set at load). Filled from the LoadRequest's
-    EngineOptions by worker/convert.py."""
+    may take their SIMD paths, AVX2 or AVX-512, the widest this CPU has (False: the portable
+    loops; a process-wide switch, set at load). Filled from the LoadRequest's EngineOptions by
+    worker/convert.py."""
 
     graphs: GraphConfig = field(default_factory=GraphConfig)
     cpu_simd: bool = True
@@ -81,7 +83,7 @@ class Engine:
         self.model_dir = model_dir
         self.source = source or CheckpointSource("safetensors", ())
         self.eos_token_ids = eos_token_ids  # reported in ModelInfo; see the module docstring
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, ResidentSequence] = {}
         self.graph_config = graph_config or GraphConfig()
         self.cache = self._allocate(cache_config)
         self.runner = self._decode_runner()
@@ -263,7 +265,7 @@ class Engine:
                 pending.done.synchronize()
 
     # ----------------------------------------------------------------- step internals
-    def _launch_decode(self, call: DecodeCall, seqs: list[Sequence], live: list[int],
+    def _launch_decode(self, call: DecodeCall, seqs: list[ResidentSequence], live: list[int],
                        previous: PendingSample | None, taps: dict | None = None) -> PendingSample:
         """Queue one decode step of rows `live` (and the sampling of its tokens)."""
         positions = [seqs[i].num_cached for i in live]
@@ -317,7 +319,7 @@ class Engine:
                 f"sequence {sequence_id}: token ids must be in [0, {vocab})", field="token_ids"
             )
 
-    def _prepare_prefill(self, item: PrefillItem) -> Sequence:
+    def _prepare_prefill(self, item: PrefillItem) -> ResidentSequence:
         if not item.token_ids:
             raise InvalidRequestError(f"sequence {item.sequence_id}: no tokens to prefill")
         self._check_tokens(item.token_ids, item.sequence_id)
@@ -330,7 +332,7 @@ class Engine:
             )
         self._check_block_table(item.block_table, end, item.sequence_id)
         prefix = self._prefix_of(item)
-        seq = Sequence(
+        seq = ResidentSequence(
             sequence_id=item.sequence_id,
             tokens=prefix + list(item.token_ids),
             block_table=list(item.block_table),
@@ -363,7 +365,7 @@ class Engine:
             )
         return known.tokens[: item.start_position] if known else []
 
-    def _prepare_decode(self, item: DecodeItem, num_steps: int) -> Sequence:
+    def _prepare_decode(self, item: DecodeItem, num_steps: int) -> ResidentSequence:
         seq = self.sequences.get(item.sequence_id)
         if seq is None or seq.pending is None:
             raise SequenceNotCachedError(
@@ -384,7 +386,7 @@ class Engine:
             seq.stop, seq.generated, seq.finished = item.stop, 0, None
         return seq
 
-    def _attach_sampler_state(self, seq: Sequence) -> None:
+    def _attach_sampler_state(self, seq: ResidentSequence) -> None:
         if self.comm.rank != 0:
             return  # only rank 0 samples
         p = seq.sampling
@@ -395,7 +397,8 @@ class Engine:
         if p.uses_repetition_penalty or p.uses_output_penalties:
             seq.history = TokenHistory.from_prompt(seq.tokens, self.cfg.vocab_size, self.device)
 
-    def _advance(self, seqs: list[Sequence], tokens: list[SampledToken]) -> list[TokenOutput]:
+    def _advance(self, seqs: list[ResidentSequence],
+                 tokens: list[SampledToken]) -> list[TokenOutput]:
         """Each sequence's new token becomes its pending one; see whether it finished."""
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
@@ -405,7 +408,7 @@ class Engine:
             outputs.append(TokenOutput(seq.sequence_id, token, seq.finished))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def _finish_reason(self, seq: ResidentSequence, token_id: int) -> FinishReason | None:
         """Whether the sequence leaves the batch after `token_id`: only what it was sent counts."""
         if token_id in seq.stop.stop_token_ids:
             return FinishReason.STOP_TOKEN

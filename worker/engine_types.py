@@ -7,7 +7,7 @@ from enum import StrEnum
 
 import torch
 
-from shardlm_server.worker.sampling import SampledToken, SamplingParams, TokenHistory
+from shardlm_server.worker.sampling import SampledToken, SamplerSettings, TokenHistory
 
 
 class FinishReason(StrEnum):
@@ -33,7 +33,7 @@ class PrefillItem:
     token_ids: list[int]  # new tokens only
     start_position: int  # tokens of this sequence already in the cache
     block_table: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplerSettings = field(default_factory=SamplerSettings)
     stop: StopParams = field(default_factory=StopParams)
     sample: bool = True  # False for a non-final chunk of a chunked prefill
     # The ids of the first start_position tokens, when their K/V is a prefix another sequence
@@ -46,7 +46,7 @@ class DecodeItem:
     sequence_id: int
     block_table: list[int]
     max_steps: int
-    sampling: SamplingParams | None = None  # replaces the sequence's parameters when given
+    sampling: SamplerSettings | None = None  # replaces the sequence's parameters when given
     stop: StopParams | None = None
 
 
@@ -64,13 +64,13 @@ class StepOutput:
 
 
 @dataclass
-class Sequence:
+class ResidentSequence:
     """What a rank remembers of a sequence between calls."""
 
     sequence_id: int
     tokens: list[int]  # every token whose K/V is in the cache, in order
     block_table: list[int]
-    sampling: SamplingParams
+    sampling: SamplerSettings
     stop: StopParams
     pending: int | None = None  # sampled but not yet fed (its K/V is not cached yet)
     generated: int = 0

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from shardlm_server.worker import ops
+from shardlm_server.worker.checkpoint import CheckpointReader
 from shardlm_server.worker.comm import Communicator
 from shardlm_server.worker.errors import TensorParallelError
-from shardlm_server.worker.loader import CheckpointReader
 from shardlm_server.worker.quant import QuantizedWeight, fuse_rows, read_linear
 
 #: A linear layer's weight: dense, or kept in GGML blocks on CPU (worker.quant).

@@ -14,6 +14,7 @@ import torch
 
 from shardlm_server.worker import ops
 from shardlm_server.worker.attention import AttentionMetadata, PagedAttention
+from shardlm_server.worker.checkpoint import CheckpointReader
 from shardlm_server.worker.config import ModelConfig
 from shardlm_server.worker.layers import (
     ColumnParallelLinear,
@@ -22,7 +23,6 @@ from shardlm_server.worker.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from shardlm_server.worker.loader import CheckpointReader
 from shardlm_server.worker.quant import read_linear
 
 Taps = dict[str, torch.Tensor]
@@ -175,12 +175,11 @@ class TransformerModel:
         self.lm_head = ParallelLMHead(head, parallel)
         # A tied checkpoint may still carry a copy of lm_head; it is the same tensor, not unknown.
         reader.check_all_consumed(optional=lambda n: tied and n == "lm_head.weight")
-        #: On CPU each layer runs as two fused ops (DecoderLayer.forward_blocks) unless debug taps
-        #: are asked for; a benchmark may turn it off to time the op-by-op layer.
-        self.fused_blocks = device.type == "cpu"
-        #: A single CPU rank runs all of them in one call; tensor parallelism reduces partial
-        #: sums between a layer's two halves, so its ranks call the blocks layer by layer.
-        self.stack = self._decoder_stack() if self.fused_blocks and parallel.world_size == 1 else None
+        # On CPU each layer runs as two fused ops (DecoderLayer.forward_blocks) unless debug taps
+        # are asked for. A single CPU rank runs all of them in one call; tensor parallelism
+        # reduces partial sums between a layer's two halves, so its ranks call them layer by layer.
+        self.stack = (self._decoder_stack() if device.type == "cpu" and parallel.world_size == 1
+                      else None)
         self.cos_sin = ops.compute_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         ).to(device)
@@ -211,7 +210,7 @@ class TransformerModel:
         """Logits (float32) for each sequence's last token: [B, vocab]."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
-        fused = self.fused_blocks and taps is None
+        fused = self.device.type == "cpu" and taps is None
         if fused and self.stack is not None:
             hidden, residual = self.stack.forward(hidden, self.cos_sin, kv_caches, meta)
         else:

@@ -22,7 +22,7 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class SafetensorsReader:
-    """The `worker.loader.CheckpointReader` of a Hugging Face folder: maps tensor names to the
+    """The `worker.checkpoint.CheckpointReader` of a Hugging Face folder: maps tensor names to the
     safetensors file holding them and reads (slices of) them."""
 
     format = "safetensors"

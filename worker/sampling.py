@@ -20,7 +20,10 @@ MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplerSettings:
+    """How one sequence's tokens are drawn: the wire's shardlm.common.v1.SamplingParams as the
+    sampler applies them (converted by worker/convert.py)."""
+
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -75,7 +78,7 @@ class SampledToken:
 
 @dataclass
 class SamplingRow:
-    params: SamplingParams
+    params: SamplerSettings
     generator: torch.Generator | None = None
     history: TokenHistory | None = None
 
@@ -120,7 +123,8 @@ def truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     ordered = ordered.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = ordered.softmax(dim=1)
     top_p = _column([p.top_p for p in params], device)
-    excluded = (probs.cumsum(dim=1) - probs) > top_p
+    # top_p = 1 keeps every token: the float32 running sum can pass 1 before the tail's tokens.
+    excluded = ((probs.cumsum(dim=1) - probs) > top_p) & (top_p < 1.0)
     min_p = _column([p.min_p for p in params], device)
     excluded |= probs < min_p * probs[:, :1]
     excluded[:, 0] = False

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm_server.worker.comm import Communicator
-from shardlm_server.worker.engine_types import Sequence
+from shardlm_server.worker.engine_types import ResidentSequence
 from shardlm_server.worker.sampling import (
     DeviceSample,
     SampledToken,
@@ -40,7 +40,8 @@ class StepSampler:
         self.comm = comm
         self.device = device
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, seqs: list[ResidentSequence],
+               rows: list[int]) -> PendingSample:
         """Sample one token per row of `logits` on rank 0 and share the ids with every rank."""
         chosen: DeviceSample | None = None
         sampling_rows: list[SamplingRow] = []

@@ -1,4 +1,5 @@
-"""The tokenizer of a GGUF file, built from its `tokenizer.ggml.*` metadata.
+"""The tokenizer of a GGUF file, built from its `tokenizer.ggml.*` metadata (read by the shared
+`shardlm.gguf_header`, as the workers read the rest).
 
 A GGUF carries no tokenizer.json: it stores the vocabulary, merges (or scores), token types and
 special ids under llama.cpp's keys. They are rebuilt here as a `tokenizers` tokenizer the way
@@ -12,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import gguf
+from shardlm.gguf_header import GGUFFormatError, SeveralGGUFFiles, find_gguf, read_gguf_header
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from shardlm_server.gateway.text.tokenizer import Tokenizer, TokenizerError
+from shardlm_server.gateway.text.tokenizer_parts import TokenizerError, TokenizerParts
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -48,21 +49,16 @@ TOKENIZER_KINDS = ("gpt2", "llama")
 
 def find_gguf_file(path: str | os.PathLike[str]) -> Path | None:
     """The GGUF file `path` names: itself, or the one `.gguf` in a folder without a config.json."""
-    path = Path(path)
-    if path.is_file():
-        return path if path.suffix.lower() == ".gguf" else None
-    if not path.is_dir() or (path / "config.json").exists():
-        return None
-    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-    return found[0] if len(found) == 1 else None
+    try:
+        return find_gguf(path)
+    except SeveralGGUFFiles as exc:
+        raise TokenizerError(str(exc)) from exc
 
 
 def _metadata(path: Path) -> dict[str, Any]:
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-        return {k: f.contents() for k, f in reader.fields.items()
-                if k.startswith("tokenizer.") or k == "general.architecture"}
-    except Exception as exc:  # the reader raises ValueError, struct/numpy errors, ...
+        return read_gguf_header(path).metadata
+    except (GGUFFormatError, OSError) as exc:
         raise TokenizerError(f"'{path.name}' is not a readable GGUF file (corrupt or truncated): "
                              f"{exc}") from exc
 
@@ -157,8 +153,8 @@ def _add_special_tokens(backend: Backend, meta: dict[str, Any], tokens: list[str
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
 
-def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """The serving tokenizer (and chat template) of the GGUF file at `path`."""
+def gguf_tokenizer_parts(path: str | os.PathLike[str]) -> TokenizerParts:
+    """The serving tokenizer (and chat template) of the GGUF file at `path`, as parts."""
     path = Path(path)
     meta = _metadata(path)
     kind = meta.get("tokenizer.ggml.model")
@@ -183,8 +179,8 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
               "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False))}
     end_ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
     template = meta.get("tokenizer.chat_template")
-    return Tokenizer(backend, tokenizer_config=config, special_tokens_map={},
-                     generation_config={}, model_config={"eos_token_id": [
-                         i for i in end_ids if isinstance(i, int)]},
-                     chat_template=template if isinstance(template, str) else None,
-                     byte_fallback=kind == "llama")
+    return TokenizerParts(backend, tokenizer_config=config, special_tokens_map={},
+                          generation_config={}, model_config={"eos_token_id": [
+                              i for i in end_ids if isinstance(i, int)]},
+                          chat_template=template if isinstance(template, str) else None,
+                          byte_fallback=kind == "llama")

@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer: tokenizer.json through the `tokenizers` library, plus the bits of
 tokenizer_config.json, generation_config.json and config.json that serving needs (BOS/EOS policy,
 stop ids, the jinja2 chat template). A GGUF checkpoint's comes from its metadata
-(`gateway.gguf_tokenizer`)."""
+(`gateway.text.gguf_tokenizer`); both arrive as `TokenizerParts`."""
 
 from __future__ import annotations
 
@@ -19,13 +19,11 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shardlm_server.gateway.text.gguf_tokenizer import find_gguf_file, gguf_tokenizer_parts
 from shardlm_server.gateway.text.token_bytes import TokenBytes
+from shardlm_server.gateway.text.tokenizer_parts import TokenizerError, TokenizerParts
 
 ALLOWED_ROLES = frozenset({"system", "user", "assistant", "tool"})
-
-
-class TokenizerError(Exception):
-    """Tokenizer or chat-template failure; the message is safe to show to API users."""
 
 
 @dataclass(frozen=True)
@@ -106,36 +104,58 @@ def _uses_byte_fallback(decoder: Any) -> bool:
     return "ByteFallback" in json.dumps(decoder)
 
 
-class Tokenizer:
-    """Use `Tokenizer.from_pretrained(folder)`; the constructor takes already-parsed pieces."""
+def _hf_folder_parts(root: Path) -> TokenizerParts:
+    """The tokenizer files of a Hugging Face folder, parsed."""
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"no tokenizer.json in {root}")
+    try:
+        text = path.read_text(encoding="utf-8")
+        spec = json.loads(text)
+        backend = tokenizers.Tokenizer.from_str(text)
+    except Exception as exc:  # the Rust side raises plain Exception subclasses
+        raise TokenizerError(f"cannot load {path}: {exc}") from exc
+    tok_config = _read_json(root / "tokenizer_config.json")
+    template = _pick_template(tok_config.get("chat_template"))
+    if template is None:  # newer transformers save the template beside the config
+        template = _pick_template(_read_json(root / "chat_template.json").get("chat_template"))
+    jinja_file = root / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    return TokenizerParts(backend, tokenizer_config=tok_config,
+                          special_tokens_map=_read_json(root / "special_tokens_map.json"),
+                          generation_config=_read_json(root / "generation_config.json"),
+                          model_config=_read_json(root / "config.json"), chat_template=template,
+                          byte_fallback=_uses_byte_fallback(spec.get("decoder")))
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, tokenizer_config: Mapping[str, Any],
-                 special_tokens_map: Mapping[str, Any], generation_config: Mapping[str, Any],
-                 model_config: Mapping[str, Any], chat_template: str | None,
-                 byte_fallback: bool = False) -> None:
-        self._backend = backend
+
+class Tokenizer:
+    """Use `Tokenizer.from_pretrained(folder)`; the constructor takes already-parsed parts."""
+
+    def __init__(self, parts: TokenizerParts) -> None:
+        self._backend = backend = parts.backend
         # tokenizer.json may carry truncation/padding settings; HF turns them off per call.
         backend.no_truncation()
         backend.no_padding()
-        self._bos_text = _token_text(tokenizer_config.get("bos_token")) or _token_text(
-            special_tokens_map.get("bos_token"))
-        eos_text = _token_text(tokenizer_config.get("eos_token")) or _token_text(
-            special_tokens_map.get("eos_token"))
+        self._bos_text = _token_text(parts.tokenizer_config.get("bos_token")) or _token_text(
+            parts.special_tokens_map.get("bos_token"))
+        eos_text = _token_text(parts.tokenizer_config.get("eos_token")) or _token_text(
+            parts.special_tokens_map.get("eos_token"))
         self._bos_id = self._lookup(self._bos_text)
         if self._bos_id is None:
-            ids = _int_list(generation_config.get("bos_token_id")) or _int_list(
-                model_config.get("bos_token_id"))
+            ids = _int_list(parts.generation_config.get("bos_token_id")) or _int_list(
+                parts.model_config.get("bos_token_id"))
             self._bos_id = ids[0] if ids else None
         eos_from_text = self._lookup(eos_text)
-        candidates = (_int_list(generation_config.get("eos_token_id"))
-                      + _int_list(model_config.get("eos_token_id"))
+        candidates = (_int_list(parts.generation_config.get("eos_token_id"))
+                      + _int_list(parts.model_config.get("eos_token_id"))
                       + ([eos_from_text] if eos_from_text is not None else []))
         self._eos_ids = tuple(dict.fromkeys(candidates))  # ordered de-duplication
         self._eos_text = eos_text or (self.id_to_token(self._eos_ids[0]) if self._eos_ids else None)
         self._eos_append_id = eos_from_text if eos_from_text is not None else (
             self._eos_ids[0] if self._eos_ids else None)
-        add_bos = tokenizer_config.get("add_bos_token")
-        add_eos = tokenizer_config.get("add_eos_token")
+        add_bos = parts.tokenizer_config.get("add_bos_token")
+        add_eos = parts.tokenizer_config.get("add_eos_token")
         self._add_bos = add_bos if isinstance(add_bos, bool) else None
         self._add_eos = add_eos if isinstance(add_eos, bool) else None
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
@@ -143,46 +163,24 @@ class Tokenizer:
         if self._bos_id is not None:
             special.add(self._bos_id)
         self._special_ids = frozenset(special)
-        byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
+        byte_ids = ((backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+                    if parts.byte_fallback else ())
         self._byte_ids = frozenset(i for i in byte_ids if i is not None)
         self._template = None
-        self._template_source = chat_template
-        if chat_template is not None:
+        self._template_source = parts.chat_template
+        if parts.chat_template is not None:
             try:
-                self._template = _template_env().from_string(chat_template)
+                self._template = _template_env().from_string(parts.chat_template)
             except jinja2.TemplateError as exc:
                 raise TokenizerError(f"the checkpoint's chat template does not compile: {exc}") from exc
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike[str]) -> Tokenizer:
         """The tokenizer of a Hugging Face folder, or of a GGUF file (or a folder holding one)."""
-        from shardlm_server.gateway.text.gguf_tokenizer import find_gguf_file, load_gguf_tokenizer
-
         gguf_file = find_gguf_file(folder)
         if gguf_file is not None:
-            return load_gguf_tokenizer(gguf_file)
-        root = Path(folder)
-        path = root / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(f"no tokenizer.json in {root}")
-        try:
-            text = path.read_text(encoding="utf-8")
-            spec = json.loads(text)
-            backend = tokenizers.Tokenizer.from_str(text)
-        except Exception as exc:  # the Rust side raises plain Exception subclasses
-            raise TokenizerError(f"cannot load {path}: {exc}") from exc
-        tok_config = _read_json(root / "tokenizer_config.json")
-        template = _pick_template(tok_config.get("chat_template"))
-        if template is None:  # newer transformers save the template beside the config
-            template = _pick_template(_read_json(root / "chat_template.json").get("chat_template"))
-        jinja_file = root / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
-        return cls(backend, tokenizer_config=tok_config,
-                   special_tokens_map=_read_json(root / "special_tokens_map.json"),
-                   generation_config=_read_json(root / "generation_config.json"),
-                   model_config=_read_json(root / "config.json"), chat_template=template,
-                   byte_fallback=_uses_byte_fallback(spec.get("decoder")))
+            return cls(gguf_tokenizer_parts(gguf_file))
+        return cls(_hf_folder_parts(Path(folder)))
 
     def hf_files(self) -> dict[str, str]:
         """This tokenizer as a Hugging Face folder's files (tokenizer.json, and

@@ -17,6 +17,7 @@ from shardlm_server.worker.decode_runner import GraphConfig
 from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import LLAMA, build_checkpoint
+from tests.worker.eager_steps import graph_steps_run_eagerly
 
 pytestmark = [
     pytest.mark.cuda,
@@ -138,8 +139,8 @@ def test_16k_context_prefill_and_decode_equal_the_cpu_engine(long_dir):
     ids = [prompt(LONG_PROMPT, gpu.cfg.vocab_size, 16)]
     # One 16k-token prefill, then decode steps replayed from the 16384-context graphs.
     replayed = greedy(gpu, ids, LONG_STEPS, 5, per_seq)
-    gpu.runner.replay_graphs = False
-    eager = greedy(gpu, ids, LONG_STEPS, 5, per_seq)
+    with graph_steps_run_eagerly():
+        eager = greedy(gpu, ids, LONG_STEPS, 5, per_seq)
     assert replayed == eager
     assert replayed == greedy(cpu, ids, LONG_STEPS, 5, per_seq)
 

@@ -16,7 +16,8 @@ from shardlm_server.worker.decode_runner import (
 )
 from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
-from shardlm_server.worker.sampling import SamplingParams
+from shardlm_server.worker.sampling import SamplerSettings
+from tests.worker.eager_steps import graph_steps_run_eagerly
 
 BLOCK = 8
 PER_SEQ = 12  # blocks per sequence: 96 tokens
@@ -43,11 +44,11 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
 
 
 def generate(engine: Engine, ids: list[list[int]], steps: int, chunk: int | None = None,
-             sampling: SamplingParams | None = None) -> list[list[int]]:
+             sampling: SamplerSettings | None = None) -> list[list[int]]:
     """Prefill every prompt, then decode `steps` tokens in calls of `chunk` steps."""
     engine.reset()
     stop = StopParams(max_new_tokens=steps + 1)
-    params = sampling or SamplingParams()
+    params = sampling or SamplerSettings()
     first = engine.prefill([PrefillItem(i, p, 0, table(i), sampling=params, stop=stop)
                             for i, p in enumerate(ids)])
     out = [[t.token.token_id] for t in first.tokens]
@@ -174,10 +175,10 @@ def test_cuda_graphs_equal_eager_token_for_token(llama_dir, batch):
     engine = load(llama_dir, "cuda", GraphConfig(max_batch=32, max_context=256))
     assert engine.runner.graphs is not None
     ids = prompts(batch, engine.cfg.vocab_size)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    seeded = SamplerSettings(temperature=0.8, top_p=0.9, seed=7)
     replayed = [generate(engine, ids, 24, chunk=8), generate(engine, ids, 16, sampling=seeded)]
-    engine.runner.replay_graphs = False  # the same padded steps, run eagerly
-    eager = [generate(engine, ids, 24, chunk=8), generate(engine, ids, 16, sampling=seeded)]
+    with graph_steps_run_eagerly():  # the same padded steps
+        eager = [generate(engine, ids, 24, chunk=8), generate(engine, ids, 16, sampling=seeded)]
     assert replayed == eager
 
 

@@ -7,7 +7,7 @@ import torch
 
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
-from shardlm_server.worker.sampling import SamplingParams
+from shardlm_server.worker.sampling import SamplerSettings
 from tests.checkpoints import load_reference
 
 BLOCK = 16
@@ -133,16 +133,16 @@ def test_stop_conditions_end_sequences(pair):
 def test_seeded_sampling_is_reproducible(pair):
     engine, _ = pair
     ids = prompt(12, engine.cfg.vocab_size, 5)
-    params = SamplingParams(temperature=1.3, top_k=50, top_p=0.95, min_p=0.01,
+    params = SamplerSettings(temperature=1.3, top_k=50, top_p=0.95, min_p=0.01,
                             repetition_penalty=1.2, presence_penalty=0.3,
                             frequency_penalty=0.2, seed=1234)
 
-    def run(seq: int, p: SamplingParams, neighbour: bool) -> list[int]:
+    def run(seq: int, p: SamplerSettings, neighbour: bool) -> list[int]:
         stop = StopParams(max_new_tokens=20)
         items = [PrefillItem(seq, ids, 0, table(seq), sampling=p, stop=stop)]
         if neighbour:  # another request in the batch must not change this one's draws
             items.append(PrefillItem(seq + 1, ids[:5], 0, table(seq + 1),
-                                     sampling=SamplingParams(temperature=1.0), stop=stop))
+                                     sampling=SamplerSettings(temperature=1.0), stop=stop))
         out = [engine.prefill(items).tokens[0].token.token_id]
         decode = [DecodeItem(i.sequence_id, i.block_table, 20) for i in items]
         for step in engine.decode(decode, 19):
@@ -150,7 +150,7 @@ def test_seeded_sampling_is_reproducible(pair):
         return out
 
     a, b = run(0, params, False), run(2, params, True)
-    c = run(4, SamplingParams(**{**params.__dict__, "seed": 99}), False)
+    c = run(4, SamplerSettings(**{**params.__dict__, "seed": 99}), False)
     assert a == b
     assert a != c
 
@@ -158,7 +158,7 @@ def test_seeded_sampling_is_reproducible(pair):
 def test_logprobs_follow_the_model_distribution(pair):
     engine, reference = pair
     ids = prompt(8, engine.cfg.vocab_size, 6)
-    p = SamplingParams(logprobs=True, top_logprobs=3)
+    p = SamplerSettings(logprobs=True, top_logprobs=3)
     token = engine.prefill([PrefillItem(0, ids, 0, table(0), sampling=p)]).tokens[0].token
     expected = ref_logits(reference, ids)[-1].log_softmax(-1)
     assert token.logprob == pytest.approx(float(expected[token.token_id]), abs=1e-4)

@@ -9,7 +9,7 @@ import torch
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem
 from shardlm_server.worker.errors import InvalidRequestError, SequenceNotCachedError
 from shardlm_server.worker.kv_cache import CacheConfig
-from shardlm_server.worker.sampling import SamplingParams
+from shardlm_server.worker.sampling import SamplerSettings
 
 BLOCK = 4
 
@@ -25,7 +25,7 @@ def test_prefill_on_a_shared_prefix_matches_the_full_computation(engine):
     shared = [1, 17, 300, 45, 9, 12, 801, 64]  # two full blocks
     mine = shared + [5, 77, 31]
     engine.prefill([PrefillItem(1, shared + [400, 2, 3], 0, [0, 1, 2])])
-    sampling = SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3)
+    sampling = SamplerSettings(temperature=0.8, seed=3, repetition_penalty=1.3)
     reused = engine.prefill([PrefillItem(2, mine[8:], 8, [0, 1, 10], sampling=sampling,
                                          prefix_token_ids=shared)], taps=["logits"])
     full = engine.prefill([PrefillItem(3, mine, 0, [20, 21, 22], sampling=sampling)],

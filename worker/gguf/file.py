@@ -1,8 +1,10 @@
-"""Opening a GGUF file: the `gguf` package's reader, its errors turned into `CheckpointError`s, the
-tensor types checked once, and metadata values as plain Python.
+"""Opening a GGUF file: its header read by the shared reader (shardlm.gguf_header, which the
+gateway's tokenizer reads too), its errors turned into `CheckpointError`s, the tensor types
+checked once, and each tensor's data as a numpy view of the memory-mapped file (never copied here).
 
-Parsing a file's metadata (a vocabulary of tens of thousands of strings) takes seconds, and a load
-reads it twice (the tensor-parallel check, then the weights), so the last file opened is kept.
+The `gguf` package supplies the GGML type names and block sizes, and the dequantizing kernels
+(gguf/reader.py). A load opens the file twice (the tensor-parallel check, then the weights), so
+the last file opened is kept.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import gguf
 import numpy as np
+from shardlm.gguf_header import GGUFFormatError, SeveralGGUFFiles, read_gguf_header
+from shardlm.gguf_header import find_gguf as _find_gguf
 
 from shardlm_server.worker.errors import CheckpointError
 
@@ -23,6 +27,9 @@ T = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in SUPPORTED_TYPES)
+# Types whose data is typed numbers; every other one is [rows, bytes per row] uint8 (BF16, blocks).
+_ELEMENT_DTYPES: dict[gguf.GGMLQuantizationType, np.dtype] = {T.F32: np.dtype(np.float32),
+                                                         T.F16: np.dtype(np.float16)}
 
 
 @dataclass(frozen=True)
@@ -44,21 +51,22 @@ class GGUFTensor:
         return self.qtype not in (T.F32, T.F16, T.BF16)
 
 
-class _PlainViewReader(gguf.GGUFReader):
-    """The package's reader, slicing a plain ndarray view of its memory map: the reader takes
-    hundreds of thousands of small slices, and numpy's memmap subclass makes each several times
-    slower (same bytes, same results; tensor data stays mapped, not copied)."""
+def _unreadable(path: Path, reason: object) -> CheckpointError:
+    return CheckpointError(f"'{path.name}' is not a readable GGUF file (corrupt or truncated): "
+                           f"{reason}")
 
-    def _get(self, offset: int, dtype: Any, count: int = 1,
-             override_order: Any = None) -> np.ndarray:
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
-        dtype = np.dtype(dtype)
-        count = int(count)
-        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr.view(arr.dtype.newbyteorder(order))
+
+def _qtype(name: str, raw_type: int) -> gguf.GGMLQuantizationType:
+    try:
+        qtype = T(raw_type)
+    except ValueError:  # a type the gguf package does not know either
+        kind = f"#{raw_type}"
+    else:
+        if qtype in SUPPORTED_TYPES:
+            return qtype
+        kind = qtype.name
+    raise CheckpointError(f"tensor '{name}' has GGUF type {kind}, which ShardLM does not support "
+                          f"(supported: {SUPPORTED_TYPE_NAMES})", tensor=name)
 
 
 class GGUFFile:
@@ -67,30 +75,32 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            reader = _PlainViewReader(str(path), "r")
+            header = read_gguf_header(path)
         except FileNotFoundError as exc:
             raise CheckpointError(f"GGUF file '{path.name}' does not exist") from exc
-        except Exception as exc:  # the reader raises ValueError, struct/numpy errors, ...
-            raise CheckpointError(
-                f"'{path.name}' is not a readable GGUF file (corrupt or truncated): {exc}"
-            ) from exc
-        self.metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception as exc:
-                raise CheckpointError(f"GGUF metadata '{key}' is unreadable: {exc}") from exc
+        except GGUFFormatError as exc:
+            raise _unreadable(path, exc) from exc
+        self.metadata: dict[str, Any] = header.metadata
+        # A plain ndarray view of the map: slicing numpy's memmap subclass is several times slower.
+        mapped = np.memmap(path, mode="r").view(np.ndarray)
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in reader.tensors:
-            qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
-            if qtype not in SUPPORTED_TYPES:
-                raise CheckpointError(
-                    f"tensor '{t.name}' has GGUF type {qtype.name}, which ShardLM does not "
-                    f"support (supported: {SUPPORTED_TYPE_NAMES})", tensor=t.name)
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.tensors[t.name] = GGUFTensor(t.name, qtype, shape, t.data)
+        for entry in header.tensors:
+            qtype = _qtype(entry.name, entry.ggml_type)
+            block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            shape = entry.shape
+            if not shape or any(d <= 0 for d in shape) or shape[-1] % block_size:
+                raise _unreadable(path, f"tensor '{entry.name}' has shape {list(shape)}")
+            row_bytes = shape[-1] // block_size * block_bytes
+            size = row_bytes * int(np.prod(shape[:-1], dtype=np.int64))
+            if entry.offset + size > header.file_size:
+                raise _unreadable(path, f"tensor '{entry.name}' runs past the end of the file")
+            raw = mapped[entry.offset:entry.offset + size]
+            element = _ELEMENT_DTYPES.get(qtype)
+            if element is None:
+                data = raw.reshape(*shape[:-1], row_bytes)
+            else:
+                data = raw.view(element.newbyteorder(header.byte_order)).reshape(shape)
+            self.tensors[entry.name] = GGUFTensor(entry.name, qtype, shape, data)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -128,14 +138,7 @@ def find_gguf(path: str | os.PathLike[str]) -> Path | None:
     """The GGUF file `path` names: the file itself, or the one `.gguf` inside a folder. None when
     the folder is a Hugging Face folder (it has a config.json) or holds no GGUF; an error when it
     holds several."""
-    path = Path(path)
-    if path.is_file():
-        return path if path.suffix.lower() == ".gguf" else None
-    if not path.is_dir() or (path / "config.json").exists():
-        return None
-    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-    if len(found) > 1:
-        names = ", ".join(p.name for p in found[:4])
-        raise CheckpointError(f"folder '{path.name}' holds several GGUF files ({names}); "
-                              "name the one to load")
-    return found[0] if found else None
+    try:
+        return _find_gguf(path)
+    except SeveralGGUFFiles as exc:
+        raise CheckpointError(str(exc)) from exc

@@ -16,16 +16,16 @@ import gguf
 import numpy as np
 import torch
 
+from shardlm_server.worker.checkpoint import PackedTensor
 from shardlm_server.worker.config import ModelConfig
 from shardlm_server.worker.errors import CheckpointError
 from shardlm_server.worker.gguf.config import gguf_config
 from shardlm_server.worker.gguf.file import GGUFTensor, open_gguf
 from shardlm_server.worker.gguf.names import hf_rows, is_rotary_permuted, shardlm_name
-from shardlm_server.worker.loader import PackedTensor
 
 
 class GGUFCheckpointReader:
-    """The `worker.loader.CheckpointReader` of a GGUF file."""
+    """The `worker.checkpoint.CheckpointReader` of a GGUF file."""
 
     format = "gguf"
 

@@ -2,7 +2,8 @@
 
 Importing this package loads ``shardlm_server.worker._C`` (which registers the CPU and, when
 built with CUDA, the CUDA kernels) and registers fake implementations so the
-ops work under FakeTensor / ``torch.compile`` / ``torch.library.opcheck``.
+ops work under FakeTensor / ``torch.compile`` / ``torch.library.opcheck``
+(:mod:`worker.ops.native`).
 
 Set ``SHARDLM_OPS=reference`` to route every function to the plain-PyTorch
 implementations in :mod:`worker.ops.reference` (slow; for debugging). In that
@@ -12,13 +13,16 @@ mode a missing ``shardlm_server.worker._C`` is tolerated.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from shardlm_server.worker.quant import QuantizedWeight
 
 from . import reference
+from .blocks import DecoderStack, attention_block, mlp_block
+from .native import CUDA_BUILT, USE_REFERENCE
+from .native import library as _C
+from .native import torch_ops as _ops
 
 __all__ = [
     "CUDA_BUILT",
@@ -42,51 +46,6 @@ __all__ = [
     "skinny_linear",
 ]
 
-INSTALL_COMMAND = "pip install --no-build-isolation -e ."
-USE_REFERENCE = os.environ.get("SHARDLM_OPS", "").strip().lower() == "reference"
-
-try:
-    from .. import _C
-except ImportError as exc:
-    if not USE_REFERENCE:
-        raise ImportError(
-            f"ShardLM's compiled ops (shardlm_server.worker._C) could not be loaded: {exc}. Build them from "
-            f"the repository root with `{INSTALL_COMMAND}` (using the same Python environment "
-            "and torch), or set SHARDLM_OPS=reference to use the slow PyTorch reference ops."
-        ) from exc
-    _C = None
-
-#: True when shardlm_server.worker._C was built with CUDA kernels (False for CPU-only builds).
-CUDA_BUILT = bool(_C is not None and _C.cuda_built)
-
-_OP_NAMES = (
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "skinny_linear",
-    "quant_linear",
-    "reshape_and_cache",
-    "paged_attention_decode",
-    "paged_attention_prefill",
-    "attention_block",
-    "mlp_block",
-)
-
-
-def _fake_mutating_op(*args, **kwargs) -> None:
-    # Every op writes into caller-provided tensors and returns nothing, so the
-    # fake (meta) implementation has no output to describe.
-    return None
-
-
-if _C is not None:
-    for _name in _OP_NAMES:
-        torch.library.register_fake(f"shardlm::{_name}")(_fake_mutating_op)
-
-_ops = torch.ops.shardlm if _C is not None else None
-
-
 SIMD_LEVELS = ("portable", "avx2", "avx512")
 
 
@@ -107,7 +66,8 @@ def set_cpu_simd(enabled: bool | str) -> None:
 
 
 def cpu_simd_active() -> bool:
-    """Whether the CPU kernels take their AVX2 paths now: allowed and supported by this CPU."""
+    """Whether the CPU kernels take a SIMD path now (AVX2, or AVX-512 where the CPU has it): SIMD
+    allowed by set_cpu_simd and at least AVX2 supported by this CPU."""
     return bool(_C is not None and _C.cpu_simd_active())
 
 
@@ -363,7 +323,3 @@ def compute_cos_sin_cache(
     positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().contiguous()
-
-
-# The fused decoder blocks live in their own module; it reads USE_REFERENCE and _ops from here.
-from .blocks import DecoderStack, attention_block, mlp_block  # noqa: E402

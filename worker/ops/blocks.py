@@ -1,6 +1,7 @@
 """The fused CPU decoder blocks: a layer's attention half and MLP half as one op each
 (csrc/cpu/decoder_block.cpp), and DecoderStack, every layer of a single rank in one call
-(csrc/cpu/decoder_stack.cpp). Re-exported by the package, whose SHARDLM_OPS switch they obey."""
+(csrc/cpu/decoder_stack.cpp). Re-exported by the package; they obey the same SHARDLM_OPS switch
+(worker.ops.native)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardlm_server.worker import ops
 from shardlm_server.worker.quant import QuantizedWeight
 
-from . import reference
+from . import native, reference
 
 if TYPE_CHECKING:
     from shardlm_server.worker.attention import AttentionMetadata
@@ -44,16 +44,16 @@ def attention_block(
     rms_norm(residual)`` (in place), then qkv, rotary, the cache write, paged attention and
     o_proj; returns o_proj's output [T, hidden]. ``heads`` is (num_heads, num_kv_heads,
     head_dim) of this rank. Equals the unfused ops step for step."""
-    if ops.USE_REFERENCE:
+    if native.USE_REFERENCE:
         return reference.attention_block(hidden, residual, norm_weight, eps, qkv_weight,
                                          qkv_bias, o_weight, o_bias, heads, cos_sin_cache,
                                          k_cache, v_cache, meta, scale)
     out = hidden.new_empty((hidden.shape[0], o_weight.shape[0]))
-    ops._ops.attention_block(out, hidden, residual, norm_weight, eps, *_weight_args(qkv_weight),
-                         qkv_bias, *_weight_args(o_weight), o_bias, meta.positions,
-                         cos_sin_cache, *heads, k_cache, v_cache, meta.slot_mapping,
-                         meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.is_decode,
-                         meta.max_query_len, meta.max_seq_len, scale)
+    native.torch_ops.attention_block(
+        out, hidden, residual, norm_weight, eps, *_weight_args(qkv_weight), qkv_bias,
+        *_weight_args(o_weight), o_bias, meta.positions, cos_sin_cache, *heads, k_cache, v_cache,
+        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.is_decode,
+        meta.max_query_len, meta.max_seq_len, scale)
     return out
 
 
@@ -65,7 +65,7 @@ class DecoderStack:
     def __init__(self, eps: float, heads: tuple[int, int, int], scale: float) -> None:
         self.eps, self.heads, self.scale = eps, heads, scale
         self._layers: list[tuple] = []  # the reference's
-        self._native = (None if ops.USE_REFERENCE
+        self._native = (None if native.USE_REFERENCE
                         else torch.classes.shardlm.DecoderStack(eps, *heads, scale))
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
@@ -107,10 +107,11 @@ def mlp_block(
 ) -> torch.Tensor:
     """A decoder layer's MLP half on CPU in one op: add and norm in place as attention_block,
     then gate_up, silu_and_mul and down; returns down's output [T, hidden]."""
-    if ops.USE_REFERENCE:
+    if native.USE_REFERENCE:
         return reference.mlp_block(hidden, residual, norm_weight, eps, gate_up_weight,
                                    gate_up_bias, down_weight, down_bias)
     out = hidden.new_empty((hidden.shape[0], down_weight.shape[0]))
-    ops._ops.mlp_block(out, hidden, residual, norm_weight, eps, *_weight_args(gate_up_weight),
-                   gate_up_bias, *_weight_args(down_weight), down_bias)
+    native.torch_ops.mlp_block(out, hidden, residual, norm_weight, eps,
+                               *_weight_args(gate_up_weight), gate_up_bias,
+                               *_weight_args(down_weight), down_bias)
     return out

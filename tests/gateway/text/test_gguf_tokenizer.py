@@ -5,6 +5,8 @@ tokenizer kind (byte-level BPE with several pre-tokenizers, sentencepiece BPE fr
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import gguf
 import pytest
@@ -165,3 +167,25 @@ def test_corrupt_file_is_a_tokenizer_error(tmp_path):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(TokenizerError, match="corrupt or truncated"):
         Tokenizer.from_pretrained(path)
+
+
+def test_a_folder_of_several_gguf_files_is_a_tokenizer_error(tmp_path):
+    write_byte_level(tmp_path / "a.gguf", "qwen2")
+    write_byte_level(tmp_path / "b.gguf", "qwen2")
+    with pytest.raises(TokenizerError, match=r"several GGUF files \(a.gguf, b.gguf\)"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_the_gateway_reads_a_gguf_tokenizer_without_the_gguf_package(tmp_path):
+    """The metadata comes from the shared reader (shardlm.gguf_header), as the workers' does: the
+    gateway process never imports the `gguf` package."""
+    path = tmp_path / "m.gguf"
+    write_byte_level(path, "qwen2")
+    script = ("import sys\n"
+              "sys.modules['gguf'] = None  # importing it now fails\n"
+              "from shardlm_server.gateway.text.tokenizer import Tokenizer\n"
+              f"print(Tokenizer.from_pretrained({str(path)!r}).encode('hello world'))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == Tokenizer.from_pretrained(path).encode("hello world")

@@ -132,9 +132,9 @@ class EngineOptions(google.protobuf.message.Message):
     run eagerly. 0 means the worker's default (16384).
     """
     disable_cpu_simd: builtins.bool
-    """Take the portable loops of the CPU kernels instead of their AVX2 code.
-    False (the default) uses AVX2 where the CPU supports it. Applies to the
-    whole worker process.
+    """Take the portable loops of the CPU kernels instead of their SIMD code.
+    False (the default) takes the widest SIMD path the CPU supports (AVX-512,
+    else AVX2). Applies to the whole worker process.
     """
     def __init__(
         self,
@@ -419,11 +419,13 @@ class SequenceToken(google.protobuf.message.Message):
     token_id: builtins.int
     """The sampled token id."""
     finish_reason: shardlm.common.v1.common_pb2.FinishReason.ValueType
-    """FINISH_REASON_UNSPECIFIED while the sequence continues; otherwise why it
-    stopped with this token: LENGTH (max_new_tokens used), STOP_TOKEN (one of
-    stop_token_ids) or CONTEXT_LENGTH (no position left); never EOS. It tells
-    the gateway the sequence left the batch; the reason clients see is the
-    gateway's to decide. A finished sequence keeps its cache until ResetCache
+    """FINISH_REASON_UNSPECIFIED while the sequence continues; otherwise why the
+    worker stopped decoding it with this token: LENGTH (max_new_tokens used),
+    STOP_TOKEN (one of stop_token_ids) or CONTEXT_LENGTH (no position left);
+    never EOS. The sequence takes no more steps in this call. The gateway
+    does not read it: it sent these limits and applies them to each token
+    itself (its finish policy), which also tells EOS apart and decides the
+    reason clients see. A finished sequence keeps its cache until ResetCache
     drops it.
     """
     @property
