@@ -34,6 +34,10 @@ DEVICES = ("cpu", "cuda")
 MAX_PORT = 65535
 # Groups of settings, in the order `shardlm serve --help` lists them.
 GROUPS = ("model", "workers", "server", "tls", "kv cache", "limits", "engine")
+# Who shares cached prompt prefixes: each caller identity its own, or everyone.
+PREFIX_CACHE_SCOPE_IDENTITY = "identity"
+PREFIX_CACHE_SCOPE_GLOBAL = "global"
+PREFIX_CACHE_SCOPES = (PREFIX_CACHE_SCOPE_IDENTITY, PREFIX_CACHE_SCOPE_GLOBAL)
 
 
 class ConfigError(ValueError):
@@ -136,9 +140,9 @@ class ServeConfig:
     prefix_cache: bool = setting(
         True, "reuse the KV cache of prompt beginnings across requests and sessions", "kv cache")
     prefix_cache_scope: str = setting(
-        "identity", "with --auth-tokens, who shares cached prefixes: each identity its own, or "
-        "everyone (global: a cache hit then reveals by its timing that someone sent the prompt)",
-        "kv cache", choices=("identity", "global"))
+        PREFIX_CACHE_SCOPE_IDENTITY, "with --auth-tokens, who shares cached prefixes: each "
+        "identity its own, or everyone (global: a cache hit then reveals by its timing that someone sent the prompt)",
+        "kv cache", choices=PREFIX_CACHE_SCOPES)
     # ---------------------------------------------------------------- limits
     max_new_tokens: int = setting(
         4096, "largest max_new_tokens a request may ask for", "limits", minimum=1)
@@ -146,6 +150,9 @@ class ServeConfig:
         256, "max_new_tokens of a request that sets none", "limits", minimum=1)
     session_idle_timeout: float = setting(
         600.0, "seconds before an idle session ends", "limits", minimum=0.001)
+    max_sessions: int = setting(
+        10_000, "sessions kept at once; a Prefill that would start one more is refused until "
+        "sessions are released or expire", "limits", minimum=1)
     max_waiting: int = setting(
         1024, "requests that may wait for a batch slot before new ones are refused", "limits",
         minimum=1)
@@ -183,8 +190,9 @@ class ServeConfig:
     def limits(self) -> Limits:
         return Limits(
             max_new_tokens=self.max_new_tokens, default_max_new_tokens=self.default_max_new_tokens,
-            session_idle_timeout_s=self.session_idle_timeout, max_waiting=self.max_waiting,
-            max_running=self.max_running, prefill_token_budget=self.prefill_token_budget,
+            session_idle_timeout_s=self.session_idle_timeout, max_sessions=self.max_sessions,
+            max_waiting=self.max_waiting, max_running=self.max_running,
+            prefill_token_budget=self.prefill_token_budget,
             max_decode_steps=self.max_decode_steps, decode_call_s=self.decode_call_ms / 1000,
             step_timeout_s=self.step_timeout,
             prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope)
@@ -234,6 +242,7 @@ class Limits:
     max_new_tokens: int = default("max_new_tokens")
     default_max_new_tokens: int = default("default_max_new_tokens")
     session_idle_timeout_s: float = default("session_idle_timeout")
+    max_sessions: int = default("max_sessions")
     max_waiting: int = default("max_waiting")
     max_running: int = default("max_running")
     prefill_token_budget: int = default("prefill_token_budget")

@@ -1,5 +1,6 @@
-"""The gateway's model-dependent state: the worker group, tokenizer, allocator, scheduler and
-sessions of the loaded model, created by Load and replaced as a whole by the next Load."""
+"""The gateway's model-dependent state: the worker group, and the loaded model's tokenizer, KV
+manager, scheduler and sessions (a LoadedModel), created by Load and replaced as a whole by the
+next Load."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from shardlm_server.gateway.api.paths import check_model_path
 from shardlm_server.gateway.batching.scheduler import Scheduler
 from shardlm_server.gateway.batching.sessions import SessionStore
 from shardlm_server.gateway.config import Limits, LoadOptions
-from shardlm_server.gateway.kv.allocator import BlockAllocator, prefix_salt
+from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.manager import KvManager
 from shardlm_server.gateway.metrics import Metrics
 from shardlm_server.gateway.text.tokenizer import Tokenizer, TokenizerError
 from shardlm_server.gateway.workers.client import WorkerPool
@@ -37,24 +39,25 @@ SERVICE_NAME = "shardlm.gateway.v1.GatewayService"
 
 
 @dataclass
-class Model:
+class LoadedModel:
+    """Everything that lives as long as one loaded model (and its KV cache configuration)."""
+
     info: common_pb2.ModelInfo
     capacity: common_pb2.KvCacheCapacity
     tokenizer: Tokenizer
     scheduler: Scheduler
     sessions: SessionStore
-    allocator: BlockAllocator
+    kv: KvManager
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The KV blocks, for limits and load reports (the scheduler asks the KV manager)."""
+        return self.kv.allocator
 
     @property
     def max_context(self) -> int:
         static = self.capacity.max_sequence_length
         return min(self.info.max_position_embeddings, static or self.info.max_position_embeddings)
-
-    def prefix_salt(self, identity: str, salt: str, scope: str) -> bytes:
-        """The key salt of a request's cached blocks: the model, the caller (when the scope is
-        per identity) and the request's own salt."""
-        namespace = f"{self.info.model_path}|{self.info.dtype}|{self.info.tensor_parallel_size}"
-        return prefix_salt(namespace, "" if scope == "global" else identity, salt)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -78,7 +81,7 @@ class Runtime:
         self.limits = limits
         self.load_options = load_options or LoadOptions()
         self.health = health
-        self.model: Model | None = None
+        self.model: LoadedModel | None = None
         self.pool = self._pool_for(group)
         self.draining = False
         self.recovering = False
@@ -91,7 +94,7 @@ class Runtime:
         return WorkerPool(group.addresses, credentials=credentials, devices=group.devices,
                           step_timeout_s=self.limits.step_timeout_s)
 
-    def require(self) -> Model:
+    def require(self) -> LoadedModel:
         if self.draining:
             raise UnavailableError("the server is shutting down", reason="DRAINING",
                                    retry_after_s=1.0)
@@ -111,7 +114,7 @@ class Runtime:
     async def load(self, model_path: str, dtype: int, tp_size: int,
                    kv_cache: common_pb2.KvCacheConfig | None,
                    progress: Callable[[common_pb2.LoadProgress], None],
-                   sessions: SessionStore | None = None) -> Model:
+                   sessions: SessionStore | None = None) -> LoadedModel:
         if not model_path:
             raise InvalidArgumentError("model_path must name a checkpoint folder",
                                        reason="INVALID_FIELD",
@@ -155,7 +158,7 @@ class Runtime:
                      complete.model.architecture, world, complete.capacity.num_blocks)
             return self.model
 
-    async def _restore(self, previous: Model | None) -> None:
+    async def _restore(self, previous: LoadedModel | None) -> None:
         """After a failed Load: when every worker still holds the previous model (the checkpoint
         was rejected before they let it go), serve it again, on an emptied cache."""
         if previous is None:
@@ -175,27 +178,24 @@ class Runtime:
         log.warning("the new checkpoint was rejected; still serving %s", previous.info.model_path)
 
     def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer,
-               sessions: SessionStore | None = None) -> Model:
+               sessions: SessionStore | None = None) -> LoadedModel:
         capacity = complete.capacity
-        static = capacity.mode == common_pb2.KV_CACHE_MODE_STATIC
-        slot_blocks = capacity.num_blocks // max(capacity.max_sequences, 1) if static else 0
-        allocator = BlockAllocator(capacity.num_blocks, capacity.block_size,
-                                   static_slot_blocks=slot_blocks,
-                                   prefix_cache=self.limits.prefix_cache,
-                                   on_evict=self.metrics.prefix_cache_evictions.inc)
-        sessions = sessions or SessionStore(self.limits.session_idle_timeout_s)
+        kv = KvManager.for_capacity(capacity, complete.model, self.metrics,
+                                    prefix_cache=self.limits.prefix_cache)
+        sessions = sessions or SessionStore(self.limits.session_idle_timeout_s,
+                                            self.limits.max_sessions)
         max_running = self.limits.max_running
-        if static:
+        if capacity.mode == common_pb2.KV_CACHE_MODE_STATIC:
             max_running = min(max_running, capacity.max_sequences)
         scheduler = Scheduler(
-            self.pool, allocator, sessions, self.metrics,
+            self.pool, kv, sessions, self.metrics,
             prefill_token_budget=self.limits.prefill_token_budget,
             max_decode_steps=self.limits.max_decode_steps,
             decode_call_s=self.limits.decode_call_s, max_waiting=self.limits.max_waiting,
             max_running=max_running, on_worker_failure=self._worker_failed)
         scheduler.start()
-        self.metrics.observe_kv_cache(allocator.used_blocks, allocator.num_blocks)
-        return Model(complete.model, capacity, tokenizer, scheduler, sessions, allocator)
+        kv.update_gauges()
+        return LoadedModel(complete.model, capacity, tokenizer, scheduler, sessions, kv)
 
     def _worker_failed(self, error: ShardLMError) -> None:
         if error.code != grpc.StatusCode.UNAVAILABLE:

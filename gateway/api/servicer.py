@@ -17,7 +17,7 @@ from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from shardlm_server.gateway import __version__
 from shardlm_server.gateway.api.auth import current_identity, require_admin
 from shardlm_server.gateway.api.load_report import load_report
-from shardlm_server.gateway.api.runtime import Model, Runtime
+from shardlm_server.gateway.api.runtime import LoadedModel, Runtime
 from shardlm_server.gateway.api.validation import (
     Violations,
     check_prefix_cache,
@@ -33,17 +33,30 @@ from shardlm_server.gateway.batching.finish import (
     prefill_limits,
     prompt_too_long,
 )
-from shardlm_server.gateway.batching.sequence import ErrorEvent, Sequence
+from shardlm_server.gateway.batching.scheduler import Scheduler
+from shardlm_server.gateway.batching.sequence import ErrorEvent, SequenceState
 from shardlm_server.gateway.batching.sessions import Session
-from shardlm_server.gateway.batching.streaming import TokenStream
+from shardlm_server.gateway.batching.streaming import ResponseChunk, TokenStream
 from shardlm_server.gateway.text.tokenizer import ChatMessage
-
-PREFIX_CACHE_SCOPES = {"identity": gateway_pb2.PREFIX_CACHE_SCOPE_IDENTITY,
-                       "global": gateway_pb2.PREFIX_CACHE_SCOPE_GLOBAL}
 
 
 def _messages(request) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in request.messages.messages]
+
+
+def _scope(name: str) -> int:
+    """A --prefix-cache-scope value as the API's PrefixCacheScope."""
+    return gateway_pb2.PrefixCacheScope.Value(f"PREFIX_CACHE_SCOPE_{name.upper()}")
+
+
+async def _ending_at_stop_sequences(scheduler: Scheduler, seq: SequenceState,
+                                    stream: TokenStream) -> AsyncIterator[ResponseChunk]:
+    """The stream's chunks. Where a stop sequence ends the stream, the scheduler ends the call:
+    the sequence's history keeps only the tokens streamed."""
+    async for chunk in stream.chunks():
+        if chunk.finish_reason == common_pb2.FINISH_REASON_STOP_SEQUENCE:
+            scheduler.cancel(seq, keep_generated=stream.count)
+        yield chunk
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -54,23 +67,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def _identity(self, context) -> str:
         return current_identity.get().name
 
-    def _prefix_salt(self, model: Model, request) -> bytes | None:
+    def _prefix_salt(self, model: LoadedModel, request) -> bytes | None:
         """The key salt the request's blocks are shared under; None when it bypasses."""
-        if request.prefix_cache.bypass:
-            return None
-        return model.prefix_salt(current_identity.get().name, request.prefix_cache.salt,
-                                 self.rt.limits.prefix_cache_scope)
+        return model.kv.salt_for(current_identity.get().name, request.prefix_cache.salt,
+                                 scope=self.rt.limits.prefix_cache_scope,
+                                 bypass=request.prefix_cache.bypass)
 
-    def _max_new_limit(self, model: Model) -> int:
+    def _max_new_limit(self, model: LoadedModel) -> int:
         return max_new_tokens_limit(self.rt.limits.max_new_tokens, model.max_context)
 
-    def _limits(self, model: Model, stop: common_pb2.StopConditions, history: int,
+    def _limits(self, model: LoadedModel, stop: common_pb2.StopConditions, history: int,
                 *, strict: bool) -> CallLimits:
         return call_limits(stop, history=history, max_context=model.max_context,
                            default_max_new_tokens=self.rt.limits.default_max_new_tokens,
-                           eos_ids=model.eos_ids, allocator=model.allocator, strict=strict)
+                           eos_ids=model.eos_ids, kv=model.kv, strict=strict)
 
-    def _encode(self, model: Model, request, first_turn: bool, history: list[dict]) -> list[int]:
+    def _encode(self, model: LoadedModel, request, first_turn: bool,
+                history: list[dict]) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             return list(request.token_ids.token_ids)
@@ -81,7 +94,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                    else first_turn)
         return model.tokenizer.encode(request.text, add_special_tokens=special)
 
-    async def _one_event(self, model: Model, seq: Sequence):
+    async def _one_event(self, model: LoadedModel, seq: SequenceState):
         try:
             event = await seq.events.get()
         except asyncio.CancelledError:
@@ -91,8 +104,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise event.error
         return event
 
-    def _check_free(self, model: Model, seq: Sequence) -> None:
-        if model.scheduler.is_busy(seq):  # the last call is still winding down
+    @staticmethod
+    def _check_free(seq: SequenceState) -> None:
+        if seq.in_call:  # the last call is still winding down
             raise FailedPreconditionError("the session's previous call is still ending; retry",
                                           reason="SESSION_BUSY")
 
@@ -134,7 +148,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                else session.seq)
         try:
             if session is not None:
-                self._check_free(model, seq)
+                self._check_free(seq)
                 if request.HasField("prefix_cache") and salt != seq.prefix_salt:
                     raise InvalidArgumentError(
                         "prefix_cache options are fixed by the session's first Prefill",
@@ -195,22 +209,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         scheduler = model.scheduler
         try:
             seq = session.seq
-            self._check_free(model, seq)
+            self._check_free(seq)
             if request.HasField("sampling"):
                 scheduler.set_sampling(seq, request.sampling)
             limits = self._limits(model, request.stop, len(seq.tokens), strict=False)
-            usage = common_pb2.Usage(prompt_tokens=len(seq.tokens), cached_tokens=seq.cached)
+            usage = common_pb2.Usage(prompt_tokens=len(seq.tokens), cached_tokens=seq.computed)
             if limits.budget(len(seq.tokens), 0) <= 0:  # the context is already full
                 yield gateway_pb2.DecodeResponse(
                     finish_reason=common_pb2.FINISH_REASON_CONTEXT_LENGTH, usage=usage)
                 return
-            stream = TokenStream(model.tokenizer, seq, scheduler,
+            stream = TokenStream(model.tokenizer, seq,
                                  stop_sequences=list(request.stop.stop_sequences),
                                  usage=usage, metrics=self.rt.metrics, started_at=started)
             scheduler.submit(seq, limits, prefill_only=False)
             finished = False
             try:
-                async for chunk in stream.chunks():
+                async for chunk in _ending_at_stop_sequences(scheduler, seq, stream):
                     message = gateway_pb2.DecodeResponse()
                     chunk.fill(message)
                     finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -237,13 +251,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         seq = model.scheduler.new_sequence(tokens, request.sampling, ephemeral=True,
                                            prefix_salt=self._prefix_salt(model, request))
         usage = common_pb2.Usage(prompt_tokens=len(tokens))
-        stream = TokenStream(model.tokenizer, seq, model.scheduler,
+        stream = TokenStream(model.tokenizer, seq,
                              stop_sequences=list(request.stop.stop_sequences), usage=usage,
                              metrics=self.rt.metrics, started_at=started)
         model.scheduler.submit(seq, limits, prefill_only=False)
         self.rt.metrics.prompt_tokens.inc(len(tokens))
         try:
-            async for chunk in stream.chunks():
+            async for chunk in _ending_at_stop_sequences(model.scheduler, seq, stream):
                 message = gateway_pb2.GenerateResponse()
                 chunk.fill(message)
                 yield message
@@ -309,8 +323,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             reply.max_context_length = model.max_context
             allocator = model.allocator
             reply.prefix_cache.CopyFrom(gateway_pb2.PrefixCacheStats(
-                enabled=allocator.prefix_cache, scope=PREFIX_CACHE_SCOPES[
-                    self.rt.limits.prefix_cache_scope],
+                enabled=allocator.prefix_cache, scope=_scope(self.rt.limits.prefix_cache_scope),
                 cached_blocks=allocator.cached_blocks,
                 idle_blocks=allocator.idle_cached_blocks))
         return reply

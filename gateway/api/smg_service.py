@@ -39,7 +39,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc
 from shardlm_server.gateway import __version__
 from shardlm_server.gateway.api.auth import require_admin
 from shardlm_server.gateway.api.load_report import load_report
-from shardlm_server.gateway.api.runtime import Model
+from shardlm_server.gateway.api.runtime import LoadedModel
 from shardlm_server.gateway.api.servicer import GatewayServicer
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -145,12 +145,12 @@ def _model_type(architecture: str) -> str:
     return architecture.removesuffix("ForCausalLM").lower()
 
 
-def served_model_name(model: Model) -> str:
+def served_model_name(model: LoadedModel) -> str:
     """The model id SMG lists and clients name: the checkpoint folder's or GGUF file's name."""
     return Path(model.info.model_path).stem
 
 
-def tokenizer_zip(model: Model) -> bytes:
+def tokenizer_zip(model: LoadedModel) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for name, text in model.tokenizer.hf_files().items():

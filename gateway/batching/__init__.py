@@ -1,1 +1,2 @@
-"""Continuous batching: the scheduler, the per-sequence state, finish rules, sessions and the stream writer."""
+"""Continuous batching: the scheduler, the per-sequence state, the worker step requests,
+finish rules, sessions and the stream writer."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import FieldViolation, InvalidArgumentError, ResourceExhaustedError
 
-from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.manager import KvManager
 
 UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 
@@ -82,7 +82,7 @@ def prompt_too_long(prompt: int, max_new: int, context: int) -> InvalidArgumentE
 
 def call_limits(stop: common_pb2.StopConditions, *, history: int, max_context: int,
                 default_max_new_tokens: int, eos_ids: frozenset[int],
-                allocator: BlockAllocator, strict: bool) -> CallLimits:
+                kv: KvManager, strict: bool) -> CallLimits:
     """The limits of a Decode or Generate over `history` tokens. `strict` (Generate) refuses a
     prompt after which not even one token fits, or an explicit max_new_tokens that cannot fit
     after it; otherwise (a session's Decode) the call runs until the context is full, which may
@@ -94,10 +94,10 @@ def call_limits(stop: common_pb2.StopConditions, *, history: int, max_context: i
     limits = CallLimits(max_new_tokens=max_new, max_context=max_context,
                         stop_token_ids=frozenset(stop.stop_token_ids),
                         eos_ids=frozenset() if stop.ignore_eos else eos_ids)
-    needed = allocator.blocks_for(history + limits.budget(history, 0))
-    if needed > allocator.num_blocks:
+    needed = kv.blocks_for(history + limits.budget(history, 0))
+    if needed > kv.num_blocks:
         raise ResourceExhaustedError(
             "the KV cache is too small for this request; lower max_new_tokens",
             reason="KV_CACHE_FULL",
-            metadata={"required_blocks": needed, "total_blocks": allocator.num_blocks})
+            metadata={"required_blocks": needed, "total_blocks": kv.num_blocks})
     return limits

@@ -1,9 +1,10 @@
 """Sessions: conversations whose KV cache stays on the workers between calls.
 
-The session keeps the whole token history (in its Sequence) and, for chat sessions, the messages
-so far, so that a session whose cache was evicted is rebuilt invisibly on its next call. Idle
-sessions expire after `idle_timeout_s`; under KV pressure the least recently used idle session
-gives up its cache first.
+The session keeps the whole token history (in its SequenceState) and, for chat sessions, the
+messages so far, so that a session whose cache was evicted is rebuilt invisibly on its next call.
+At most `max_sessions` exist at once (`--max-sessions`); idle sessions expire after
+`idle_timeout_s` (`--session-idle-timeout`); under KV pressure the least recently used idle
+session gives up its cache first.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from dataclasses import dataclass, field
 import grpc
 from shardlm.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
-from shardlm_server.gateway.batching.sequence import Phase, Sequence
+from shardlm_server.gateway.batching.sequence import Phase, SequenceState
+from shardlm_server.gateway.config import default
 from shardlm_server.gateway.details import clip
 
 
 @dataclass
 class Session:
     session_id: str
-    seq: Sequence
+    seq: SequenceState
     owner: str = ""  # identity that created it, when auth is on
     messages: list[dict[str, str]] = field(default_factory=list)  # chat turns, with replies
     reply_parts: list[str] = field(default_factory=list)  # the assistant's reply being generated
@@ -58,7 +60,8 @@ def not_found(session_id: str) -> NotFoundError:
 
 
 class SessionStore:
-    def __init__(self, idle_timeout_s: float = 600.0, max_sessions: int = 10_000) -> None:
+    def __init__(self, idle_timeout_s: float = default("session_idle_timeout"),
+                 max_sessions: int = default("max_sessions")) -> None:
         self.idle_timeout_s = idle_timeout_s
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
@@ -66,7 +69,7 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, seq: Sequence, owner: str = "") -> Session:
+    def create(self, seq: SequenceState, owner: str = "") -> Session:
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhaustedError(
                 f"too many sessions ({self.max_sessions}); release some with ResetCache",
@@ -115,5 +118,5 @@ class SessionStore:
     def eviction_candidates(self) -> list[Session]:
         """Idle sessions holding a cache, least recently used first."""
         idle = [s for s in self._sessions.values()
-                if not s.busy and s.seq.phase is Phase.IDLE and s.seq.cached > 0]
+                if not s.busy and s.seq.phase is Phase.IDLE and s.seq.computed > 0]
         return sorted(idle, key=lambda s: s.last_used)

@@ -1,10 +1,11 @@
-"""Turns a sequence's token events into the chunks a client receives.
+"""The stream writer: turns a sequence's token events into the chunks a client receives.
 
 Text is detokenized incrementally (never half a character) and passed through the stop-sequence
 matcher (never text at or past a stop). Each chunk carries the token ids it covers; the final
 chunk also carries the finish reason, usage and timings. The reason is the scheduler's (its
-finish policy judged each token), except that a stop sequence found in the text ends the call
-with FINISH_REASON_STOP_SEQUENCE; the scheduler is then told to end it there.
+finish policy judged each token), except that a stop sequence found in the text ends the stream
+with FINISH_REASON_STOP_SEQUENCE after `count` tokens; the handler then has the scheduler end
+the call there. The writer only reads the sequence; it never changes it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from dataclasses import dataclass, field
 
 from shardlm.common.v1 import common_pb2
 
-from shardlm_server.gateway.batching.scheduler import Scheduler
-from shardlm_server.gateway.batching.sequence import ErrorEvent, FinishEvent, Sequence, TokenEvent
+from shardlm_server.gateway.batching.sequence import (
+    ErrorEvent,
+    FinishEvent,
+    SequenceState,
+    TokenEvent,
+)
 from shardlm_server.gateway.metrics import Metrics
 from shardlm_server.gateway.text.detokenizer import IncrementalDetokenizer
 from shardlm_server.gateway.text.stop import StopSequenceMatcher
@@ -24,7 +29,9 @@ from shardlm_server.gateway.text.tokenizer import Tokenizer
 
 
 @dataclass
-class Chunk:
+class ResponseChunk:
+    """A part of a Decode or Generate reply stream (the SDK's Chunk is what a client reads)."""
+
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[common_pb2.Logprobs] = field(default_factory=list)
@@ -45,12 +52,10 @@ class Chunk:
 
 
 class TokenStream:
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence, scheduler: Scheduler, *,
-                 stop_sequences: list[str], usage: common_pb2.Usage, metrics: Metrics,
-                 started_at: float) -> None:
+    def __init__(self, tokenizer: Tokenizer, seq: SequenceState, *, stop_sequences: list[str],
+                 usage: common_pb2.Usage, metrics: Metrics, started_at: float) -> None:
         self.tokenizer = tokenizer
         self.seq = seq
-        self.scheduler = scheduler
         self.detok = IncrementalDetokenizer(tokenizer, seq.tokens[-8:])
         self.stops = StopSequenceMatcher(stop_sequences)
         self.usage = usage
@@ -68,25 +73,24 @@ class TokenStream:
             alt.text = decode(alt.token_id) or ""
         return [logprobs]
 
-    async def chunks(self) -> AsyncIterator[Chunk]:
+    async def chunks(self) -> AsyncIterator[ResponseChunk]:
         """Chunks until the call finishes; raises the scheduler's error if the step failed."""
         while True:
             event = await self.seq.events.get()
             if isinstance(event, ErrorEvent):
                 raise event.error
             if isinstance(event, FinishEvent):
-                yield Chunk(text=self.stops.flush(), finish_reason=event.finish_reason,
+                yield ResponseChunk(text=self.stops.flush(), finish_reason=event.finish_reason,
                             usage=self._final_usage(), timings=self.timings())
                 return
             assert isinstance(event, TokenEvent)
             self._timestamp()
-            chunk = Chunk([event.token_id], logprobs=self._text_logprobs(event.logprobs))
+            chunk = ResponseChunk([event.token_id], logprobs=self._text_logprobs(event.logprobs))
             text, stopped = self.stops.push(self.detok.push(event.token_id))
             chunk.text = text
             finish = event.finish_reason
             if stopped:
                 finish = common_pb2.FINISH_REASON_STOP_SEQUENCE
-                self.scheduler.cancel(self.seq, keep_generated=self.count)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 if not stopped:
                     tail, stopped_late = self.stops.push(self.detok.flush())

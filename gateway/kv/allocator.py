@@ -7,11 +7,12 @@ fixed runs of blocks, one per sequence slot, and a sequence takes a whole slot a
 
 The prefix cache (paged mode): a full block whose tokens a sequence has computed is published
 under a key, a hash chain over every token up to its end, started from a salt (the model, and
-whoever may share it: see `prefix_salt`). A new sequence takes the longest run of published
-blocks that holds a beginning of its prompt instead of computing it. Blocks are reference-counted;
-a published block no sequence holds stays cached, on a least-recently-used list, and is reclaimed
-only when no free block is left. Only full blocks are ever shared and a sequence never writes
-into a published block (`rewind` hands it a private one), so shared blocks are immutable.
+whoever may share it: the salt policy of gateway/kv/manager.py). A new sequence takes the
+longest run of published blocks that holds a beginning of its prompt instead of computing it.
+Blocks are reference-counted; a published block no sequence holds stays cached, on a
+least-recently-used list, and is reclaimed only when no free block is left. Only full blocks are
+ever shared and a sequence never writes into a published block (`rewind` hands it a private
+one), so shared blocks are immutable.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PREFIX_CACHE_SCOPES = ("identity", "global")
+from shardlm_server.gateway.config import default
 
 
 class OutOfBlocks(Exception):
@@ -30,13 +31,6 @@ class OutOfBlocks(Exception):
 
     def __init__(self, needed: int, free: int) -> None:
         super().__init__(f"needs {needed} KV blocks, {free} free")
-
-
-def prefix_salt(namespace: str, identity: str, salt: str) -> bytes:
-    """The start of a key chain: blocks are shared only between requests with equal salts.
-    `namespace` names the model; `identity` is the caller's (empty when shared by all)."""
-    parts = (namespace, identity, salt)
-    return b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
 
 
 def _root_key(salt: bytes) -> bytes:
@@ -58,7 +52,7 @@ class BlockTable:
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, *, static_slot_blocks: int = 0,
-                 prefix_cache: bool = False,
+                 prefix_cache: bool = default("prefix_cache"),
                  on_evict: Callable[[], None] = lambda: None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -67,13 +61,17 @@ class BlockAllocator:
         self.static_slot_blocks = static_slot_blocks
         self.prefix_cache = prefix_cache and not static_slot_blocks
         self._on_evict = on_evict
-        self._refs = [0] * num_blocks
-        if static_slot_blocks:
-            slots = num_blocks // static_slot_blocks
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free, no table, no cached prefix (the workers lost their caches)."""
+        self._refs = [0] * self.num_blocks
+        if self.static_slot_blocks:
+            slots = self.num_blocks // self.static_slot_blocks
             self._free_slots = list(range(slots - 1, -1, -1))
             self._free: list[int] = []
         else:
-            self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+            self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[int, BlockTable] = {}
         self._by_key: dict[bytes, int] = {}  # published blocks
         self._key_of: dict[int, bytes] = {}

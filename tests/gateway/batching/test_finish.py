@@ -8,13 +8,16 @@ from shardlm.errors import InvalidArgumentError, ResourceExhaustedError
 
 from shardlm_server.gateway.batching.finish import CallLimits, call_limits, max_new_tokens_limit
 from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.manager import KvManager
+from shardlm_server.gateway.metrics import Metrics
 
 C = common_pb2
 
 
 def limits_for(stop: C.StopConditions, history: int, *, strict: bool, blocks: int = 64):
     return call_limits(stop, history=history, max_context=100, default_max_new_tokens=30,
-                       eos_ids=frozenset({2, 9}), allocator=BlockAllocator(blocks, 4),
+                       eos_ids=frozenset({2, 9}),
+                       kv=KvManager(BlockAllocator(blocks, 4), Metrics(), namespace="model"),
                        strict=strict)
 
 

@@ -17,11 +17,12 @@ from shardlm_server.gateway.batching.sequence import (
     ErrorEvent,
     FinishEvent,
     Phase,
-    Sequence,
+    SequenceState,
     TokenEvent,
 )
 from shardlm_server.gateway.batching.sessions import SessionStore
 from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.manager import KvManager
 from shardlm_server.gateway.metrics import Metrics
 from tests.gateway.fake_workers import FakeWorkerPool, greedy
 
@@ -40,22 +41,22 @@ class Harness:
         self.allocator = BlockAllocator(blocks, BLOCK)
         self.sessions = SessionStore(idle_timeout_s)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(self.pool, self.allocator, self.sessions, self.metrics,
-                                   **scheduler)
+        self.kv = KvManager(self.allocator, self.metrics, namespace="model")
+        self.scheduler = Scheduler(self.pool, self.kv, self.sessions, self.metrics, **scheduler)
 
-    def generate(self, prompt: list[int], call: CallLimits) -> Sequence:
+    def generate(self, prompt: list[int], call: CallLimits) -> SequenceState:
         seq = self.scheduler.new_sequence(prompt, common_pb2.SamplingParams(), ephemeral=True)
         self.scheduler.submit(seq, call, prefill_only=False)
         return seq
 
-    def session(self, prompt: list[int]) -> Sequence:
+    def session(self, prompt: list[int]) -> SequenceState:
         seq = self.scheduler.new_sequence([], common_pb2.SamplingParams())
         self.sessions.create(seq)
         self.scheduler.start_turn(seq, prompt, prefill_limits(CONTEXT), rerendered=False)
         return seq
 
 
-async def drain(seq: Sequence, count: int | None = None) -> tuple[list[int], int]:
+async def drain(seq: SequenceState, count: int | None = None) -> tuple[list[int], int]:
     """The call's tokens and finish reason (or the first `count` tokens, unfinished)."""
     tokens: list[int] = []
     while True:
@@ -161,7 +162,7 @@ def test_rerendered_conversation_reuses_the_cache_up_to_the_first_difference():
         await until(lambda: session.phase is Phase.IDLE)
         rendered = history[:12] + [99, 98, 97]  # differs from token 12 on
         h.scheduler.start_turn(session, rendered, prefill_limits(CONTEXT), rerendered=True)
-        assert session.cached == 12
+        assert session.computed == 12
         reply, _ = await drain(session, 1)
         last = h.pool.prefills[-1].sequences[0]
         assert (last.start_position, list(last.token_ids)) == (12, [99, 98, 97])
@@ -194,7 +195,7 @@ def test_idle_session_is_evicted_for_a_new_request_and_rebuilt():
         assert h.allocator.holds(session.seq_id)
         other = h.generate(list(range(20, 30)), limits(5))  # needs 4 of the 4 blocks
         await drain(other)
-        assert session.cached == 0
+        assert session.computed == 0
         await until(lambda: session.seq_id in h.pool.resets)  # before the next step
         h.scheduler.submit(session, limits(4), prefill_only=False)  # rebuilt from history
         tokens, _ = await drain(session)
@@ -228,8 +229,39 @@ def test_cancel_keeps_only_what_the_client_was_sent():
         await until(lambda: session.phase is Phase.IDLE)
         # The parked session keeps blocks for its cache only, none of the calls' pre-allocation.
         used, blocks_for = h.allocator.used_blocks, h.allocator.blocks_for
-        assert blocks_for(session.cached) <= used <= blocks_for(session.cached + 1)
+        assert blocks_for(session.computed) <= used <= blocks_for(session.computed + 1)
     run(test)
+
+
+def test_a_stop_sequence_found_after_the_call_ended_still_trims_the_history():
+    async def test(h):
+        session = h.session(PROMPT)
+        first, _ = await drain(session, 1)
+        await until(lambda: session.phase is Phase.IDLE)
+        h.scheduler.submit(session, limits(6), prefill_only=False)
+        await until(lambda: session.phase is Phase.IDLE)  # generated all 6 before any was read
+        sent, _ = await drain(session, 2)
+        h.scheduler.cancel(session, keep_generated=2)  # the text of those two held a stop
+        assert session.tokens == PROMPT + first + sent
+        h.scheduler.submit(session, limits(3), prefill_only=False)
+        more, _ = await drain(session)
+        assert first + sent + more == greedy(PROMPT, 6)  # continues from exactly there
+        await until(lambda: session.phase is Phase.IDLE)
+        used, blocks_for = h.allocator.used_blocks, h.allocator.blocks_for
+        assert blocks_for(session.computed) <= used <= blocks_for(session.computed + 1)
+    run(test)
+
+
+def test_a_prompt_the_whole_cache_cannot_hold_is_refused():
+    async def test(h):
+        seq = h.generate(list(range(1, 13)), limits(2))  # 12 tokens: 3 blocks of the 2
+        with pytest.raises(ResourceExhaustedError) as err:
+            await drain(seq)
+        assert err.value.reason == "KV_CACHE_FULL"
+        assert err.value.metadata == {"required_blocks": "3", "free_blocks": "2"}
+        await until(lambda: seq.phase is Phase.DONE)
+        assert h.allocator.used_blocks == 0 and not h.pool.prefills
+    run(test, blocks=2)
 
 
 def test_release_of_a_running_call_ends_it_cancelled():
@@ -267,7 +299,7 @@ def test_a_failed_step_fails_its_calls_and_drops_their_caches():
         seq = h.generate(PROMPT, limits(10))
         with pytest.raises(UnavailableError):
             await drain(seq)
-        assert seq.cached == 0 and not h.allocator.holds(seq.seq_id)
+        assert seq.computed == 0 and not h.allocator.holds(seq.seq_id)
     run(test)
 
 

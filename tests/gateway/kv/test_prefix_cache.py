@@ -14,9 +14,10 @@ from shardlm.errors import UnavailableError
 
 from shardlm_server.gateway.batching.finish import CallLimits, prefill_limits
 from shardlm_server.gateway.batching.scheduler import Scheduler
-from shardlm_server.gateway.batching.sequence import Sequence
+from shardlm_server.gateway.batching.sequence import SequenceState
 from shardlm_server.gateway.batching.sessions import SessionStore
-from shardlm_server.gateway.kv.allocator import BlockAllocator, prefix_salt
+from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.manager import KvManager, prefix_salt
 from shardlm_server.gateway.metrics import Metrics
 from tests.gateway.batching.test_scheduler import drain, until
 from tests.gateway.fake_workers import FakeWorkerPool, greedy
@@ -128,7 +129,7 @@ def test_clearing_the_prefix_cache_frees_idle_blocks_and_keeps_held_ones():
 
 def test_no_prefix_cache_in_static_mode_or_when_off():
     static = BlockAllocator(8, BLOCK, static_slot_blocks=4, prefix_cache=True)
-    off = BlockAllocator(8, BLOCK)
+    off = BlockAllocator(8, BLOCK, prefix_cache=False)
     for a in (static, off):
         a.grow(1, 9)
         a.publish(1, list(range(9)), 9, SALT)
@@ -188,10 +189,11 @@ class Harness:
         self.allocator = BlockAllocator(blocks, BLOCK, prefix_cache=True,
                                         on_evict=self.metrics.prefix_cache_evictions.inc)
         self.sessions = SessionStore()
-        self.scheduler = Scheduler(self.pool, self.allocator, self.sessions, self.metrics,
-                                   **scheduler)
+        self.kv = KvManager(self.allocator, self.metrics, namespace="model")
+        self.scheduler = Scheduler(self.pool, self.kv, self.sessions, self.metrics, **scheduler)
 
-    def generate(self, prompt: list[int], max_new: int, salt: bytes | None = SALT) -> Sequence:
+    def generate(self, prompt: list[int], max_new: int,
+                 salt: bytes | None = SALT) -> SequenceState:
         seq = self.scheduler.new_sequence(prompt, common_pb2.SamplingParams(), ephemeral=True,
                                           prefix_salt=salt)
         self.scheduler.submit(seq, CallLimits(max_new, CONTEXT), prefill_only=False)
@@ -203,7 +205,7 @@ class Harness:
         self.scheduler.release(seq)
         return tokens, seq.cached_prompt_tokens
 
-    def first_prefill(self, seq: Sequence):
+    def first_prefill(self, seq: SequenceState):
         return next(s for r in self.pool.prefills for s in r.sequences
                     if s.sequence_id == seq.seq_id)
 
@@ -299,7 +301,8 @@ def test_sessions_find_cached_prefixes_and_rebuild_from_them():
         tokens, _ = await drain(seq)
         assert [first, *tokens] == greedy(prompt, 6)
         # Evicted (its blocks stay cached), then used again: rebuilt from the cached prefix.
-        h.scheduler.caches.drop(seq)
+        h.kv.release(seq.seq_id)
+        seq.forget()
         assert not h.allocator.holds(seq.seq_id) and session.seq is seq
         prefills = len(h.pool.prefills)
         h.scheduler.submit(seq, CallLimits(3, CONTEXT), prefill_only=False)
@@ -355,7 +358,7 @@ def test_blocks_run_out_cached_ones_go_before_idle_sessions():
         await h.run([6] * 13, 1)  # leaves 3 idle cached blocks
         assert h.allocator.idle_cached_blocks == 3
         await h.run([8] * 9, 2)  # needs 3 new blocks: 2 free, 1 reclaimed; session untouched
-        assert h.allocator.holds(seq.seq_id) and seq.cached > 0
+        assert h.allocator.holds(seq.seq_id) and seq.computed > 0
         assert h.metrics.value("shardlm_prefix_cache_evictions_total") >= 1
     on(body, blocks=8)
 

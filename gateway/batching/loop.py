@@ -1,0 +1,356 @@
+"""The batch loop: one iteration after another decides what the workers run, over the queues of
+waiting and running sequences.
+
+Each iteration: drop what was cancelled or stopped and free its blocks; admit waiting sequences
+into one packed prefill within a token budget (long prompts are chunked); then run the running
+batch for k decode steps (k small while others wait, else as many as fit in about
+decode_call_s at the recent step time, up to max_decode_steps), streaming every
+step's tokens to their requests as they arrive. New requests join between iterations, never
+waiting for the batch to finish. When blocks run out, idle sessions give up their caches first
+(least recently used), then the newest running sequence is preempted and later recomputed.
+
+Only this loop talks to the workers' Prefill/Decode, so all ranks see one ordered stream of steps.
+Every KV question goes to the KV manager (gateway/kv/manager.py); every change of a sequence's
+progress is a transition of gateway/batching/sequence.py. Why a call ends is decided by the
+finish policy (gateway/batching/finish.py) on each token as it arrives. The handlers' side of the
+scheduler (starting, changing and ending calls) is gateway/batching/scheduler.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from shardlm.common.v1 import common_pb2
+from shardlm.errors import ResourceExhaustedError, ShardLMError
+from shardlm.worker.v1 import worker_pb2
+
+from shardlm_server.gateway.batching.finish import UNFINISHED
+from shardlm_server.gateway.batching.sequence import (
+    ErrorEvent,
+    FinishEvent,
+    Phase,
+    SequenceState,
+    TokenEvent,
+)
+from shardlm_server.gateway.batching.sessions import SessionStore
+from shardlm_server.gateway.batching.steps import PrefillChunk, decode_request, prefill_request
+from shardlm_server.gateway.config import Limits
+from shardlm_server.gateway.kv.manager import KvManager
+from shardlm_server.gateway.metrics import Metrics
+from shardlm_server.gateway.workers.client import WorkerPool
+
+log = logging.getLogger("shardlm.gateway")
+_DEFAULTS = Limits()  # the serve settings' defaults (gateway/config.py)
+# Decode steps per call while prompts wait, so that they are admitted soon.
+BUSY_DECODE_STEPS = 2
+EXPIRY_CHECK_S = 1.0  # idle sessions are looked for at most this often
+
+
+class BatchLoop:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        kv: KvManager,
+        sessions: SessionStore,
+        metrics: Metrics,
+        *,
+        prefill_token_budget: int = _DEFAULTS.prefill_token_budget,
+        max_decode_steps: int = _DEFAULTS.max_decode_steps,
+        decode_call_s: float = _DEFAULTS.decode_call_s,
+        busy_decode_steps: int = BUSY_DECODE_STEPS,
+        max_waiting: int = _DEFAULTS.max_waiting,
+        max_running: int = _DEFAULTS.max_running,
+        on_worker_failure: Callable[[ShardLMError], None] = lambda _e: None,
+    ) -> None:
+        self.pool = pool
+        self.kv = kv
+        self.sessions = sessions
+        self.metrics = metrics
+        self.prefill_token_budget = prefill_token_budget
+        self.max_decode_steps = max_decode_steps
+        self.decode_call_s = decode_call_s
+        self.busy_decode_steps = busy_decode_steps
+        self._step_s = 0.0  # seconds per decode step, a running average (0: none timed yet)
+        self.max_waiting = max_waiting
+        self.max_running = max_running
+        self.on_worker_failure = on_worker_failure
+        self._waiting: deque[SequenceState] = deque()
+        self._running: list[SequenceState] = []
+        self._to_free: list[SequenceState] = []
+        self._next_expiry_check = 0.0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # ----------------------------------------------------------------- the loop
+    async def _loop(self) -> None:
+        while True:
+            # Sleep until woken, or 1 s (idle sessions expire even when nothing else happens).
+            # asyncio.wait, unlike wait_for, never delays this task's own cancellation.
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait([waiter], timeout=EXPIRY_CHECK_S)
+            finally:
+                waiter.cancel()
+            self._wake.clear()
+            try:
+                await self._iteration()
+            except ShardLMError as exc:
+                log.error("worker step failed: %s", exc)
+                self.on_worker_failure(exc)
+            except Exception:  # noqa: BLE001 - the loop must survive a bug in one iteration
+                log.exception("scheduler iteration failed")
+            self._update_gauges()
+            if self._waiting or self._running:
+                self._wake.set()
+
+    async def _iteration(self) -> None:
+        self._reap()
+        resets = self.kv.take_resets()
+        if resets:
+            await self.pool.reset(worker_pb2.ResetCacheRequest(sequence_ids=resets))
+        batch = self._admit()
+        if batch:
+            await self._prefill(batch)
+        self._reap()
+        if self._running:
+            await self._decode()
+
+    def _reap(self) -> None:
+        for seq in self._to_free:
+            if seq.in_call:  # a call still streams from it
+                seq.events.put_nowait(FinishEvent(common_pb2.FINISH_REASON_CANCELLED))
+            self._drop(seq)
+            seq.phase = Phase.DONE
+        freed = {id(s) for s in self._to_free}
+        self._to_free.clear()
+        self._expire_idle_sessions()
+        keep = deque()
+        for seq in self._waiting:
+            if id(seq) in freed or seq.phase is Phase.DONE:
+                continue
+            if seq.cancelled:
+                self._park_or_free(seq)
+            else:
+                keep.append(seq)
+        self._waiting = keep
+        running = []
+        for seq in self._running:
+            if id(seq) in freed or seq.phase is Phase.DONE:
+                continue
+            if seq.cancelled:
+                self._park_or_free(seq)
+            elif seq.phase is Phase.RUNNING:
+                running.append(seq)
+        self._running = running
+
+    def _park_or_free(self, seq: SequenceState) -> None:
+        """The call is over: a session's sequence keeps its cache (less what its client was not
+        sent), a Generate's is freed."""
+        if seq.ephemeral:
+            self._drop(seq)
+            seq.phase = Phase.DONE
+            return
+        if seq.keep_generated is not None:
+            seq.trim(seq.keep_generated)
+        self.kv.trim(seq.seq_id, seq.computed + 1)  # its computed tokens and the pending one
+        seq.phase = Phase.IDLE
+
+    def _drop(self, seq: SequenceState) -> None:
+        """Every way a sequence loses its cache: the blocks go, the workers forget it, and it is
+        rebuilt from its history if used again."""
+        self.kv.release(seq.seq_id)
+        seq.forget()
+
+    def _expire_idle_sessions(self) -> None:
+        """Remove the sessions idle past their timeout, and their caches. A scan of every
+        session: at most once a second, not at every step."""
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + EXPIRY_CHECK_S
+        for session in self.sessions.expired(now):
+            self.sessions.remove(session.session_id)
+            self._drop(session.seq)
+            session.seq.phase = Phase.DONE
+
+    def _make_room(self, seq: SequenceState, tokens: int) -> None:
+        """Idle sessions give up their caches, least recently used first, until `seq` has room
+        for `tokens` tokens (or none is left)."""
+        if self.kv.has_room(seq.seq_id, tokens):
+            return
+        idle = {s.seq.seq_id: s for s in self.sessions.eviction_candidates() if s.seq is not seq}
+        for seq_id in self.kv.make_room(seq.seq_id, tokens, idle):
+            log.info("evicting idle session %s to free KV blocks", idle[seq_id].session_id)
+            idle[seq_id].seq.forget()
+
+    # ----------------------------------------------------------------- prefill
+    def _admit(self) -> list[PrefillChunk]:
+        budget = self.prefill_token_budget
+        batch: list[PrefillChunk] = []
+        while self._waiting and budget > 0 and len(self._running) + len(batch) < self.max_running:
+            seq = self._waiting[0]
+            seq.begin_prefill(self.kv.prefill_start(seq.seq_id, seq.tokens, seq.computed,
+                                                    seq.prefix_salt))
+            chunk = seq.uncomputed[:budget]
+            end = seq.computed + len(chunk)
+            self._make_room(seq, end)
+            if not self.kv.grow(seq.seq_id, end):
+                if not self._running and not batch:  # nothing will ever free enough blocks
+                    self._waiting.popleft()
+                    seq.events.put_nowait(ErrorEvent(ResourceExhaustedError(
+                        "the KV cache is too small for this request", reason="KV_CACHE_FULL",
+                        retry_after_s=5.0, metadata={
+                            "required_blocks": self.kv.blocks_needed(seq.seq_id, end),
+                            "free_blocks": self.kv.free_blocks})))
+                    self._park_or_free(seq)
+                    continue
+                break  # wait for running sequences to free blocks
+            self._waiting.popleft()
+            if seq.admitted_at is None:  # the call's first prefill: what its prompt reuses
+                seq.cached_prompt_tokens = seq.computed
+                self.metrics.cached_prompt_tokens.inc(seq.computed)
+            final = len(chunk) == len(seq.uncomputed)
+            batch.append(PrefillChunk(seq, seq.computed, chunk, final, seq.prefix_ids))
+            budget -= len(chunk)
+            if not final:
+                self._waiting.appendleft(seq)  # its next chunk goes first next iteration
+                break
+        return batch
+
+    async def _prefill(self, batch: list[PrefillChunk]) -> None:
+        self.metrics.prefill_batch_tokens.observe(sum(len(c.token_ids) for c in batch))
+        try:
+            reply = await self.pool.prefill(prefill_request(batch, self.kv))
+        except ShardLMError as exc:
+            self._fail_step([c.seq for c in batch], exc)
+            raise
+        tokens = {t.sequence_id: t for t in reply.tokens}
+        now = time.monotonic()
+        for c in batch:
+            seq = c.seq
+            seq.prefilled(c.start + len(c.token_ids))
+            self.kv.publish(seq.seq_id, seq.tokens, seq.computed, seq.prefix_salt)
+            if seq.admitted_at is None:
+                seq.admitted_at = now
+                self.metrics.queue_seconds.observe(now - seq.enqueued_at)
+            if not c.final:
+                continue
+            token = tokens[seq.seq_id]
+            seq.sampled(token.token_id)
+            if seq.prefill_only:
+                seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token)))
+                self._park_or_free(seq)
+                continue
+            self._stream(seq, token)
+            if seq.phase is Phase.WAITING:  # the call goes on: decode it
+                seq.phase = Phase.RUNNING
+                self._running.append(seq)
+
+    # ----------------------------------------------------------------- decode
+    def _steps_per_call(self) -> int:
+        """Steps for the next decode call: few while prompts wait, else as many as fit in
+        decode_call_s at the recent step time (up to max_decode_steps). Long calls save round
+        trips; short ones let a prompt that arrives during one in sooner."""
+        if self._waiting or self._step_s <= 0:
+            return self.busy_decode_steps
+        fit = int(self.decode_call_s / self._step_s)
+        return max(self.busy_decode_steps, min(self.max_decode_steps, fit))
+
+    def _time_steps(self, seconds: float, steps: int) -> None:
+        if steps > 0:
+            step = seconds / steps
+            self._step_s = step if self._step_s <= 0 else (self._step_s + step) / 2
+
+    def _plan_steps(self) -> dict[int, int]:
+        """Steps per sequence for the next decode call, with the blocks for them; sequences
+        that get not even one step are preempted."""
+        k = self._steps_per_call()
+        plan: dict[int, int] = {}
+        for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
+            want = max(1, min(k, seq.budget))
+            self._make_room(seq, seq.computed + want)
+            steps = self.kv.grow_up_to(seq.seq_id, seq.computed, want)
+            if steps:
+                plan[seq.seq_id] = steps
+        for seq in list(self._running):
+            if seq.seq_id not in plan:
+                self._preempt(seq)
+        return plan
+
+    def _preempt(self, seq: SequenceState) -> None:
+        log.info("preempting sequence %d (recompute later): KV cache full", seq.seq_id)
+        self.metrics.preemptions.inc()
+        self._drop(seq)
+        seq.phase = Phase.WAITING
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+
+    async def _decode(self) -> None:
+        plan = self._plan_steps()
+        if not plan:
+            return
+        by_id = {s.seq_id: s for s in self._running if s.seq_id in plan}
+        request = decode_request(plan, by_id, self.kv)
+        for seq in by_id.values():
+            seq.sampling_changed = False  # sent with this call
+        self.metrics.decode_batch_size.observe(len(plan))
+        started, steps = time.monotonic(), 0
+        try:
+            async for step in self.pool.decode(request):
+                steps += 1
+                for token in step.tokens:
+                    seq = by_id[token.sequence_id]
+                    seq.stepped(token.token_id)
+                    self.kv.publish(seq.seq_id, seq.tokens, seq.computed, seq.prefix_salt)
+                    if seq.phase is Phase.RUNNING:
+                        self._stream(seq, token)
+        except ShardLMError as exc:
+            self._fail_step(list(by_id.values()), exc)
+            raise
+        self._time_steps(time.monotonic() - started, steps)
+        for seq in by_id.values():
+            if seq.phase is not Phase.DONE:
+                self.kv.trim(seq.seq_id, seq.computed + 1)
+
+    def _stream(self, seq: SequenceState, token: worker_pb2.SequenceToken) -> None:
+        """Send a generated token to the call's stream with the finish policy's verdict (the
+        worker's own finish_reason only told it to stop); a finished call ends here."""
+        reason = seq.limits.finish_reason(token.token_id, len(seq.tokens), seq.generated)
+        seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token), reason))
+        if reason != UNFINISHED:
+            self._park_or_free(seq)
+            if seq in self._running:
+                self._running.remove(seq)
+
+    def _fail_step(self, seqs: list[SequenceState], error: ShardLMError) -> None:
+        for seq in seqs:
+            seq.events.put_nowait(ErrorEvent(error))
+            self._drop(seq)
+            seq.phase = Phase.DONE if seq.ephemeral else Phase.IDLE
+            if seq in self._running:
+                self._running.remove(seq)
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_length.set(len(self._waiting))
+        self.metrics.running_sequences.set(len(self._running))
+        self.kv.update_gauges()
+
+
+def _logprobs(token: worker_pb2.SequenceToken) -> common_pb2.Logprobs | None:
+    return token.logprobs if token.HasField("logprobs") else None

@@ -1,0 +1,46 @@
+"""What the workers are sent for one step: the scheduler's decisions as a PrefillRequest or a
+DecodeRequest, with each sequence's block table as the KV manager holds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.worker.v1 import worker_pb2
+
+from shardlm_server.gateway.batching.sequence import SequenceState
+from shardlm_server.gateway.kv.manager import KvManager
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's part of a packed prefill: `token_ids` from position `start`; the last
+    chunk of its history (`final`) samples a token. `prefix_ids` are the ids of the tokens
+    before `start` when they are a cached prefix the workers have not seen as this sequence's."""
+
+    seq: SequenceState
+    start: int
+    token_ids: list[int]
+    final: bool
+    prefix_ids: list[int]
+
+
+def prefill_request(batch: list[PrefillChunk], kv: KvManager) -> worker_pb2.PrefillRequest:
+    return worker_pb2.PrefillRequest(sequences=[
+        worker_pb2.PrefillSequence(
+            sequence_id=c.seq.seq_id, token_ids=c.token_ids, start_position=c.start,
+            block_table=kv.table(c.seq.seq_id), sampling=c.seq.sampling,
+            stop=c.seq.worker_stop(), sample=c.final, prefix_token_ids=c.prefix_ids)
+        for c in batch])
+
+
+def decode_request(plan: dict[int, int], sequences: dict[int, SequenceState],
+                   kv: KvManager) -> worker_pb2.DecodeRequest:
+    """`plan`: steps per sequence id. A sequence whose sampling changed since its last step
+    carries the new parameters."""
+    return worker_pb2.DecodeRequest(num_steps=max(plan.values()), sequences=[
+        worker_pb2.DecodeSequence(
+            sequence_id=seq_id, block_table=kv.table(seq_id), max_steps=steps,
+            stop=sequences[seq_id].worker_stop(),
+            **({"sampling": sequences[seq_id].sampling}
+               if sequences[seq_id].sampling_changed else {}))
+        for seq_id, steps in plan.items()])
