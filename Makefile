@@ -5,7 +5,7 @@ STAMP := $(VENV)/.shardlm-installed
 SOURCES := pyproject.toml setup.py clients/python/pyproject.toml scripts/install.sh \
 	$(wildcard csrc/*.h csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: install test check proto bench serve gpu-check gpu-wheels llama-server
+.PHONY: install test test-fast check proto bench serve gpu-check gpu-wheels llama-server
 
 $(STAMP): $(SOURCES)
 	bash scripts/install.sh
@@ -13,8 +13,21 @@ $(STAMP): $(SOURCES)
 
 install: $(STAMP)
 
+# The whole suite; what CI runs.
 test: install
 	bash scripts/test.sh
+
+# The inner loop, under 2 minutes on 2 cores: the unit tests of the scheduler, KV, finish, sessions,
+# text, config, workers' client, sampling and the kernels against their references. Chosen by path,
+# so a new test elsewhere never slows it down; "not slow" keeps out a slow one placed among these.
+FAST_TESTS := tests/gateway/batching tests/gateway/kv tests/gateway/text \
+	tests/gateway/serve/test_config.py tests/gateway/serve/test_supervisor.py \
+	tests/gateway/workers/test_worker_client.py tests/gateway/api/test_runtime.py \
+	tests/gateway/test_errors.py tests/worker/ops tests/worker/test_sampling.py \
+	tests/worker/test_decode_runner.py
+
+test-fast: install
+	bash scripts/test.sh -m "not slow" $(FAST_TESTS)
 
 # Lint, contracts, generated-code freshness and the deployment manifests (CI runs this after
 # the tests).

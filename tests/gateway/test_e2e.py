@@ -15,6 +15,7 @@ from shardlm.gateway.v1 import gateway_pb2
 
 from shardlm_server.gateway.text.tokenizer import Tokenizer
 from tests.checkpoints import load_reference
+from tests.gateway.held_workers import HELD_CALL_DEADLINE_S, workers_held
 
 KV = common_pb2.KvCacheConfig(block_size=16, num_blocks=256)
 
@@ -122,13 +123,13 @@ def test_cancel_and_deadline_free_blocks(live, loaded):
     stream = live.stub.Generate(request)
     next(stream)
     stream.cancel()
-    # The deadline must fall mid-generation: 500 tokens (near the tiny model's 512-token
-    # context) took 0.32-0.37 s through the stack on a fast 2-core machine, so 0.1 s leaves a
-    # wide margin where 400 tokens against 0.3 s did not.
+    # The deadline falls mid-generation for certain: the gateway admits the request (its blocks
+    # are reserved) while the worker is held still, so no token comes before the deadline.
     long_request = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
                                                **greedy(500))
-    with pytest.raises(grpc.RpcError) as err:
-        list(live.stub.Generate(long_request, timeout=0.1))
+    with workers_held([h.process.pid for h in live.group.handles]), \
+            pytest.raises(grpc.RpcError) as err:
+        list(live.stub.Generate(long_request, timeout=HELD_CALL_DEADLINE_S))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 10
     while live.kv_used() and time.monotonic() < deadline:

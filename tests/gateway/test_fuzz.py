@@ -2,7 +2,7 @@
 gateway (one real worker process), checking the error contract of common.proto on every answer.
 
 Every answer must be OK or one of the documented codes, never UNKNOWN, INTERNAL or CANCELLED;
-DEADLINE_EXCEEDED only once the deadline has really passed. A non-OK status from ShardLM code
+DEADLINE_EXCEEDED only as gRPC's own (ShardLM code never answers it). A non-OK status from ShardLM code
 carries an ErrorInfo (domain "shardlm", a known reason with its documented code), a BadRequest for
 INVALID_ARGUMENT and a ResourceInfo for NOT_FOUND; the only statuses without details are the ones
 gRPC itself produces (the 8 MiB request limit). After the fuzzing the server is healthy, greedy
@@ -42,6 +42,7 @@ from tests.gateway.conftest import LiveGateway
 SERVICE = "/shardlm.gateway.v1.GatewayService/"
 KV = common_pb2.KvCacheConfig(block_size=16, num_blocks=256)
 DEADLINE_S = 10.0
+HANG_GUARD_S = 60.0  # a wait's bound that only a hung server reaches
 FD = pb_descriptor.FieldDescriptor
 C = grpc.StatusCode
 
@@ -336,7 +337,6 @@ def mostly_valid(draw, name: str):
 @dataclass
 class Outcome:
     code: grpc.StatusCode
-    elapsed: float
     details: str = ""
     status: status_pb2.Status | None = None
     responses: list = field(default_factory=list)
@@ -370,20 +370,17 @@ def invoke(channel: grpc.Channel, name: str, request, timeout: float = DEADLINE_
     factory = channel.unary_stream if streaming else channel.unary_unary
     method = factory(SERVICE + name, request_serializer=serializer,
                      response_deserializer=None)  # raw replies: decoded below
-    start = time.monotonic()
     try:
         reply = method(request, timeout=timeout)
         replies = list(reply) if streaming else [reply]
     except grpc.RpcError as err:
-        return Outcome(err.code(), time.monotonic() - start, err.details() or "",
-                       _status_of(err))
+        return Outcome(err.code(), err.details() or "", _status_of(err))
     response_cls = {
         "Prefill": gateway_pb2.PrefillResponse, "Decode": gateway_pb2.DecodeResponse,
         "Generate": gateway_pb2.GenerateResponse, "Tokenize": gateway_pb2.TokenizeResponse,
         "ResetCache": gateway_pb2.ResetCacheResponse,
         "GetModelInfo": gateway_pb2.GetModelInfoResponse, "Load": gateway_pb2.LoadResponse}[name]
-    return Outcome(C.OK, time.monotonic() - start,
-                   responses=[response_cls.FromString(r) for r in replies])
+    return Outcome(C.OK, responses=[response_cls.FromString(r) for r in replies])
 
 
 def is_request_size_limit(o: Outcome) -> bool:
@@ -392,13 +389,20 @@ def is_request_size_limit(o: Outcome) -> bool:
             and "Received message larger than max" in o.details)
 
 
-def contract_violations(name: str, request, o: Outcome, timeout: float = DEADLINE_S) -> list[str]:
+def is_grpc_deadline(o: Outcome) -> bool:
+    """The status gRPC itself answers when a call's deadline passes (the gateway never sends
+    DEADLINE_EXCEEDED: a ShardLM status would carry details)."""
+    return (o.code == C.DEADLINE_EXCEEDED and o.status is None
+            and "Deadline Exceeded" in o.details)
+
+
+def contract_violations(name: str, request, o: Outcome) -> list[str]:
     """Everything wrong with one answer, as readable strings (empty: the answer is fine)."""
     bad: list[str] = []
     if o.code not in ALLOWED_CODES:
         bad.append(f"status {o.code.name}: {o.details[:300]!r}")
-    if o.code == C.DEADLINE_EXCEEDED and o.elapsed < timeout * 0.98:
-        bad.append(f"DEADLINE_EXCEEDED after {o.elapsed:.2f}s of a {timeout}s deadline")
+    if o.code == C.DEADLINE_EXCEEDED and not is_grpc_deadline(o):
+        bad.append(f"DEADLINE_EXCEEDED not from gRPC's deadline: {o.details[:300]!r}")
     if o.code == C.OK:
         bad += _reply_violations(name, request, o.responses)
         return bad
@@ -608,9 +612,9 @@ def test_corrupt_bodies_are_refused_and_harmless(live_fuzz, name):
             assert not problems, f"{name} raw {body[:100]!r}: {problems}"
         else:
             seen[o.code] += 1
-            # An undecodable body is the client's error: INVALID_ARGUMENT, at once, harmless.
+            # An undecodable body is the client's error: INVALID_ARGUMENT (before the deadline,
+            # or the code would be DEADLINE_EXCEEDED), harmless.
             assert o.code == C.INVALID_ARGUMENT, (body[:100], o.code, o.details)
-            assert o.elapsed < DEADLINE_S
 
     run()
     assert sum(seen.values()) > 0, "no undecodable body was sent"
@@ -645,9 +649,9 @@ def test_prompt_just_under_the_request_limit_is_refused_cleanly(live_fuzz):
 
 def test_server_is_unharmed_after_fuzzing(live_fuzz):
     health = health_pb2_grpc.HealthStub(live_fuzz.channel)
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S).status == \
         health_pb2.HealthCheckResponse.SERVING
-    info = live_fuzz.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
+    info = live_fuzz.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=HANG_GUARD_S)
     assert info.loaded and info.capacity.num_blocks == KV.num_blocks
     assert [collect_ids(live_fuzz.stub, p) for p in BASELINE_PROMPTS] == live_fuzz.baseline
     # Only sessions may hold blocks now (no Generate left any behind) ...
@@ -657,15 +661,16 @@ def test_server_is_unharmed_after_fuzzing(live_fuzz):
         held = {sid for sid, t in tables.items() if getattr(t, "blocks", True)}
         return held, {s.seq.seq_id for s in model.sessions.all()}
 
-    deadline = time.monotonic() + 5  # the scheduler frees a finished call's blocks next step
+    # The scheduler frees a finished call's blocks at its next step.
+    deadline = time.monotonic() + HANG_GUARD_S
     held, sessions = live_fuzz.call(owners())
     while not held <= sessions and time.monotonic() < deadline:
         time.sleep(0.05)
         held, sessions = live_fuzz.call(owners())
     assert held <= sessions, f"blocks held by sequences of no session: {held - sessions}"
     # ... and once they are released, nothing may be left.
-    live_fuzz.stub.ResetCache(gateway_pb2.ResetCacheRequest(all=True), timeout=10)
-    deadline = time.monotonic() + 5
+    live_fuzz.stub.ResetCache(gateway_pb2.ResetCacheRequest(all=True), timeout=HANG_GUARD_S)
+    deadline = time.monotonic() + HANG_GUARD_S
     while live_fuzz.kv_used() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_fuzz.kv_used() == 0
@@ -691,7 +696,8 @@ def scratch(llama_dir):
 def _generate_ok(gateway) -> Outcome:
     return invoke(gateway.channel, "Generate", gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
-        stop=common_pb2.StopConditions(max_new_tokens=4, ignore_eos=True)), timeout=2)
+        stop=common_pb2.StopConditions(max_new_tokens=4, ignore_eos=True)),
+        timeout=HANG_GUARD_S)  # a stopped scheduler never answers; a running one does, in time
 
 
 def _xfail(bug: str, why: str):
@@ -764,17 +770,29 @@ def test_known_bug_error_details_stay_under_the_metadata_limit(scratch):
 
 @_xfail("KNOWN_BUG_TOKENIZE_ON_LOOP", "a big prompt is tokenized on the gateway's event loop; "
         "health checks and every stream wait for it")
-def test_known_bug_big_prompt_does_not_stall_other_calls(scratch):
-    big = gateway_pb2.TokenizeRequest(text="ab" * (1 << 20))  # 2 Mi chars: seconds of BPE
-    worker = threading.Thread(target=invoke, args=(scratch.channel, "Tokenize", big, 60))
+def test_known_bug_big_prompt_does_not_stall_other_calls(scratch, monkeypatch):
+    # The tokenizer is held inside a Tokenize call until a health check has been answered: were
+    # the prompt tokenized on the event loop, the loop could not answer the check meanwhile.
+    tokenizer = scratch.runtime.model.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    encode = tokenizer.encode
+
+    def held_encode(*args, **kwargs):
+        entered.set()
+        release.wait(60)  # the bound only stops a hung test
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    request = gateway_pb2.TokenizeRequest(text="ab" * 1000)
+    worker = threading.Thread(target=invoke, args=(scratch.channel, "Tokenize", request, 60))
     worker.start()
     try:
-        time.sleep(0.3)
+        assert entered.wait(30), "the Tokenize call never reached the tokenizer"
         health = health_pb2_grpc.HealthStub(scratch.channel)
-        started = time.monotonic()
-        health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert time.monotonic() - started < 0.5
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
     finally:
+        release.set()
         worker.join(60)
 
 

@@ -21,6 +21,7 @@ from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from shardlm_server.gateway.workers.processes import free_port
+from tests.gateway.held_workers import HELD_CALL_DEADLINE_S, worker_pids, workers_held
 from tests.gateway.test_serve import start_serve
 
 pytestmark = [pytest.mark.cuda,
@@ -115,8 +116,8 @@ def test_two_turn_session_on_the_gpu(served):
 
 
 def test_cancelled_and_expired_streams_leave_no_kv_blocks(served):
-    # As in test_e2e's deadline test: 500 tokens, near the tiny model's 512-token context,
-    # against a 0.1 s deadline, so the deadline falls mid-generation on a fast device too.
+    # As in test_e2e's deadline test: the workers are held still while the call runs, so the
+    # deadline falls mid-generation however fast the GPU is.
     long = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
                                        **greedy(500))
     errors: list = []
@@ -137,8 +138,8 @@ def test_cancelled_and_expired_streams_leave_no_kv_blocks(served):
     for t in threads:
         t.join(60)
     assert errors == []
-    with pytest.raises(grpc.RpcError) as err:
-        list(served.stub.Generate(long, timeout=0.1))
+    with workers_held(worker_pids(served.proc.pid)), pytest.raises(grpc.RpcError) as err:
+        list(served.stub.Generate(long, timeout=HELD_CALL_DEADLINE_S))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert served.wait_blocks_free() == 0
     # The server is still whole: a fresh stream runs to its end.

@@ -1,10 +1,12 @@
-"""Tensor-parallel communicators: real processes, bounded time.
+"""Tensor-parallel communicators: real processes for the collectives, a fake clock for timeouts.
 
 The gloo tests start 2-3 processes per group from a forkserver (never forked
 from the pytest process, so none of its thread state leaks into them).  Every
-wait on a child is bounded, and leftover children are killed.  The NCCL code
-path also runs here against a fake CuPy; the real NCCL tests need CUDA and CuPy
-and are skipped otherwise.
+wait on a child is bounded (the bound only stops a hung test), and leftover
+children are killed.  How long a communicator waits is checked against a fake
+clock that moves only when the code under test waits, never against the wall
+clock.  The NCCL code path also runs here against a fake CuPy; the real NCCL
+tests need CUDA and CuPy and are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import types
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -35,6 +39,9 @@ from shardlm_server.worker.comm import (
     create_communicator,
     new_nccl_unique_id,
 )
+from shardlm_server.worker.comm import gloo as gloo_module
+from shardlm_server.worker.comm import nccl as nccl_module
+from shardlm_server.worker.comm.gloo import ABORT_POLL_S
 from shardlm_server.worker.comm.nccl import (
     NcclCommunicator,
     _blocks_to_last_dim,
@@ -254,20 +261,17 @@ def _gloo_dead_peer_child(rank: int, ws: int, send: Callable, address: str, mode
         os._exit(0)
     if mode == "exit":
         time.sleep(0.3)  # let the peer die first
-    t0 = time.monotonic()
     try:
         comm.all_reduce(torch.ones(4))
     except CommunicatorError as e:
-        elapsed, message = time.monotonic() - t0, str(e)
+        message = str(e)
     else:
         raise AssertionError("all_reduce with a dead peer returned")
-    # The communicator is broken from now on, and says so, immediately.
-    t1 = time.monotonic()
-    with pytest.raises(CommunicatorError, match="broken"):
+    # The communicator is broken from now on, and says so.
+    with pytest.raises(CommunicatorError, match="broken") as broken:
         comm.barrier()
-    broken_fast = time.monotonic() - t1 < 1.0
     comm.close()
-    return {"elapsed": elapsed, "message": message, "broken_fast": broken_fast}
+    return {"message": message, "broken": str(broken.value)}
 
 
 # -- gloo ---------------------------------------------------------------------------------
@@ -314,9 +318,11 @@ def test_gloo_close_then_recreate_in_same_process() -> None:
 
 
 @pytest.mark.parametrize("mode", ["exit", "sigkill", "hang"])
-def test_gloo_dead_or_hung_peer_raises_within_timeout(mode: str) -> None:
+def test_gloo_dead_or_hung_peer_raises(mode: str) -> None:
     """exit: peer gone before the collective; sigkill: peer killed while the
-    survivor is blocked in it; hang: peer alive but never joins (pure timeout)."""
+    survivor is blocked in it; hang: peer alive but never joins (pure timeout).
+    When the error comes is checked on a fake clock below: a failed collective
+    at once, a hung one at its timeout."""
     with Group(_gloo_dead_peer_child, 2, _address(), mode) as group:
         if mode != "exit":
             group.get(1, "ready", timeout=30)
@@ -325,30 +331,142 @@ def test_gloo_dead_or_hung_peer_raises_within_timeout(mode: str) -> None:
             group.kill(1)
         r = group.get(0, timeout=30)
         group.kill(1)
-    assert r["elapsed"] < 3.0 + 3.0, r
-    if mode == "hang":
-        assert r["elapsed"] > 2.0, r  # it did wait for the timeout
     assert "all_reduce" in r["message"] and "rank 0" in r["message"], r
     assert "3s" in r["message"], r
-    assert r["broken_fast"], r
+    assert "earlier failure" in r["broken"], r  # refused before starting a collective
 
 
+# -- gloo waits, on a fake clock ----------------------------------------------------------
+
+
+class _Clock:
+    """A monotonic clock that moves only when the code under test waits or sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _FakeWork:
+    """A collective that never completes (its peer hangs: each wait() runs out its slice on
+    the clock) or, with ``fails_in_wait`` n, fails during the n-th wait (its peer died)."""
+
+    def __init__(self, clock: _Clock, fails_in_wait: int = 0) -> None:
+        self.clock, self.fails_in_wait, self.waits = clock, fails_in_wait, 0
+        self.on_wait: Callable[[int], None] = lambda waits: None
+        self.failed = False
+
+    def wait(self, timeout: timedelta) -> bool:
+        self.waits += 1
+        self.on_wait(self.waits)
+        if self.waits == self.fails_in_wait:
+            self.failed = True
+            raise RuntimeError("Connection closed by peer")
+        self.clock.now += timeout.total_seconds()
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return self.failed
+
+
+class _FakeGlooGroup:
+    """Stands in for a ProcessGroupGloo: counts the collectives started on it."""
+
+    def __init__(self, work: _FakeWork) -> None:
+        self.work, self.started = work, 0
+
+    def allreduce(self, tensors: list) -> _FakeWork:
+        self.started += 1
+        return self.work
+
+    def barrier(self) -> _FakeWork:
+        self.started += 1
+        return self.work
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _gloo_over(group: _FakeGlooGroup, timeout_s: float) -> GlooCommunicator:
+    """A GlooCommunicator whose process group is ``group`` (no store, no peers)."""
+    comm = GlooCommunicator.__new__(GlooCommunicator)
+    comm.rank, comm.world_size, comm.device = 0, 2, CPU
+    comm.timeout_s = timeout_s
+    comm._failure = comm._abort_reason = None
+    comm._closed = False
+    comm._store = comm._server_store = None
+    comm._pg = group
+    return comm
+
+
+def test_gloo_hung_collective_fails_at_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(gloo_module, "time", clock)
+    work = _FakeWork(clock)
+    group = _FakeGlooGroup(work)
+    comm = _gloo_over(group, timeout_s=3.0)
+    with pytest.raises(CommunicatorError, match=r"all_reduce failed on rank 0/2 \(timeout 3s"):
+        comm.all_reduce(torch.ones(4))
+    # It waited the whole timeout, in slices short enough to see an abort, and not a slice more.
+    assert clock.now == 3.0
+    assert work.waits == 3.0 / ABORT_POLL_S
+    with pytest.raises(CommunicatorError, match="earlier failure"):
+        comm.barrier()
+    assert group.started == 1  # the broken communicator refused without starting a collective
+    comm.close()
+
+
+def test_gloo_failed_collective_is_reported_when_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(gloo_module, "time", clock)
+    comm = _gloo_over(_FakeGlooGroup(_FakeWork(clock, fails_in_wait=3)), timeout_s=30.0)
+    with pytest.raises(CommunicatorError, match="Connection closed by peer"):
+        comm.all_reduce(torch.ones(4))
+    assert clock.now == 2 * ABORT_POLL_S  # the two slices before the failure: not the timeout
+    comm.close()
+
+
+def test_gloo_abort_ends_a_waiting_collective_at_the_next_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(gloo_module, "time", clock)
+    work = _FakeWork(clock)
+    comm = _gloo_over(_FakeGlooGroup(work), timeout_s=30.0)
+
+    def abort_during_the_second_slice(waits: int) -> None:  # as another thread would
+        if waits == 2:
+            comm.abort("the gateway gave up")
+
+    work.on_wait = abort_during_the_second_slice
+    with pytest.raises(CommunicatorError, match="aborted: the gateway gave up") as info:
+        comm.all_reduce(torch.ones(4))
+    assert clock.now == 2 * ABORT_POLL_S  # seen right after the slice it arrived in
+    assert "timeout" not in str(info.value)  # an abort is not reported as a timeout
+    comm.close()
+
+
+# The timeout marks only stop a hung test: the calls give up after their 1 s timeout_s.
+@pytest.mark.timeout(60)
 def test_gloo_init_no_store_times_out() -> None:
     address = _address()  # nobody serves it
-    t0 = time.monotonic()
     with pytest.raises(CommunicatorError, match="could not reach the store") as info:
         create_communicator("gloo", 1, 2, device=CPU, init_address=address, timeout_s=1.0)
-    assert time.monotonic() - t0 < 1.0 + 4.0
     assert address in str(info.value) and "rank 1" in str(info.value)
+    assert "timeout 1s" in str(info.value)
 
 
+@pytest.mark.timeout(60)
 def test_gloo_init_missing_peer_times_out_and_frees_port() -> None:
     address = _address()
-    t0 = time.monotonic()
     with pytest.raises(CommunicatorError, match="rendezvous") as info:
         create_communicator("gloo", 0, 2, device=CPU, init_address=address, timeout_s=1.0)
-    assert time.monotonic() - t0 < 1.0 + 4.0
-    assert "rank 0" in str(info.value)
+    assert "rank 0" in str(info.value) and "timeout 1s" in str(info.value)
     assert _port_is_free(int(address.rsplit(":", 1)[1]))
 
 
@@ -485,8 +603,13 @@ class _FakeNccl:
     NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
     NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8  # no NCCL_BFLOAT16: like old cupy
 
-    def __init__(self, init_delay: float = 0.0, signed_char: bool = True) -> None:
-        self.init_delay, self.signed_char = init_delay, signed_char
+    def __init__(self, hold_init: bool = False, signed_char: bool = True) -> None:
+        """``hold_init``: ncclCommInitRank blocks (a peer that never starts) until
+        ``release_init`` is set."""
+        self.signed_char = signed_char
+        self.release_init = threading.Event()
+        if not hold_init:
+            self.release_init.set()
         self.comms: list[_FakeComm] = []
         self.uids: list[tuple[int, ...]] = []
 
@@ -497,7 +620,7 @@ class _FakeNccl:
         lo, hi = (-128, 127) if self.signed_char else (0, 255)
         if not all(lo <= v <= hi for v in uid):
             raise OverflowError("value too large to convert to char")
-        time.sleep(self.init_delay)
+        self.release_init.wait(timeout=60)  # the bound only stops a hung test
         self.uids.append(uid)
         comm = _FakeComm(self, ndev, rank)
         self.comms.append(comm)
@@ -592,15 +715,25 @@ def test_nccl_fake_ops(fake_cupy: Callable[..., _FakeNccl]) -> None:
         comm.all_reduce(torch.zeros(1))
 
 
-def test_nccl_fake_synchronize_timeout_aborts(fake_cupy: Callable[..., _FakeNccl]) -> None:
+@pytest.fixture
+def nccl_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    """NcclCommunicator's clock: it moves only when synchronize() sleeps between polls."""
+    clock = _Clock()
+    monkeypatch.setattr(nccl_module, "time", clock)
+    return clock
+
+
+def test_nccl_fake_synchronize_timeout_aborts(
+    fake_cupy: Callable[..., _FakeNccl], nccl_clock: _Clock
+) -> None:
     nccl = fake_cupy()
     comm = _fake_comm(timeout_s=0.3)
     comm.all_reduce(torch.ones(3))  # enqueued; the "stream" never drains from here on
     _FakeEvent.done = False
-    t0 = time.monotonic()
     with pytest.raises(CommunicatorError, match=r"nccl barrier failed on rank 0/2 .*0\.3s") as info:
         comm.barrier()
-    assert 0.25 < time.monotonic() - t0 < 2.0
+    # It gave up at the first poll past the deadline (polls are at most 1 ms apart).
+    assert 0.3 <= nccl_clock.now < 0.3 + 1e-3
     assert "aborted" in str(info.value)
     assert nccl.comms[0].aborted
     with pytest.raises(CommunicatorError, match="broken"):
@@ -609,27 +742,28 @@ def test_nccl_fake_synchronize_timeout_aborts(fake_cupy: Callable[..., _FakeNccl
     assert not nccl.comms[0].destroyed
 
 
-def test_nccl_fake_async_error_aborts_fast(fake_cupy: Callable[..., _FakeNccl]) -> None:
+def test_nccl_fake_async_error_aborts_fast(
+    fake_cupy: Callable[..., _FakeNccl], nccl_clock: _Clock
+) -> None:
     nccl = fake_cupy()
     comm = _fake_comm(timeout_s=30)
     _FakeEvent.done = False
     nccl.comms[0].async_error = KeyError(6)  # how old cupy reports ncclRemoteError
-    t0 = time.monotonic()
     with pytest.raises(CommunicatorError, match="NCCL error code 6"):
         comm.synchronize()
-    assert time.monotonic() - t0 < 1.0
+    assert nccl_clock.now == 0.0  # seen at the first poll, before any wait
     assert nccl.comms[0].aborted
 
 
 def test_nccl_fake_init_timeout(fake_cupy: Callable[..., _FakeNccl]) -> None:
-    nccl = fake_cupy(init_delay=0.8)
-    t0 = time.monotonic()
+    nccl = fake_cupy(hold_init=True)
     with pytest.raises(CommunicatorError, match=r"nccl init: rank 0/2 .*timed out after 0\.2s"):
         _fake_comm(timeout_s=0.2)
-    assert time.monotonic() - t0 < 0.7
-    deadline = time.monotonic() + 5
+    assert not nccl.comms  # it gave up while ncclCommInitRank was still blocked
+    nccl.release_init.set()  # the peer finally shows up
+    deadline = time.monotonic() + 30  # the bound only stops a hung test
     while not nccl.comms and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert nccl.comms and nccl.comms[0].aborted  # the late communicator was freed
 
 
@@ -695,13 +829,11 @@ def _nccl_dead_peer_child(rank: int, ws: int, send: Callable, uid: bytes) -> Any
     if rank == 1:
         os._exit(0)
     time.sleep(0.5)
-    t0 = time.monotonic()
     with pytest.raises(CommunicatorError) as info:
         comm.all_reduce(torch.ones(1024, device=dev))
         comm.synchronize()
-    elapsed = time.monotonic() - t0
     comm.close()
-    return {"elapsed": elapsed, "message": str(info.value)}
+    return {"message": str(info.value)}
 
 
 # NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU
@@ -728,10 +860,9 @@ def test_nccl_two_ranks() -> None:
 
 @pytest.mark.cuda
 @needs_two_gpus
-def test_nccl_dead_peer_raises_within_timeout() -> None:
+def test_nccl_dead_peer_raises() -> None:
     with Group(_nccl_dead_peer_child, 2, new_nccl_unique_id(), method="spawn") as group:
         r = group.get(0, timeout=120)
         with contextlib.suppress(Exception):
             group.kill(1)
-    assert r["elapsed"] < 3.0 + 5.0, r
-    assert "rank 0" in r["message"], r
+    assert "rank 0" in r["message"] and "timeout 3s" in r["message"], r

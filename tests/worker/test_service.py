@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import numpy as np
 import pytest
@@ -154,11 +152,10 @@ def test_killed_peer_turns_into_an_error_not_a_hang(llama_dir):
         doomed = group.handles[1].stub.Decode(request, timeout=60)  # started; its process dies
         next(survivor)
         group.handles[1].process.kill()
-        start = time.monotonic()
+        # A hang would end at the call's 60 s deadline, as DEADLINE_EXCEEDED.
         with pytest.raises(grpc.RpcError) as err:
             for _ in survivor:
                 pass
-        assert time.monotonic() - start < 15
         error = ShardLMError.from_rpc_error(err.value)
         assert (error.code, error.reason) == (grpc.StatusCode.UNAVAILABLE, "PEER_FAILED")
         assert "RuntimeError" not in error.message  # no exception text leaks
