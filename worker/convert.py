@@ -21,7 +21,6 @@ from shardlm_server.worker.engine import (
     DecodeItem,
     Engine,
     EngineOptions,
-    FinishReason,
     PrefillItem,
     StepOutput,
     StopParams,
@@ -32,11 +31,6 @@ from shardlm_server.worker.sampling import SamplerSettings
 # Dtype enum <-> the engine's names and torch dtypes, derived from the one list of names.
 DTYPE_BY_ENUM = {common_pb2.Dtype.Value(dtype_enum_name(name)): name for name in DTYPE_NAMES}
 DTYPE_ENUMS = {DTYPES[name]: enum for enum, name in DTYPE_BY_ENUM.items()}
-FINISH_ENUMS = {
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
-    FinishReason.CONTEXT_LENGTH: common_pb2.FINISH_REASON_CONTEXT_LENGTH,
-}
 FORMAT_ENUMS = {"safetensors": common_pb2.CHECKPOINT_FORMAT_SAFETENSORS,
                 "gguf": common_pb2.CHECKPOINT_FORMAT_GGUF}
 MODE_ENUMS = {CacheMode.PAGED: common_pb2.KV_CACHE_MODE_PAGED,
@@ -141,8 +135,6 @@ def tokens_to_proto(output: StepOutput) -> list[worker_pb2.SequenceToken]:
     out = []
     for t in output.tokens:
         msg = worker_pb2.SequenceToken(sequence_id=t.sequence_id, token_id=t.token.token_id)
-        if t.finish_reason is not None:
-            msg.finish_reason = FINISH_ENUMS[t.finish_reason]
         if t.token.logprob is not None:
             msg.logprobs.chosen.token_id = t.token.token_id
             msg.logprobs.chosen.logprob = t.token.logprob

@@ -405,7 +405,7 @@ class Engine:
             seq.pending = token.token_id
             seq.generated += 1
             seq.finished = self._finish_reason(seq, token.token_id)
-            outputs.append(TokenOutput(seq.sequence_id, token, seq.finished))
+            outputs.append(TokenOutput(seq.sequence_id, token))
         return outputs
 
     def _finish_reason(self, seq: ResidentSequence, token_id: int) -> FinishReason | None:

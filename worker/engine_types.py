@@ -54,7 +54,6 @@ class DecodeItem:
 class TokenOutput:
     sequence_id: int
     token: SampledToken
-    finish_reason: FinishReason | None = None
 
 
 @dataclass

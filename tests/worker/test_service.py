@@ -97,16 +97,16 @@ def test_stream_stops_each_sequence_and_reset_frees_blocks(groups, llama_dir):
     reply = prefill(group, worker_pb2.PrefillRequest(sequences=[
         worker_pb2.PrefillSequence(sequence_id=i, token_ids=PROMPTS[i], block_table=table(i),
                                    stop=stops[i], sample=True) for i in range(2)]))
-    assert [t.finish_reason for t in reply.tokens] == [0, 0]
+    assert [t.sequence_id for t in reply.tokens] == [0, 1]
     steps = decode(group, worker_pb2.DecodeRequest(sequences=[
         worker_pb2.DecodeSequence(sequence_id=i, block_table=table(i)) for i in range(2)],
         num_steps=10))
-    per_seq = {0: [], 1: []}
+    per_seq = {0: 0, 1: 0}
     for step in steps:
         for t in step.tokens:
-            per_seq[t.sequence_id].append(t.finish_reason)
-    assert per_seq[0] == [0, common_pb2.FINISH_REASON_LENGTH]
-    assert per_seq[1] == [0, 0, 0, 0, common_pb2.FINISH_REASON_LENGTH]
+            per_seq[t.sequence_id] += 1
+    # Each stops at its max_new_tokens (the prefill sampled the first): 2 and 5 decode tokens.
+    assert per_seq == {0: 2, 1: 5}
     assert len(steps) == 5  # the call ends once every sequence has finished
     info = group.handles[0].stub.GetInfo(worker_pb2.GetInfoRequest())
     assert (info.live_sequences, info.used_blocks) == (2, 2 * BLOCKS)

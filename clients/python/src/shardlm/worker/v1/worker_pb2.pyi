@@ -413,21 +413,10 @@ class SequenceToken(google.protobuf.message.Message):
     SEQUENCE_ID_FIELD_NUMBER: builtins.int
     TOKEN_ID_FIELD_NUMBER: builtins.int
     LOGPROBS_FIELD_NUMBER: builtins.int
-    FINISH_REASON_FIELD_NUMBER: builtins.int
     sequence_id: builtins.int
     """The sequence it belongs to."""
     token_id: builtins.int
     """The sampled token id."""
-    finish_reason: shardlm.common.v1.common_pb2.FinishReason.ValueType
-    """FINISH_REASON_UNSPECIFIED while the sequence continues; otherwise why the
-    worker stopped decoding it with this token: LENGTH (max_new_tokens used),
-    STOP_TOKEN (one of stop_token_ids) or CONTEXT_LENGTH (no position left);
-    never EOS. The sequence takes no more steps in this call. The gateway
-    does not read it: it sent these limits and applies them to each token
-    itself (its finish policy), which also tells EOS apart and decides the
-    reason clients see. A finished sequence keeps its cache until ResetCache
-    drops it.
-    """
     @property
     def logprobs(self) -> shardlm.common.v1.common_pb2.Logprobs:
         """Log probabilities, when the sequence's sampling parameters ask for them
@@ -440,10 +429,9 @@ class SequenceToken(google.protobuf.message.Message):
         sequence_id: builtins.int = ...,
         token_id: builtins.int = ...,
         logprobs: shardlm.common.v1.common_pb2.Logprobs | None = ...,
-        finish_reason: shardlm.common.v1.common_pb2.FinishReason.ValueType = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["logprobs", b"logprobs"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "sequence_id", b"sequence_id", "token_id", b"token_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["logprobs", b"logprobs", "sequence_id", b"sequence_id", "token_id", b"token_id"]) -> None: ...
 
 global___SequenceToken = SequenceToken
 
