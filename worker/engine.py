@@ -45,6 +45,12 @@ from shardlm_server.worker.sampling import (
     SampledToken,
     TokenHistory,
 )
+from shardlm_server.worker.step_checks import (
+    check_block_table,
+    check_tokens,
+    check_unique,
+    finish_reason,
+)
 from shardlm_server.worker.step_sampler import PendingSample, StepSampler
 from shardlm_server.worker.transfer import to_device
 
@@ -197,7 +203,7 @@ class Engine:
         """Run the new tokens of several sequences as one packed batch; sample where asked."""
         if not items:
             raise InvalidRequestError("prefill needs at least one sequence")
-        self._check_unique([i.sequence_id for i in items])
+        check_unique([i.sequence_id for i in items])
         sequences = [self._prepare_prefill(item) for item in items]
         batch = build_prefill_batch(
             [(s.tokens, item.start_position, len(item.token_ids)) for s, item in
@@ -230,7 +236,7 @@ class Engine:
         """
         if num_steps <= 0:
             raise InvalidRequestError("num_steps must be positive")
-        self._check_unique([i.sequence_id for i in items])
+        check_unique([i.sequence_id for i in items])
         plan = [(self._prepare_decode(item, num_steps), item.max_steps) for item in items]
         tap_values = self._requested_taps(taps)
         if not plan:
@@ -283,10 +289,6 @@ class Engine:
         return self.sampler.launch(logits, [seqs[i] for i in live], live)
 
     # ----------------------------------------------------------------- internals
-    def _check_unique(self, ids: list[int]) -> None:
-        if len(set(ids)) != len(ids):
-            raise InvalidRequestError("a batch names the same sequence twice")
-
     def _requested_taps(self, names: list[str] | tuple[str, ...]) -> dict[str, torch.Tensor] | None:
         if not names:
             return None
@@ -298,31 +300,10 @@ class Engine:
             )
         return dict.fromkeys(names, torch.empty(0))
 
-    def _check_block_table(self, table: list[int], tokens: int, sequence_id: int) -> None:
-        bs, nb = self.cache.block_size, self.cache.num_blocks
-        if any(b < 0 or b >= nb for b in table):
-            raise InvalidRequestError(
-                f"sequence {sequence_id}: block table entries must be in [0, {nb})",
-                field="block_table",
-            )
-        if len(table) * bs < tokens:
-            raise InvalidRequestError(
-                f"sequence {sequence_id}: block table of {len(table)} blocks cannot hold "
-                f"{tokens} tokens (block size {bs})",
-                field="block_table",
-            )
-
-    def _check_tokens(self, token_ids: list[int], sequence_id: int) -> None:
-        vocab = self.cfg.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise InvalidRequestError(
-                f"sequence {sequence_id}: token ids must be in [0, {vocab})", field="token_ids"
-            )
-
     def _prepare_prefill(self, item: PrefillItem) -> ResidentSequence:
         if not item.token_ids:
             raise InvalidRequestError(f"sequence {item.sequence_id}: no tokens to prefill")
-        self._check_tokens(item.token_ids, item.sequence_id)
+        check_tokens(item.token_ids, item.sequence_id, self.cfg.vocab_size)
         end = item.start_position + len(item.token_ids)
         if end > self.cfg.max_position_embeddings:
             raise InvalidRequestError(
@@ -330,7 +311,7 @@ class Engine:
                 f"{self.cfg.max_position_embeddings}",
                 field="token_ids",
             )
-        self._check_block_table(item.block_table, end, item.sequence_id)
+        check_block_table(item.block_table, end, item.sequence_id, self.cache)
         prefix = self._prefix_of(item)
         seq = ResidentSequence(
             sequence_id=item.sequence_id,
@@ -354,7 +335,7 @@ class Engine:
                     f"{item.start_position}",
                     field="prefix_token_ids",
                 )
-            self._check_tokens(item.prefix_token_ids, item.sequence_id)
+            check_tokens(item.prefix_token_ids, item.sequence_id, self.cfg.vocab_size)
             return list(item.prefix_token_ids)
         known = self.sequences.get(item.sequence_id)
         if item.start_position > 0 and (known is None or known.num_cached < item.start_position):
@@ -377,7 +358,8 @@ class Engine:
                 f"sequence {item.sequence_id} already finished ({seq.finished.value})"
             )
         steps = min(num_steps, item.max_steps)
-        self._check_block_table(item.block_table, seq.num_cached + steps, item.sequence_id)
+        check_block_table(item.block_table, seq.num_cached + steps, item.sequence_id,
+                          self.cache)
         seq.block_table = list(item.block_table)
         if item.sampling is not None and item.sampling != seq.sampling:
             seq.sampling = item.sampling
@@ -404,20 +386,9 @@ class Engine:
         for seq, token in zip(seqs, tokens, strict=True):
             seq.pending = token.token_id
             seq.generated += 1
-            seq.finished = self._finish_reason(seq, token.token_id)
+            seq.finished = finish_reason(seq, token.token_id, self.cfg.max_position_embeddings)
             outputs.append(TokenOutput(seq.sequence_id, token))
         return outputs
-
-    def _finish_reason(self, seq: ResidentSequence, token_id: int) -> FinishReason | None:
-        """Whether the sequence leaves the batch after `token_id`: only what it was sent counts."""
-        if token_id in seq.stop.stop_token_ids:
-            return FinishReason.STOP_TOKEN
-        if seq.stop.max_new_tokens and seq.generated >= seq.stop.max_new_tokens:
-            return FinishReason.LENGTH
-        if seq.num_cached >= self.cfg.max_position_embeddings:
-            return FinishReason.CONTEXT_LENGTH  # no position left to feed the new token
-        return None
-
 
 class _SizeOnly(SingleRankCommunicator):
     """Stands in for a group of `world_size` ranks where only the size matters."""

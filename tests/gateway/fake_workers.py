@@ -72,14 +72,11 @@ class FakeWorkerPool:
         token = next_token(seq.cached)
         seq.pending = token
         seq.generated += 1
-        if token in seq.stop.stop_token_ids:
-            reason = common_pb2.FINISH_REASON_STOP_TOKEN
-        elif seq.stop.max_new_tokens and seq.generated >= seq.stop.max_new_tokens:
-            reason = common_pb2.FINISH_REASON_LENGTH
-        else:
-            reason = common_pb2.FINISH_REASON_UNSPECIFIED
-        seq.finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        return worker_pb2.SequenceToken(token_id=token, finish_reason=reason)
+        # As a worker does: the sequence takes no more steps of this call after a stop id or its
+        # last allowed token (the gateway applies the same limits to each token itself).
+        seq.finished = token in seq.stop.stop_token_ids or bool(
+            seq.stop.max_new_tokens and seq.generated >= seq.stop.max_new_tokens)
+        return worker_pb2.SequenceToken(token_id=token)
 
     async def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         self.prefills.append(request)
