@@ -2,7 +2,8 @@
 
 Two families with the shapes that break naive code: a Llama with grouped-query attention, a
 vocabulary that is no multiple of 64 and llama3 rope scaling, stored as a sharded checkpoint; and a
-Qwen2 with q/k/v biases and tied embeddings. Each folder also gets a small byte-level BPE
+Qwen2 with q/k/v biases and tied embeddings. MISTRAL is Llama's shape with an explicit head_dim
+and a sliding window (tests/worker/test_mistral.py). Each folder also gets a small byte-level BPE
 tokenizer.json trained here, so the gateway can be tested on the same folders.
 """
 
@@ -65,6 +66,26 @@ QWEN2 = dict(
 )
 
 
+MISTRAL = dict(
+    architectures=["MistralForCausalLM"],
+    vocab_size=1003,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,  # not hidden_size / heads, as in Mistral Nemo
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=1000000.0,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+)
+
+
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -93,7 +114,8 @@ def build_checkpoint(folder: Path, spec: dict, *, shard: bool = False, seed: int
     torch.manual_seed(seed)
     cls_name = spec["architectures"][0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
-                  "Qwen2ForCausalLM": transformers.Qwen2Config}[cls_name]
+                  "Qwen2ForCausalLM": transformers.Qwen2Config,
+                  "MistralForCausalLM": transformers.MistralConfig}[cls_name]
     config = config_cls(**{k: v for k, v in spec.items() if k != "architectures"})
     model = getattr(transformers, cls_name)(config).eval()
     with torch.no_grad():  # norms start at 1; perturb them so a wrong norm weight shows

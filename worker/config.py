@@ -1,7 +1,14 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Only the fields the engine needs are kept, validated once here so the rest of the code can trust
-them. Both supported families (Llama, Qwen2) share one decoder shape; the differences are flags.
+them. The supported families (Llama, Qwen2, Mistral) share one decoder shape; the differences are
+flags.
+
+Mistral is Llama's shape with an optional sliding window: a query attends to the `sliding_window`
+latest keys only. Until the attention kernels window, such a checkpoint is served with its context
+capped at the window, where windowed and full causal attention are the same computation (a query
+at position p < W sees every key 0..p either way), so its tokens are exact; one without a window,
+or whose window covers its whole context, is served at its full context.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Any
 
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,13 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"hidden_act '{raw.get('hidden_act')}' is not supported (only silu)")
     if raw.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention is not supported", field="use_sliding_window")
+    max_positions = _require(raw, "max_position_embeddings", int)
+    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if window is not None:
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            raise CheckpointError(f"sliding_window must be a positive integer or null, got "
+                                  f"{window!r}", field="sliding_window")
+        max_positions = min(max_positions, window)  # see the module docstring
     # transformers >= 5 writes rope_theta and the scaling under one `rope_parameters` object.
     rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
     rope_theta = (rope or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -132,7 +146,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=_require(raw, "max_position_embeddings", int),
+        max_position_embeddings=max_positions,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         rope_scaling=_validate_rope_scaling(rope_scaling),
