@@ -3,7 +3,8 @@
 Two families with the shapes that break naive code: a Llama with grouped-query attention, a
 vocabulary that is no multiple of 64 and llama3 rope scaling, stored as a sharded checkpoint; and a
 Qwen2 with q/k/v biases and tied embeddings. MISTRAL is Llama's shape with an explicit head_dim
-and a sliding window (tests/worker/test_mistral.py). Each folder also gets a small byte-level BPE
+and a sliding window (tests/worker/test_mistral.py); QWEN3 has per-head q/k norms and an
+explicit head_dim (tests/worker/test_qwen3.py). Each folder also gets a small byte-level BPE
 tokenizer.json trained here, so the gateway can be tested on the same folders.
 """
 
@@ -86,6 +87,27 @@ MISTRAL = dict(
 )
 
 
+QWEN3 = dict(
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=1002,  # even: the vocabulary is split over tensor-parallel ranks
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # not hidden_size / heads (12), as in the Qwen3 models
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    attention_bias=False,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+    use_sliding_window=False,
+)
+
+
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -115,7 +137,8 @@ def build_checkpoint(folder: Path, spec: dict, *, shard: bool = False, seed: int
     cls_name = spec["architectures"][0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
                   "Qwen2ForCausalLM": transformers.Qwen2Config,
-                  "MistralForCausalLM": transformers.MistralConfig}[cls_name]
+                  "MistralForCausalLM": transformers.MistralConfig,
+                  "Qwen3ForCausalLM": transformers.Qwen3Config}[cls_name]
     config = config_cls(**{k: v for k, v in spec.items() if k != "architectures"})
     model = getattr(transformers, cls_name)(config).eval()
     with torch.no_grad():  # norms start at 1; perturb them so a wrong norm weight shows

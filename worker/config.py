@@ -1,8 +1,9 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Only the fields the engine needs are kept, validated once here so the rest of the code can trust
-them. The supported families (Llama, Qwen2, Mistral) share one decoder shape; the differences are
-flags.
+them. The supported families (Llama, Qwen2, Qwen3, Mistral) share one decoder shape; the
+differences are flags (Qwen3's: an RMS norm over each query and key head before the rotary
+embedding, and biases only where `attention_bias` says).
 
 Mistral is Llama's shape with an optional sliding window: a query attends to the `sliding_window`
 latest keys only. Until the attention kernels window, such a checkpoint is served with its context
@@ -20,7 +21,8 @@ from typing import Any
 
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3: per-head RMS norms on q and k (weights [head_dim])
 
     @property
     def q_size(self) -> int:
@@ -157,6 +160,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        qk_norm=arch == "Qwen3ForCausalLM",
     )
 
 

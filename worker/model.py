@@ -74,6 +74,11 @@ class DecoderLayer:
             reader, parallel, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size, cfg.mlp_bias
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        # Qwen3's per-head norms: one weight over a head's features, the same on every rank.
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = reader.read(f"{prefix}.self_attn.q_norm.weight", (cfg.head_dim,))
+            self.k_norm = reader.read(f"{prefix}.self_attn.k_norm.weight", (cfg.head_dim,))
 
     def forward_blocks(
         self,
@@ -115,6 +120,9 @@ class DecoderLayer:
             self._tap(taps, "input_norm", hidden)
         qkv = self.qkv(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self._head_norm(q, self.q_norm, self.num_heads)
+            k = self._head_norm(k, self.k_norm, self.num_kv_heads)
         ops.rotary_embedding(meta.positions, q, k, self.head_dim, cos_sin)
         if taps is not None:
             self._tap(taps, "q", q, gather=True)
@@ -130,6 +138,13 @@ class DecoderLayer:
             self._tap(taps, "mlp_output", hidden)
         return hidden, residual
 
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
+        """RMS norm over each head's features of [tokens, heads * head_dim], into a fresh tensor
+        (`x` is a view into the fused qkv output, not contiguous)."""
+        rows = x.reshape(-1, heads, self.head_dim).contiguous()
+        ops.rms_norm(rows, weight, self.eps, out=rows)
+        return rows.view(x.shape[0], heads * self.head_dim)
+
     def _tap(self, taps: Taps, kind: str, value: torch.Tensor, gather: bool = False) -> None:
         name = f"layers.{self.index}.{kind}"
         if name not in taps:
@@ -141,7 +156,7 @@ class DecoderLayer:
 
 
 class TransformerModel:
-    """Llama / Qwen2 decoder for one tensor-parallel rank."""
+    """Llama / Qwen2 / Qwen3 / Mistral decoder for one tensor-parallel rank."""
 
     def __init__(
         self,
@@ -178,7 +193,9 @@ class TransformerModel:
         # On CPU each layer runs as two fused ops (DecoderLayer.forward_blocks) unless debug taps
         # are asked for. A single CPU rank runs all of them in one call; tensor parallelism
         # reduces partial sums between a layer's two halves, so its ranks call them layer by layer.
-        self.stack = (self._decoder_stack() if device.type == "cpu" and parallel.world_size == 1
+        # The fused CPU ops have no per-head q/k norms: a Qwen3 model runs op by op.
+        self.fused_cpu = device.type == "cpu" and not cfg.qk_norm
+        self.stack = (self._decoder_stack() if self.fused_cpu and parallel.world_size == 1
                       else None)
         self.cos_sin = ops.compute_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -210,7 +227,7 @@ class TransformerModel:
         """Logits (float32) for each sequence's last token: [B, vocab]."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
-        fused = self.device.type == "cpu" and taps is None
+        fused = self.fused_cpu and taps is None
         if fused and self.stack is not None:
             hidden, residual = self.stack.forward(hidden, self.cos_sin, kv_caches, meta)
         else:
