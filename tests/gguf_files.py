@@ -26,7 +26,7 @@ MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "
 
 @dataclass
 class GGUFSpec:
-    arch: str  # "llama" or "qwen2"
+    arch: str  # "llama", "qwen2" or "qwen3" (per-head q/k norms)
     hidden: int = 256
     intermediate: int = 512
     layers: int = 2
@@ -139,6 +139,9 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
         if spec.bias:
             shapes.update({f"{b}.attn_q.bias": (q,), f"{b}.attn_k.bias": (kv,),
                            f"{b}.attn_v.bias": (kv,)})
+        if a == "qwen3":
+            shapes.update({f"{b}.attn_q_norm.weight": (spec.head_dim,),
+                           f"{b}.attn_k_norm.weight": (spec.head_dim,)})
     originals = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):

@@ -32,11 +32,15 @@ BLOCKS = list(range(16))
 def _spec(arch: str) -> GGUFSpec:
     if arch == "llama":  # grouped-query attention, untied head, permuted Q/K
         return every_type_once(GGUFSpec("llama", tied=False), ALL_TYPES)
+    if arch == "qwen3":  # per-head q/k norms, no biases, untied head; head_dim 128, because
+        # transformers reads no key_length from the file and takes Qwen3's default
+        return every_type_once(GGUFSpec("qwen3", heads=2, kv_heads=1, rope_base=1e6, eps=1e-6),
+                               ALL_TYPES, offset=11)
     return every_type_once(GGUFSpec("qwen2", tied=True, bias=True, rope_base=1e6, eps=1e-6),
                            ALL_TYPES, offset=7)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def gguf_model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"gguf-{request.param}")
     spec = _spec(request.param)
@@ -66,10 +70,13 @@ def test_the_files_cover_every_supported_type_and_both_heads():
 def test_config_comes_from_the_metadata(loaded):
     engine, reference, spec = loaded
     cfg = engine.cfg
-    assert cfg.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[spec.arch]
+    assert cfg.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                "qwen3": "Qwen3ForCausalLM"}[spec.arch]
+    assert cfg.qk_norm == (spec.arch == "qwen3")
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (
         spec.layers, spec.hidden, spec.intermediate)
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (spec.heads, spec.kv_heads, 64)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (spec.heads, spec.kv_heads,
+                                                                spec.head_dim)
     assert cfg.max_position_embeddings == spec.context
     assert cfg.rope_theta == pytest.approx(spec.rope_base)
     assert cfg.rms_norm_eps == pytest.approx(spec.eps)

@@ -1,4 +1,4 @@
-"""A GGUF file's model configuration: its `llama.*` / `qwen2.*` metadata rewritten as the
+"""A GGUF file's model configuration: its `llama.*` / `qwen2.*` / `qwen3.*` metadata rewritten as the
 config.json fields `worker.config.parse_config` validates, so both formats share one set of checks.
 """
 
@@ -10,7 +10,8 @@ from shardlm_server.worker.config import ModelConfig, parse_config
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 from shardlm_server.worker.gguf.file import GGUFFile, T
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 def _key(file: GGUFFile, key: str, kind: type, default: Any = None) -> Any:

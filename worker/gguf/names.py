@@ -23,12 +23,14 @@ _BLOCK = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
-# Architectures whose converter permutes the Q/K rows (Qwen2 keeps Hugging Face's order).
+# Architectures whose converter permutes the Q/K rows (Qwen2 and Qwen3 keep Hugging Face's order).
 PERMUTED_ARCHITECTURES = ("llama",)
 
 
