@@ -8,10 +8,11 @@ import none. Every import counts, also those inside functions."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.import_statements import file_package, import_statements
 
 ROOT = Path(__file__).resolve().parents[1]
 SDK = ROOT / "clients" / "python" / "src" / "shardlm"
@@ -22,19 +23,8 @@ PACKAGES = {GATEWAY: ROOT / "gateway", WORKER: ROOT / "worker", "shardlm": SDK}
 
 def imported_modules(path: Path, package_dir: Path, package: str) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import statement in the file."""
-    here = [*package.split("."), *path.parent.relative_to(package_dir).parts]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the file's package
-                base = here[:len(here) - node.level + 1]
-                name = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                name = node.module or ""
-            found.append((node.lineno, name))
-    return sorted(found)
+    return [(s.line, s.module)
+            for s in import_statements(path, file_package(path, package_dir, package))]
 
 
 def crossings(package: str) -> list[str]:

@@ -7,10 +7,11 @@ and do not."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.import_statements import import_statements
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"shardlm_server.gateway": ROOT / "gateway", "shardlm_server.worker": ROOT / "worker"}
@@ -21,45 +22,22 @@ def module_name(path: Path, package_dir: Path, package: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _run_imports(node: ast.AST):
-    """The import statements under `node` that can run: all of them but those guarded by
-    `if TYPE_CHECKING:` (its `else` branch runs)."""
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        yield node
-        return
-    if isinstance(node, ast.If) and _is_type_checking(node.test):
-        children: list[ast.AST] = list(node.orelse)
-    else:
-        children = list(ast.iter_child_nodes(node))
-    for child in children:
-        yield from _run_imports(child)
-
-
 def module_imports(path: Path, name: str, known: set[str]) -> set[str]:
     """The project modules (of `known`) that the module `name` at `path` imports.
     `from package import module` counts as importing the module, not the package (a package is
     always imported before its modules; only what the statement asks of it counts)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     found: set[str] = set()
-    for node in _run_imports(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                source = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                source = node.module or ""
-            modules = {f"{source}.{alias.name}" for alias in node.names} & known
-            found |= modules
-            if len(modules) < len(node.names):  # some names are the package's own attributes
-                found.add(source)
+    for statement in import_statements(path, package):
+        if statement.type_checking_only:
+            continue
+        if not statement.names:
+            found.add(statement.module)
+            continue
+        modules = {f"{statement.module}.{n}" for n in statement.names} & known
+        found |= modules
+        if len(modules) < len(statement.names):  # some names are the package's own attributes
+            found.add(statement.module)
     return {m for m in found if m in known and m != name}
 
 

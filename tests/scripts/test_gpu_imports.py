@@ -7,13 +7,13 @@ fails here, in CI, and not at collection time on a lent GPU."""
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import re
 import shlex
 import sys
 from pathlib import Path
 
+from tests.import_statements import import_statements
 from tests.scripts.test_gpu_check import SCRIPT, probe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,22 +75,12 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path) -> set[str]:
     """The full names each import statement of the file may load (anywhere in the file)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            names.add(module)
-            names |= {f"{module}.{alias.name}" for alias in node.names}  # may be submodules
+    for statement in import_statements(path, package):
+        names.add(statement.module)
+        names |= {f"{statement.module}.{n}" for n in statement.names}  # may be submodules
     return names
 
 
