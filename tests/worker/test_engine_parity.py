@@ -9,6 +9,8 @@ from shardlm_server.worker.engine import DecodeItem, Engine, FinishReason, Prefi
 from shardlm_server.worker.kv_cache import CacheConfig
 from shardlm_server.worker.sampling import SamplerSettings
 from tests.checkpoints import load_reference
+from tests.worker import greedy_runs
+from tests.worker.greedy_runs import prompt, reference_greedy
 
 BLOCK = 16
 BLOCKS_PER_SEQ = 16  # 256 tokens per test sequence
@@ -36,11 +38,6 @@ def pair(request, engines):
     return engine, reference
 
 
-def prompt(length: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (length,), generator=g).tolist()
-
-
 def ref_logits(reference, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return reference(torch.tensor([ids])).logits[0].float()
@@ -62,23 +59,14 @@ def test_prefill_and_decode_logits_match(pair):
 
 
 def greedy_tokens(engine: Engine, seq: int, ids: list[int], n: int) -> list[int]:
-    stop = StopParams(max_new_tokens=n)
-    first = engine.prefill([PrefillItem(seq, ids, 0, table(seq), stop=stop)])
-    tokens = [first.tokens[0].token.token_id]
-    for step in engine.decode([DecodeItem(seq, table(seq), n)], n):
-        tokens += [t.token.token_id for t in step.tokens]
-    return tokens
+    return greedy_runs.greedy_tokens(engine, seq, ids, n, table(seq))
 
 
 def test_64_greedy_tokens_equal_transformers_generate(pair):
     engine, reference = pair
     ids = prompt(21, engine.cfg.vocab_size, 2)
     ours = greedy_tokens(engine, 0, ids, 64)
-    with torch.no_grad():
-        theirs = reference.generate(
-            torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(ids):].tolist()
+    theirs = reference_greedy(reference, ids, 64)
     assert ours == theirs
 
 

@@ -24,6 +24,7 @@ from tests.gguf_files import (
     every_type_once,
     write_gguf,
 )
+from tests.worker.greedy_runs import reference_greedy
 
 ALL_TYPES = [t for t in SUPPORTED_TYPES if t != T.F32] + [T.F32]
 BLOCKS = list(range(16))
@@ -101,10 +102,7 @@ def test_logits_and_greedy_tokens_equal_transformers_on_the_same_file(loaded):
     ours = [out.tokens[0].token.token_id]
     for step in engine.decode([DecodeItem(0, BLOCKS, n)], n):
         ours += [t.token.token_id for t in step.tokens]
-    with torch.no_grad():
-        theirs = reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert ours == theirs
+    assert ours == reference_greedy(reference, ids, n)
 
 
 def test_llama_cpp_q_k_permutation_is_undone(tmp_path):

@@ -5,37 +5,21 @@ capped at the window (worker/config.py says why that is exact)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shardlm_server.worker.config import parse_config
-from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.engine import Engine, PrefillItem
 from shardlm_server.worker.errors import CheckpointError, InvalidRequestError
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import MISTRAL, build_checkpoint, load_reference
+from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy
 
 BLOCK = 16
 WINDOW = 48
 TABLE = list(range(32))  # 512 tokens
 
 
-def prompt(length: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (length,), generator=g).tolist()
-
-
 def greedy(engine: Engine, ids: list[int], n: int) -> list[int]:
-    stop = StopParams(max_new_tokens=n)
-    first = engine.prefill([PrefillItem(0, ids, 0, TABLE, stop=stop)])
-    tokens = [first.tokens[0].token.token_id]
-    for step in engine.decode([DecodeItem(0, TABLE, n)], n):
-        tokens += [t.token.token_id for t in step.tokens]
-    return tokens
-
-
-def reference_greedy(reference, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        return reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    return greedy_tokens(engine, 0, ids, n, TABLE)
 
 
 @pytest.fixture(scope="module", params=[None, WINDOW], ids=["no_window", "window"])

@@ -15,7 +15,9 @@ from shardlm_server.worker.engine import Engine, PrefillItem
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import QWEN3, build_checkpoint, load_reference
 from tests.gateway.conftest import LiveGateway
-from tests.worker.test_mistral import TABLE, greedy, prompt, reference_greedy
+from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy
+
+TABLE = list(range(32))  # 512 tokens
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def test_64_greedy_tokens_equal_transformers(qwen3):
     engine, reference = qwen3
     engine.reset()
     ids = prompt(21, engine.cfg.vocab_size, 7)
-    assert greedy(engine, ids, 64) == reference_greedy(reference, ids, 64)
+    assert greedy_tokens(engine, 0, ids, 64, TABLE) == reference_greedy(reference, ids, 64)
 
 
 def test_two_ranks_serve_the_same_greedy_tokens(qwen3_dir, qwen3):
