@@ -55,13 +55,19 @@ MACHINE_PACKAGES = {
     "pyyaml": "yaml", "requests": "requests", "tqdm": "tqdm",
     "typing-extensions": "typing_extensions",
 }
-# Distributions the checked code imports only on paths the GPU check does not take.
+# Distributions pyproject.toml names or the checked code imports, that the GPU check does not
+# need: imported only on paths it does not take, or development tools nothing it runs imports.
+_DEV_TOOL = "a development tool of the test extra: nothing the GPU check runs imports it"
 NOT_NEEDED = {
     "cupy-cuda13x": "the NCCL tests need CuPy and skip without it",
     "cupy-cuda12x": "the NCCL tests need CuPy and skip without it",
     "llama-cpp-python": "only `bench.run --model`, the CPU comparison with llama.cpp",
     "hypothesis": "only the fuzz tests, which the GPU check does not select",
     "smg": "only the SMG router tests, which the GPU check does not select",
+    "jsonschema": "only the deployment-manifest tests, which the GPU check does not select",
+    "kubernetes-validate": "only the deployment-manifest tests, which the GPU check does not select",
+    "accelerate": "transformers' optional loading helper: the test checkpoints load without it",
+    **dict.fromkeys(("ruff", "buf-bin", "mypy", "types-grpcio", "types-protobuf"), _DEV_TOOL),
 }
 CARRY_HINT = ("run `make gpu-wheels` where pip reaches a registry and name .whl in the device "
               "call's carry (README, GPU verification)")

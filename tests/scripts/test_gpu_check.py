@@ -31,9 +31,6 @@ def load(name: str):
 
 
 probe, summary = load("gpu_probe"), load("gpu_summary")
-# Development tools of pyproject's test extra that nothing the GPU check runs imports.
-TEST_ONLY_TOOLS = {"ruff", "buf-bin", "mypy", "types-grpcio", "types-protobuf",
-                   "kubernetes-validate", "jsonschema", "accelerate"}
 
 
 def run(tmp_path: Path, *args: str, path_prefix: str | None = None,
@@ -185,8 +182,7 @@ def test_the_pins_meet_pyproject():
 def test_every_project_dependency_is_accounted_for():
     """A runtime dependency the machine lacks and nobody carries would stop `shardlm serve`."""
     for requirement in probe.project_requirements().values():
-        assert probe.normalize(requirement.name) in probe.known_distributions() or \
-            requirement.name in TEST_ONLY_TOOLS, requirement.name
+        assert probe.normalize(requirement.name) in probe.known_distributions(), requirement.name
 
 
 def test_unmet_requirements_say_what_is_needed_and_what_is_here(monkeypatch):
