@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardlm_server.gateway.workers import processes
+from tests.gateway.held_workers import worker_pids
 from tests.gateway.test_serve import start_serve
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
@@ -22,18 +23,11 @@ def maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text(errors="replace")
 
 
-def children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for task in tasks.iterdir()
-            for c in (task / "children").read_text().split()]
-
-
 @pytest.mark.skipif(processes.nvidia_driver_present(), reason="this machine has an NVIDIA driver")
 def test_serve_without_a_device_keeps_torch_out_of_the_gateway():
     proc, _address = start_serve("--no-model")
     try:
-        workers = children(proc.pid)
-        assert workers, "serve started no worker"
+        workers = worker_pids(proc.pid)  # raises when serve started none
         assert not maps_torch(proc.pid)
         assert all(maps_torch(pid) for pid in workers)  # the check can see torch where it is
     finally:
