@@ -170,6 +170,13 @@ class ServeConfig:
     step_timeout: float = setting(
         120.0, "seconds one worker step may take before the worker counts as failed", "limits",
         minimum=0.001)
+    constraint_compile_timeout: float = setting(
+        1.0, "seconds a request's constraint (JSON schema, regex, grammar) may take to compile; "
+        "longer is refused (RESOURCE_EXHAUSTED) without touching other requests", "limits",
+        minimum=0.001)
+    max_constraint_bytes: int = setting(
+        65536, "largest constraint (schema, regex, grammar or choices, in bytes) a request may "
+        "send", "limits", minimum=1)
     # ---------------------------------------------------------------- engine
     cuda_graphs: bool = setting(True, "replay captured CUDA graphs for decode steps", "engine")
     cuda_graph_max_batch: int = setting(
@@ -195,6 +202,8 @@ class ServeConfig:
             prefill_token_budget=self.prefill_token_budget,
             max_decode_steps=self.max_decode_steps, decode_call_s=self.decode_call_ms / 1000,
             step_timeout_s=self.step_timeout,
+            constraint_compile_timeout_s=self.constraint_compile_timeout,
+            max_constraint_bytes=self.max_constraint_bytes,
             prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope)
 
     def kv_cache(self) -> common_pb2.KvCacheConfig:
@@ -249,6 +258,8 @@ class Limits:
     max_decode_steps: int = default("max_decode_steps")
     decode_call_s: float = default("decode_call_ms") / 1000
     step_timeout_s: float = default("step_timeout")
+    constraint_compile_timeout_s: float = default("constraint_compile_timeout")
+    max_constraint_bytes: int = default("max_constraint_bytes")
     prefix_cache: bool = default("prefix_cache")
     prefix_cache_scope: str = default("prefix_cache_scope")
 

@@ -62,6 +62,22 @@ class Metrics:
         self.prefix_cache_idle_blocks = Gauge(
             "shardlm_prefix_cache_idle_blocks",
             "Cached prefix blocks no sequence holds (reclaimed first).", registry=r)
+        self.constraint_compile_seconds = Histogram(
+            "shardlm_constraint_compile_seconds",
+            "Compiling a request's constraint to a grammar (cache hits excluded).", ["kind"],
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r)
+        self.constraint_mask_seconds = Histogram(
+            "shardlm_constraint_mask_seconds",
+            "Per worker step with constrained sequences: making and applying their token masks "
+            "on the sampling rank.", buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                                              0.005, 0.01, 0.025, 0.1), registry=r)
+        self.constrained_requests = Counter(
+            "shardlm_constrained_requests_total", "Calls that carried a constraint, by kind.",
+            ["kind"], registry=r)
+        self.constraint_failures = Counter(
+            "shardlm_constraint_failures_total",
+            "Constraints refused, by reason (INVALID_CONSTRAINT, CONSTRAINT_TOO_LARGE, "
+            "CONSTRAINT_COMPILE_TIMEOUT).", ["reason"], registry=r)
         self.worker_restarts = Counter("shardlm_worker_restarts_total",
                                        "Worker group restarts by the supervisor.", registry=r)
 

@@ -2,7 +2,8 @@
 workers never import gateway code, and the SDK imports neither (it names the server's modules
 only as strings, for `shardlm serve` / `shardlm worker`). Inside the gateway, calls go one way
 between its rooms: `serve` starts the `api`, the API calls `batching`, batching calls `kv`,
-`workers` and `text`, and never the reverse; rooms of one level (kv, workers, text) stay apart,
+`workers`, `text` and `constraints`, and never the reverse; rooms of one level (kv, workers,
+text, constraints) stay apart,
 and the modules at the gateway's top (settings, metrics, error details) are for every room and
 import none. Every import counts, also those inside functions."""
 
@@ -53,7 +54,8 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
 
 
 # The gateway's rooms, by level: a room may import its own modules and those of lower levels.
-ROOM_LEVELS = {"serve": 4, "api": 3, "batching": 2, "kv": 1, "workers": 1, "text": 1}
+ROOM_LEVELS = {"serve": 4, "api": 3, "batching": 2, "kv": 1, "workers": 1, "text": 1,
+               "constraints": 1}
 BASE_LEVEL = 0  # gateway/*.py: config, metrics, details
 
 

@@ -25,6 +25,7 @@ from shardlm_server.worker.engine import (
     StepOutput,
     StopParams,
 )
+from shardlm_server.worker.grammar import SequenceConstraint
 from shardlm_server.worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
 from shardlm_server.worker.sampling import SamplerSettings
 
@@ -102,6 +103,10 @@ def model_info_to_proto(engine: Engine) -> common_pb2.ModelInfo:
     return info
 
 
+def constraint_from_proto(p: worker_pb2.GrammarConstraint) -> SequenceConstraint:
+    return SequenceConstraint(grammar=p.grammar, start_position=p.start_position)
+
+
 def prefill_items(request: worker_pb2.PrefillRequest) -> list[PrefillItem]:
     return [
         PrefillItem(
@@ -113,6 +118,7 @@ def prefill_items(request: worker_pb2.PrefillRequest) -> list[PrefillItem]:
             stop=stop_from_proto(s.stop),
             sample=s.sample,
             prefix_token_ids=list(s.prefix_token_ids),
+            constraint=constraint_from_proto(s.constraint) if s.HasField("constraint") else None,
         )
         for s in request.sequences
     ]
@@ -126,6 +132,7 @@ def decode_items(request: worker_pb2.DecodeRequest) -> list[DecodeItem]:
             max_steps=s.max_steps or request.num_steps,
             sampling=sampling_from_proto(s.sampling) if s.HasField("sampling") else None,
             stop=stop_from_proto(s.stop) if s.HasField("stop") else None,
+            constraint=constraint_from_proto(s.constraint) if s.HasField("constraint") else None,
         )
         for s in request.sequences
     ]
@@ -134,7 +141,8 @@ def decode_items(request: worker_pb2.DecodeRequest) -> list[DecodeItem]:
 def tokens_to_proto(output: StepOutput) -> list[worker_pb2.SequenceToken]:
     out = []
     for t in output.tokens:
-        msg = worker_pb2.SequenceToken(sequence_id=t.sequence_id, token_id=t.token.token_id)
+        msg = worker_pb2.SequenceToken(sequence_id=t.sequence_id, token_id=t.token.token_id,
+                                       constraint_complete=t.constraint_complete)
         if t.token.logprob is not None:
             msg.logprobs.chosen.token_id = t.token.token_id
             msg.logprobs.chosen.logprob = t.token.logprob

@@ -36,6 +36,7 @@ from shardlm_server.worker.engine_types import (  # noqa: F401 - the engine's AP
 )
 from shardlm_server.worker.eos import checkpoint_eos_ids
 from shardlm_server.worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
+from shardlm_server.worker.grammar import GrammarRuntime, PendingMasks, SequenceConstraint
 from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from shardlm_server.worker.layers import Parallel
 from shardlm_server.worker.loader import load_checkpoint_config, open_checkpoint
@@ -80,6 +81,7 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         graph_config: GraphConfig | None = None,
         source: CheckpointSource | None = None,
+        grammar: GrammarRuntime | None = None,
     ) -> None:
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -94,6 +96,7 @@ class Engine:
         self.cache = self._allocate(cache_config)
         self.runner = self._decode_runner()
         self.sampler = StepSampler(self.comm, self.device)
+        self.grammar = grammar  # constrained decoding, on the sampling rank (rank 0) only
         self._tap_names = frozenset(tap_names(self.cfg.num_layers))
 
     # ----------------------------------------------------------------- loading and the cache
@@ -120,9 +123,11 @@ class Engine:
         cache_config: CacheConfig | None = None,
         options: EngineOptions | None = None,
         quantize: str = "",
+        tokenizer_json: str = "",
         progress: Callable[[float, str], None] = lambda _f, _m: None,
     ) -> Engine:
-        """`quantize`: how linear weights are kept on CPU (worker.quant.QUANTIZE_MODES)."""
+        """`quantize`: how linear weights are kept on CPU (worker.quant.QUANTIZE_MODES).
+        `tokenizer_json` (Hugging Face tokenizers JSON) enables constrained decoding on rank 0."""
         options = options or EngineOptions()
         ops.set_cpu_simd(options.cpu_simd)
         model_dir = Path(model_dir)
@@ -136,8 +141,10 @@ class Engine:
             model = TransformerModel(cfg, parallel, reader, device, progress)
             source = CheckpointSource(reader.format, tuple(reader.tensor_types))
         eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)
+        grammar = (GrammarRuntime(tokenizer_json, cfg.vocab_size, eos)
+                   if tokenizer_json and comm.rank == 0 else None)
         return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos,
-                   options.graphs, source)
+                   options.graphs, source, grammar)
 
     def _allocate(self, config: CacheConfig) -> KVCache:
         return KVCache(
@@ -213,15 +220,17 @@ class Engine:
             self.device,
         )
         tap_values = self._requested_taps(taps)
-        logits = self.model.forward(batch.input_ids, batch.meta, self.cache.layers, tap_values)
         rows = [row for row, item in enumerate(items) if item.sample]
+        picked = [sequences[r] for r in rows]
+        masks = self._start_masks(picked)  # made while the forward pass runs
+        logits = self.model.forward(batch.input_ids, batch.meta, self.cache.layers, tap_values)
         if not rows:
             return StepOutput([], tap_values or {})
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
-        picked = [sequences[r] for r in rows]
-        tokens = self.sampler.collect(self.sampler.launch(logits, picked, rows))
-        return StepOutput(self._advance(picked, tokens), tap_values or {})
+        pending = self.sampler.launch(logits, picked, rows, masks)
+        tokens = self.sampler.collect(pending)
+        return StepOutput(self._advance(picked, tokens), tap_values or {}, pending.mask_seconds)
 
     def decode(
         self, items: list[DecodeItem], num_steps: int, taps: list[str] | tuple[str, ...] = ()
@@ -262,7 +271,8 @@ class Engine:
                 step += 1
                 previous, live = pending, live_rows(step) if step < num_steps else []
                 pending = self._launch_decode(call, seqs, live, previous) if live else None
-                yield StepOutput(outputs, (tap_values or {}) if step == 1 else {})
+                yield StepOutput(outputs, (tap_values or {}) if step == 1 else {},
+                                 previous.mask_seconds)
         finally:
             # A caller that stops reading leaves one step queued; its tokens are dropped (the
             # sequences stay as after the last step read) but its reads of the step buffers
@@ -283,10 +293,12 @@ class Engine:
         else:  # the ids are the previous step's samples, still on the device
             call.buffers.stage(call.rows, live, None, positions, slots)
             call.buffers.feed_ids(previous.rows, previous.ids)
+        stepping = [seqs[i] for i in live]
+        masks = self._start_masks(stepping)  # made while the forward pass runs
         logits = call.run(taps)
         if live != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(live, torch.int64, self.device))
-        return self.sampler.launch(logits, [seqs[i] for i in live], live)
+        return self.sampler.launch(logits, stepping, live, masks)
 
     # ----------------------------------------------------------------- internals
     def _requested_taps(self, names: list[str] | tuple[str, ...]) -> dict[str, torch.Tensor] | None:
@@ -321,6 +333,8 @@ class Engine:
             stop=item.stop,
         )
         self._attach_sampler_state(seq)
+        if item.sample:
+            seq.matcher = self._matcher(item.constraint, seq.tokens, seq.sequence_id)
         self.sequences[item.sequence_id] = seq
         return seq
 
@@ -366,7 +380,26 @@ class Engine:
             self._attach_sampler_state(seq)  # new parameters: new generator and penalty state
         if item.stop is not None:  # a new call with its own limits: count from here
             seq.stop, seq.generated, seq.finished = item.stop, 0, None
+        if item.constraint is not None:
+            seq.matcher = self._matcher(item.constraint, [*seq.tokens, seq.pending],
+                                        seq.sequence_id)
         return seq
+
+    def _matcher(self, constraint: SequenceConstraint | None, tokens: list[int],
+                 sequence_id: int):
+        """The sequence's grammar matcher after `tokens` (None: unconstrained, or not rank 0)."""
+        if constraint is None or not constraint.grammar or self.comm.rank != 0:
+            return None
+        if self.grammar is None:
+            raise InvalidRequestError(
+                "constrained decoding needs the tokenizer with Load (LoadRequest.tokenizer_json)",
+                field="constraint")
+        return self.grammar.matcher(constraint, tokens, sequence_id)
+
+    def _start_masks(self, seqs: list[ResidentSequence]) -> PendingMasks | None:
+        if self.grammar is None:
+            return None
+        return self.grammar.start_masks([s.matcher for s in seqs])
 
     def _attach_sampler_state(self, seq: ResidentSequence) -> None:
         if self.comm.rank != 0:
@@ -387,7 +420,13 @@ class Engine:
             seq.pending = token.token_id
             seq.generated += 1
             seq.finished = finish_reason(seq, token.token_id, self.cfg.max_position_embeddings)
-            outputs.append(TokenOutput(seq.sequence_id, token))
+            complete = False
+            if seq.matcher is not None:
+                complete = GrammarRuntime.consume(seq.matcher, token.token_id)
+                if complete:
+                    seq.matcher = None  # nothing more to mask
+                    seq.finished = seq.finished or FinishReason.CONSTRAINT_COMPLETE
+            outputs.append(TokenOutput(seq.sequence_id, token, complete))
         return outputs
 
 class _SizeOnly(SingleRankCommunicator):

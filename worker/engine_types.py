@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import torch
 
+from shardlm_server.worker.grammar import SequenceConstraint
 from shardlm_server.worker.sampling import SampledToken, SamplerSettings, TokenHistory
 
 
@@ -16,6 +18,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # its max_new_tokens budget is used up
     STOP_TOKEN = "stop_token"  # it generated one of its stop ids
     CONTEXT_LENGTH = "context_length"  # no position left to feed the new token
+    CONSTRAINT_COMPLETE = "constraint_complete"  # its grammar allows no further token
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class PrefillItem:
     # The ids of the first start_position tokens, when their K/V is a prefix another sequence
     # computed (cached by the gateway) and this worker does not know the sequence.
     prefix_token_ids: list[int] = field(default_factory=list)
+    constraint: SequenceConstraint | None = None  # after this prefill (read when sampling)
 
 
 @dataclass
@@ -48,18 +52,22 @@ class DecodeItem:
     max_steps: int
     sampling: SamplerSettings | None = None  # replaces the sequence's parameters when given
     stop: StopParams | None = None
+    # Replaces the sequence's constraint when given (an empty grammar removes it).
+    constraint: SequenceConstraint | None = None
 
 
 @dataclass
 class TokenOutput:
     sequence_id: int
     token: SampledToken
+    constraint_complete: bool = False  # its constraint allows nothing after this token
 
 
 @dataclass
 class StepOutput:
     tokens: list[TokenOutput]
     taps: dict[str, torch.Tensor] = field(default_factory=dict)
+    mask_seconds: float = 0.0  # constrained rows' masks in this step (rank 0)
 
 
 @dataclass
@@ -76,6 +84,7 @@ class ResidentSequence:
     finished: FinishReason | None = None
     generator: torch.Generator | None = None
     history: TokenHistory | None = None
+    matcher: Any = None  # llguidance's LLMatcher of its constraint, on rank 0 (worker/grammar.py)
 
     @property
     def num_cached(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardlm_server.worker.grammar import StepMasks, apply_masks
 from shardlm_server.worker.transfer import to_device, to_host_async
 
 MAX_TOP_LOGPROBS = 20
@@ -132,8 +133,11 @@ def truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
+                     masks: StepMasks | None = None) -> DeviceSample:
     """Choose one token per row of `logits` ([B, V] float32) without waiting on the device.
+    `masks` (constrained decoding) leave their rows only the tokens their grammars allow, after
+    the penalties; the truncations and the draw then see only those.
 
     The rows' penalty histories are read, not updated: call `record_outputs` with the chosen ids
     before the next sampling call of the same sequences.
@@ -141,6 +145,8 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     device = logits.device
     raw = logits
     logits = apply_penalties(logits, rows)
+    if masks is not None:
+        logits = apply_masks(logits, masks)
     chosen = logits.argmax(dim=1)
     if not all(r.params.greedy for r in rows):
         greedy = to_device([r.params.greedy for r in rows], torch.bool, device)

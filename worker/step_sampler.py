@@ -11,6 +11,7 @@ import torch
 
 from shardlm_server.worker.comm import Communicator
 from shardlm_server.worker.engine_types import ResidentSequence
+from shardlm_server.worker.grammar import PendingMasks, finish_masks
 from shardlm_server.worker.sampling import (
     DeviceSample,
     SampledToken,
@@ -29,6 +30,7 @@ class PendingSample:
     chosen: DeviceSample
     host: DeviceSample
     done: torch.cuda.Event | None
+    mask_seconds: float = 0.0  # making and applying constrained rows' masks (rank 0)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -40,14 +42,18 @@ class StepSampler:
         self.comm = comm
         self.device = device
 
-    def launch(self, logits: torch.Tensor, seqs: list[ResidentSequence],
-               rows: list[int]) -> PendingSample:
-        """Sample one token per row of `logits` on rank 0 and share the ids with every rank."""
+    def launch(self, logits: torch.Tensor, seqs: list[ResidentSequence], rows: list[int],
+               masks: PendingMasks | None = None) -> PendingSample:
+        """Sample one token per row of `logits` on rank 0 and share the ids with every rank.
+        `masks`: those of the constrained rows, being made since before the forward pass."""
         chosen: DeviceSample | None = None
         sampling_rows: list[SamplingRow] = []
+        mask_seconds = 0.0
         if self.comm.rank == 0:
             sampling_rows = [SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
-            chosen = sample_on_device(logits, sampling_rows)
+            step_masks = finish_masks(masks, logits.shape[1], self.device)
+            chosen = sample_on_device(logits, sampling_rows, step_masks)
+            mask_seconds = step_masks.seconds if step_masks is not None else 0.0
         if self.comm.world_size > 1:
             ids = (chosen.ids if chosen is not None
                    else torch.zeros(len(seqs), dtype=torch.int64, device=self.device))
@@ -59,7 +65,7 @@ class StepSampler:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingSample(rows, sampling_rows, chosen, host, done)
+        return PendingSample(rows, sampling_rows, chosen, host, done, mask_seconds)
 
     def collect(self, pending: PendingSample) -> list[SampledToken]:
         """Wait for a launched sampling, record it in the penalty histories, return its tokens."""

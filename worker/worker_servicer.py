@@ -167,6 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     cache_config=convert.cache_config_from_proto(request.kv_cache),
                     options=convert.engine_options_from_proto(request.engine),
                     quantize=request.quantize,
+                    tokenizer_json=request.tokenizer_json,
                     progress=lambda f, m: events.put(("progress", f, m)),
                 )
                 events.put(("done", engine, None))
@@ -200,7 +201,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if engine.comm.rank != 0:
                 return worker_pb2.PrefillResponse()
             return worker_pb2.PrefillResponse(tokens=convert.tokens_to_proto(output),
-                                              taps=convert.taps_to_proto(output.taps))
+                                              taps=convert.taps_to_proto(output.taps),
+                                              constraint_mask_seconds=output.mask_seconds)
 
     def Decode(self, request, context) -> Iterator[worker_pb2.DecodeResponse]:
         with self._lock:
@@ -214,7 +216,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     else:
                         yield worker_pb2.DecodeResponse(
                             step=step, tokens=convert.tokens_to_proto(output),
-                            taps=convert.taps_to_proto(output.taps))
+                            taps=convert.taps_to_proto(output.taps),
+                            constraint_mask_seconds=output.mask_seconds)
             finally:
                 # The caller may be gone; the other ranks still run these steps, so must we.
                 for _ in steps:

@@ -27,6 +27,7 @@ from shardlm_server.gateway.api.paths import check_model_path
 from shardlm_server.gateway.batching.scheduler import Scheduler
 from shardlm_server.gateway.batching.sessions import SessionStore
 from shardlm_server.gateway.config import Limits, LoadOptions
+from shardlm_server.gateway.constraints.compiler import ConstraintCompiler
 from shardlm_server.gateway.kv.allocator import BlockAllocator
 from shardlm_server.gateway.kv.manager import KvManager
 from shardlm_server.gateway.metrics import Metrics
@@ -48,6 +49,7 @@ class LoadedModel:
     scheduler: Scheduler
     sessions: SessionStore
     kv: KvManager
+    constraints: ConstraintCompiler
 
     @property
     def allocator(self) -> BlockAllocator:
@@ -146,12 +148,17 @@ class Runtime:
                     model_path, dtype=dtype, kv_cache=kv_cache, progress=progress,
                     engine_options=self.load_options.engine,
                     comm_timeout_s=self.load_options.comm_timeout_s,
-                    quantize=self.load_options.quantize)
+                    quantize=self.load_options.quantize, tokenizer_json=tokenizer.backend_json())
             except ShardLMError:
                 await self._restore(previous)
                 raise
             complete.model.has_chat_template = tokenizer.has_chat_template  # a gateway-side fact
-            self.model = self._build(complete, tokenizer, sessions)
+            constraints = await asyncio.to_thread(
+                ConstraintCompiler.for_vocabulary, tokenizer.backend_json(),
+                complete.model.vocab_size, list(complete.model.eos_token_ids), self.metrics,
+                timeout_s=self.limits.constraint_compile_timeout_s,
+                max_bytes=self.limits.max_constraint_bytes)
+            self.model = self._build(complete, tokenizer, constraints, sessions)
             self.last_load = (model_path, dtype, tp_size, kv_cache)
             await self.set_serving(True)
             log.info("loaded %s (%s, tp=%d, %d KV blocks)", model_path,
@@ -173,11 +180,12 @@ class Runtime:
             return
         self.model = self._build(worker_pb2.LoadComplete(model=previous.info,
                                                          capacity=reply.capacity),
-                                 previous.tokenizer)
+                                 previous.tokenizer, previous.constraints)
         await self.set_serving(True)
         log.warning("the new checkpoint was rejected; still serving %s", previous.info.model_path)
 
     def _build(self, complete: worker_pb2.LoadComplete, tokenizer: Tokenizer,
+               constraints: ConstraintCompiler,
                sessions: SessionStore | None = None) -> LoadedModel:
         capacity = complete.capacity
         kv = KvManager.for_capacity(capacity, complete.model, self.metrics,
@@ -195,7 +203,8 @@ class Runtime:
             max_running=max_running, on_worker_failure=self._worker_failed)
         scheduler.start()
         kv.update_gauges()
-        return LoadedModel(complete.model, capacity, tokenizer, scheduler, sessions, kv)
+        return LoadedModel(complete.model, capacity, tokenizer, scheduler, sessions, kv,
+                           constraints)
 
     def _worker_failed(self, error: ShardLMError) -> None:
         if error.code != grpc.StatusCode.UNAVAILABLE:
@@ -231,10 +240,10 @@ class Runtime:
             # The workers kept (restored) the cache they had: serve on with it.
             self.model = self._build(worker_pb2.LoadComplete(model=model.info,
                                                              capacity=model.capacity),
-                                     model.tokenizer, model.sessions)
+                                     model.tokenizer, model.constraints, model.sessions)
             raise
         complete = worker_pb2.LoadComplete(model=model.info, capacity=reply.capacity)
-        self.model = self._build(complete, model.tokenizer, model.sessions)
+        self.model = self._build(complete, model.tokenizer, model.constraints, model.sessions)
         return reply.capacity
 
     async def close(self) -> None:

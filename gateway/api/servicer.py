@@ -44,6 +44,11 @@ def _messages(request) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in request.messages.messages]
 
 
+def _kind(seq: SequenceState) -> str:
+    """Usage.constraint_kind of the sequence's current constraint ("" when none)."""
+    return seq.constraint.kind if seq.constraint is not None else ""
+
+
 def _scope(name: str) -> int:
     """A --prefix-cache-scope value as the API's PrefixCacheScope."""
     return gateway_pb2.PrefixCacheScope.Value(f"PREFIX_CACHE_SCOPE_{name.upper()}")
@@ -162,8 +167,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise prompt_too_long(length, 1, model.max_context)
             new_sampling = request.sampling if request.HasField("sampling") and not new_session \
                 else None
+            constraint = await model.constraints.compile(request.constraint)
             scheduler.start_turn(seq, tokens, prefill_limits(model.max_context), rerendered=chat,
-                                 sampling=new_sampling)
+                                 sampling=new_sampling, constraint=constraint)
             if new_session:
                 session = model.sessions.create(seq, owner)
                 session.busy = True
@@ -181,7 +187,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             return gateway_pb2.PrefillResponse(
                 session_id=session.session_id,
                 usage=common_pb2.Usage(prompt_tokens=len(seq.tokens) - 1, cached_tokens=cached,
-                                      generated_tokens=1),
+                                      generated_tokens=1, constraint_kind=_kind(seq)),
                 first_token=gateway_pb2.Token(token_id=event.token_id, text=text,
                                               logprobs=event.logprobs),
                 timings=timings)
@@ -205,6 +211,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.HasField("sampling"):
             check_sampling(request.sampling, v)
         v.raise_if_any()
+        constraint = (await model.constraints.compile(request.constraint)
+                      if request.HasField("constraint") else None)
         session = model.sessions.acquire(request.session_id, self._identity(context))
         scheduler = model.scheduler
         try:
@@ -212,11 +220,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             self._check_free(seq)
             if request.HasField("sampling"):
                 scheduler.set_sampling(seq, request.sampling)
+            if request.HasField("constraint"):
+                scheduler.set_constraint(seq, constraint)
             limits = self._limits(model, request.stop, len(seq.tokens), strict=False)
-            usage = common_pb2.Usage(prompt_tokens=len(seq.tokens), cached_tokens=seq.computed)
-            if limits.budget(len(seq.tokens), 0) <= 0:  # the context is already full
-                yield gateway_pb2.DecodeResponse(
-                    finish_reason=common_pb2.FINISH_REASON_CONTEXT_LENGTH, usage=usage)
+            usage = common_pb2.Usage(prompt_tokens=len(seq.tokens), cached_tokens=seq.computed,
+                                     constraint_kind=_kind(seq))
+            ended = (common_pb2.FINISH_REASON_GRAMMAR_COMPLETE if seq.constraint_complete
+                     else common_pb2.FINISH_REASON_CONTEXT_LENGTH
+                     if limits.budget(len(seq.tokens), 0) <= 0 else None)
+            if ended is not None:  # the turn's grammar is complete, or the context full
+                yield gateway_pb2.DecodeResponse(finish_reason=ended, usage=usage)
                 return
             stream = TokenStream(model.tokenizer, seq,
                                  stop_sequences=list(request.stop.stop_sequences),
@@ -246,11 +259,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                    vocab_size=model.info.vocab_size)
         check_prefix_cache(request.prefix_cache, v)
         v.raise_if_any()
+        constraint = await model.constraints.compile(request.constraint)
         tokens = await asyncio.to_thread(self._encode, model, request, True, [])
         limits = self._limits(model, request.stop, len(tokens), strict=True)
         seq = model.scheduler.new_sequence(tokens, request.sampling, ephemeral=True,
-                                           prefix_salt=self._prefix_salt(model, request))
-        usage = common_pb2.Usage(prompt_tokens=len(tokens))
+                                           prefix_salt=self._prefix_salt(model, request),
+                                           constraint=constraint)
+        usage = common_pb2.Usage(prompt_tokens=len(tokens), constraint_kind=_kind(seq))
         stream = TokenStream(model.tokenizer, seq,
                              stop_sequences=list(request.stop.stop_sequences), usage=usage,
                              metrics=self.rt.metrics, started_at=started)

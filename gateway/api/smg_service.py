@@ -11,8 +11,10 @@ protocol carries SGLang's own scheduler features; MLX's has no load report.)
 
 Each call is translated onto the public API's handlers (gateway/api/servicer.py), so validation,
 limits, errors and metrics are the same as for ShardLM's own clients. What ShardLM does not do
-(n > 1, constrained decoding, logit bias, prompt logprobs, min_tokens, multimodal input, KV
-transfer) is refused with INVALID_ARGUMENT; FlushCache empties the prefix cache; Embed, profiling
+(n > 1, logit bias, prompt logprobs, min_tokens, multimodal input, KV transfer) is refused
+with INVALID_ARGUMENT. Every constraint kind SMG sends (JSON schema, JSON object, regex,
+grammar, choice, structural tag: what response_format, its extra-body fields and forced tool
+calls become) maps onto ShardLM's own Constraint, one to one; FlushCache empties the prefix cache; Embed, profiling
 and KV events are left UNIMPLEMENTED (SMG then polls GetLoads).
 """
 
@@ -52,6 +54,7 @@ _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_CONTEXT_LENGTH: "length",
+    common_pb2.FINISH_REASON_GRAMMAR_COMPLETE: "stop",
 }
 
 
@@ -59,8 +62,6 @@ def _refuse_unsupported(request: engine_pb2.GenerateRequest) -> None:
     p = request.sampling_params
     unsupported = [
         ("sampling_params.n", p.n > 1, "ShardLM generates one completion per request"),
-        ("sampling_params.constraint", p.WhichOneof("constraint") is not None,
-         "constrained decoding is not supported"),
         ("sampling_params.logit_bias", bool(p.logit_bias), "logit bias is not supported"),
         ("sampling_params.prompt_logprobs", p.HasField("prompt_logprobs"),
          "prompt logprobs are not supported"),
@@ -102,6 +103,11 @@ def to_shardlm_request(request: engine_pb2.GenerateRequest) -> gateway_pb2.Gener
         stop_sequences=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos)
     shard = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop)
+    kind = p.WhichOneof("constraint")
+    if kind == "choice":
+        shard.constraint.choice.choices.extend(p.choice.choices)
+    elif kind is not None:  # the same names, the same meaning
+        setattr(shard.constraint, kind, getattr(p, kind))
     if request.WhichOneof("input") == "tokenized":
         shard.token_ids.token_ids.extend(request.tokenized.input_ids)
     else:

@@ -46,13 +46,18 @@ class CallLimits:
             max_new_tokens=max(self.budget(history, generated), 1),
             stop_token_ids=sorted(self.eos_ids | self.stop_token_ids))
 
-    def finish_reason(self, token_id: int, history: int, generated: int) -> int:
+    def finish_reason(self, token_id: int, history: int, generated: int, *,
+                      grammar_complete: bool = False) -> int:
         """Why the call ends with `token_id` (history and generated counting it), or
-        FINISH_REASON_UNSPECIFIED if it goes on. The first condition listed wins."""
+        FINISH_REASON_UNSPECIFIED if it goes on. The first condition listed wins: a grammar
+        completed by the last token of the budget reports the grammar, since the text is whole
+        (an OpenAI client reads "length" as cut off)."""
         if token_id in self.eos_ids:
             return common_pb2.FINISH_REASON_EOS
         if token_id in self.stop_token_ids:
             return common_pb2.FINISH_REASON_STOP_TOKEN
+        if grammar_complete:
+            return common_pb2.FINISH_REASON_GRAMMAR_COMPLETE
         if generated >= self.max_new_tokens:
             return common_pb2.FINISH_REASON_LENGTH
         if history >= self.max_context:

@@ -241,6 +241,7 @@ class BatchLoop:
             self._fail_step([c.seq for c in batch], exc)
             raise
         tokens = {t.sequence_id: t for t in reply.tokens}
+        self._observe_masks(reply.constraint_mask_seconds)
         now = time.monotonic()
         for c in batch:
             seq = c.seq
@@ -253,6 +254,8 @@ class BatchLoop:
                 continue
             token = tokens[seq.seq_id]
             seq.sampled(token.token_id)
+            seq.constraint_changed = False  # the prefill carried it
+            seq.constraint_complete = token.constraint_complete
             if seq.prefill_only:
                 seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token)))
                 self._park_or_free(seq)
@@ -308,15 +311,17 @@ class BatchLoop:
         by_id = {s.seq_id: s for s in self._running if s.seq_id in plan}
         request = decode_request(plan, by_id, self.kv)
         for seq in by_id.values():
-            seq.sampling_changed = False  # sent with this call
+            seq.sampling_changed = seq.constraint_changed = False  # sent with this call
         self.metrics.decode_batch_size.observe(len(plan))
         started, steps = time.monotonic(), 0
         try:
             async for step in self.pool.decode(request):
                 steps += 1
+                self._observe_masks(step.constraint_mask_seconds)
                 for token in step.tokens:
                     seq = by_id[token.sequence_id]
                     seq.stepped(token.token_id)
+                    seq.constraint_complete = token.constraint_complete
                     self.kv.publish(seq.seq_id, seq.tokens, seq.computed, seq.prefix_salt)
                     if seq.phase is Phase.RUNNING:
                         self._stream(seq, token)
@@ -331,12 +336,17 @@ class BatchLoop:
     def _stream(self, seq: SequenceState, token: worker_pb2.SequenceToken) -> None:
         """Send a generated token to the call's stream with the finish policy's verdict (the
         worker's own finish_reason only told it to stop); a finished call ends here."""
-        reason = seq.limits.finish_reason(token.token_id, len(seq.tokens), seq.generated)
+        reason = seq.limits.finish_reason(token.token_id, len(seq.tokens), seq.generated,
+                                          grammar_complete=token.constraint_complete)
         seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token), reason))
         if reason != UNFINISHED:
             self._park_or_free(seq)
             if seq in self._running:
                 self._running.remove(seq)
+
+    def _observe_masks(self, seconds: float) -> None:
+        if seconds > 0:  # a step with constrained sequences
+            self.metrics.constraint_mask_seconds.observe(seconds)
 
     def _fail_step(self, seqs: list[SequenceState], error: ShardLMError) -> None:
         for seq in seqs:

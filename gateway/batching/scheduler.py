@@ -20,6 +20,7 @@ from shardlm.errors import ResourceExhaustedError, ShardLMError
 from shardlm_server.gateway.batching.finish import CallLimits
 from shardlm_server.gateway.batching.loop import BatchLoop
 from shardlm_server.gateway.batching.sequence import ErrorEvent, Phase, SequenceState
+from shardlm_server.gateway.constraints.compiler import CompiledConstraint
 
 # Sequence ids are unique for the life of the process: sessions outlive a scheduler (a worker
 # restart builds a new one) and their ids must never collide with new sequences.
@@ -30,18 +31,25 @@ class Scheduler(BatchLoop):
     """The batch loop with the calls' API (the one object a loaded model's handlers use)."""
 
     def new_sequence(self, tokens: list[int], sampling: common_pb2.SamplingParams, *,
-                     ephemeral: bool = False, prefix_salt: bytes | None = None) -> SequenceState:
+                     ephemeral: bool = False, prefix_salt: bytes | None = None,
+                     constraint: CompiledConstraint | None = None) -> SequenceState:
         """A sequence of `tokens`; `ephemeral` (a Generate's) is freed when its call ends. It
-        shares cached prefixes with the sequences of the same `prefix_salt` (None: bypass)."""
-        return SequenceState(next(_SEQUENCE_IDS), list(tokens), sampling, ephemeral=ephemeral,
-                             prefix_salt=prefix_salt)
+        shares cached prefixes with the sequences of the same `prefix_salt` (None: bypass).
+        `constraint` covers the tokens it generates."""
+        seq = SequenceState(next(_SEQUENCE_IDS), list(tokens), sampling, ephemeral=ephemeral,
+                            prefix_salt=prefix_salt)
+        if constraint is not None:
+            seq.set_constraint(constraint)
+        return seq
 
     # Changes between calls (a session's handler holds it busy; no step may be using it):
     def start_turn(self, seq: SequenceState, tokens: list[int], limits: CallLimits, *,
-                   rerendered: bool, sampling: common_pb2.SamplingParams | None = None) -> None:
+                   rerendered: bool, sampling: common_pb2.SamplingParams | None = None,
+                   constraint: CompiledConstraint | None = None) -> None:
         """A Prefill: add a turn's tokens to the history (or, `rerendered`, replace it with the
-        whole re-rendered conversation), take new sampling parameters if given, and prefill.
-        Refused (queue full) before anything changes."""
+        whole re-rendered conversation), take new sampling parameters if given, the turn's
+        constraint (None: an unconstrained turn), and prefill. Refused (queue full) before
+        anything changes."""
         self._check_queue()
         self._between_calls(seq)
         if sampling is not None:
@@ -50,11 +58,17 @@ class Scheduler(BatchLoop):
             seq.replace_history(tokens)
         else:
             seq.extend_history(tokens)
+        seq.set_constraint(constraint)
         self.submit(seq, limits, prefill_only=True)
 
     def set_sampling(self, seq: SequenceState, sampling: common_pb2.SamplingParams) -> None:
         self._between_calls(seq)
         seq.set_sampling(sampling)
+
+    def set_constraint(self, seq: SequenceState, constraint: CompiledConstraint | None) -> None:
+        """A Decode's new constraint, from its first generated token on."""
+        self._between_calls(seq)
+        seq.set_constraint(constraint)
 
     def _between_calls(self, seq: SequenceState) -> None:
         if seq.in_call:

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
 from shardlm.common.v1 import common_pb2
+from shardlm.worker.v1 import worker_pb2
 
 from shardlm_server.gateway.batching.finish import CallLimits
+from shardlm_server.gateway.constraints.compiler import CompiledConstraint
 
 
 class Phase(StrEnum):
@@ -75,6 +77,13 @@ class SequenceState:
     prefix_salt: bytes | None = None
     phase: Phase = Phase.IDLE
     sampling_changed: bool = False  # the workers must be sent `sampling` with the next decode
+    # Constrained decoding: the grammar of the current turn, from history position
+    # `constraint_start` on (the first token generated under it); `constraint_changed` as
+    # sampling_changed; `constraint_complete` once a token ended its grammar.
+    constraint: CompiledConstraint | None = None
+    constraint_start: int = 0
+    constraint_changed: bool = False
+    constraint_complete: bool = False
     # Progress (the module docstring):
     computed: int = 0
     on_workers: OnWorkers = OnWorkers.NOTHING
@@ -152,6 +161,19 @@ class SequenceState:
 
     def set_sampling(self, sampling: common_pb2.SamplingParams) -> None:
         self.sampling, self.sampling_changed = sampling, True
+
+    def set_constraint(self, constraint: CompiledConstraint | None) -> None:
+        """The next generated token (the one after the history's end) starts this constraint
+        (None: none)."""
+        self.constraint, self.constraint_start = constraint, len(self.tokens)
+        self.constraint_changed, self.constraint_complete = True, False
+
+    def worker_constraint(self) -> worker_pb2.GrammarConstraint:
+        """The constraint as the workers run it (an empty grammar: none)."""
+        if self.constraint is None:
+            return worker_pb2.GrammarConstraint()
+        return worker_pb2.GrammarConstraint(grammar=self.constraint.grammar,
+                                            start_position=self.constraint_start)
 
     # ----------------------------------------------------------------- progress in a call
     def begin_prefill(self, position: int) -> None:

@@ -29,18 +29,25 @@ def prefill_request(batch: list[PrefillChunk], kv: KvManager) -> worker_pb2.Pref
         worker_pb2.PrefillSequence(
             sequence_id=c.seq.seq_id, token_ids=c.token_ids, start_position=c.start,
             block_table=kv.table(c.seq.seq_id), sampling=c.seq.sampling,
-            stop=c.seq.worker_stop(), sample=c.final, prefix_token_ids=c.prefix_ids)
+            stop=c.seq.worker_stop(), sample=c.final, prefix_token_ids=c.prefix_ids,
+            constraint=c.seq.worker_constraint() if c.final and c.seq.constraint else None)
         for c in batch])
 
 
 def decode_request(plan: dict[int, int], sequences: dict[int, SequenceState],
                    kv: KvManager) -> worker_pb2.DecodeRequest:
-    """`plan`: steps per sequence id. A sequence whose sampling changed since its last step
-    carries the new parameters."""
+    """`plan`: steps per sequence id. A sequence whose sampling or constraint changed since its
+    last step carries the new ones."""
+    def changes(seq: SequenceState) -> dict:
+        changed = {}
+        if seq.sampling_changed:
+            changed["sampling"] = seq.sampling
+        if seq.constraint_changed:
+            changed["constraint"] = seq.worker_constraint()
+        return changed
+
     return worker_pb2.DecodeRequest(num_steps=max(plan.values()), sequences=[
         worker_pb2.DecodeSequence(
             sequence_id=seq_id, block_table=kv.table(seq_id), max_steps=steps,
-            stop=sequences[seq_id].worker_stop(),
-            **({"sampling": sequences[seq_id].sampling}
-               if sequences[seq_id].sampling_changed else {}))
+            stop=sequences[seq_id].worker_stop(), **changes(sequences[seq_id]))
         for seq_id, steps in plan.items()])

@@ -191,8 +191,13 @@ class Tokenizer:
         config = {"bos_token": bos, "eos_token": self._eos_text, "add_bos_token": self._add_bos,
                   "add_eos_token": self._add_eos, "chat_template": self._template_source}
         config = {key: value for key, value in config.items() if value is not None}
-        return {"tokenizer.json": self._backend.to_str(),
+        return {"tokenizer.json": self.backend_json(),
                 "tokenizer_config.json": json.dumps(config, ensure_ascii=False, indent=2)}
+
+    def backend_json(self) -> str:
+        """The tokenizer as Hugging Face `tokenizers` JSON (tokenizer.json's content): what
+        llguidance builds its token table from, in the gateway and on the sampling worker."""
+        return self._backend.to_str()
 
     def _lookup(self, text: str | None) -> int | None:
         return self._backend.token_to_id(text) if text else None

@@ -140,12 +140,13 @@ class WorkerPool:
         engine_options: worker_pb2.EngineOptions | None = None,
         comm_timeout_s: float = 0.0,
         quantize: str = "",
+        tokenizer_json: str = "",
         progress: Callable[[common_pb2.LoadProgress], None] = lambda _p: None,
     ) -> worker_pb2.LoadComplete:
         """Load on every rank at once; rank 0's LoadComplete, or the first rank's error (which
         cancels the others: they would wait for a peer that is not coming). Progress comes
         from rank 0. Unset engine options and a 0 communicator timeout take the workers'
-        defaults."""
+        defaults. `tokenizer_json` goes to rank 0, the one that samples (and so masks)."""
         world = self.world_size
         cuda = self.devices[0].startswith("cuda")
         backend = worker_pb2.COMM_BACKEND_NCCL if cuda else worker_pb2.COMM_BACKEND_GLOO
@@ -158,6 +159,7 @@ class WorkerPool:
             return worker_pb2.LoadRequest(
                 model_path=model_path, dtype=dtype, device=self.devices[rank], rank=rank,
                 world_size=world, kv_cache=kv_cache, engine=engine_options, quantize=quantize,
+                tokenizer_json=tokenizer_json if rank == 0 else "",
                 comm=worker_pb2.CommunicatorConfig(backend=backend, init_address=init_address,
                                                    nccl_unique_id=unique_id,
                                                    timeout_seconds=comm_timeout_s))

@@ -10,6 +10,7 @@ import zipfile
 
 import grpc
 import pytest
+from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
 pytest.importorskip("smg_grpc_proto")
@@ -108,7 +109,6 @@ async def _released(gateway) -> bool:
 
 @pytest.mark.parametrize("sampling, field", [
     ({"n": 2}, "sampling_params.n"),
-    ({"json_schema": "{}"}, "sampling_params.constraint"),
     ({"min_tokens": 3}, "sampling_params.min_tokens"),
 ])
 def test_unsupported_requests_are_invalid_argument(gateway, engine, sampling, field):
@@ -116,6 +116,43 @@ def test_unsupported_requests_are_invalid_argument(gateway, engine, sampling, fi
         generate(engine, [5, 6], stream=False, **sampling)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in caught.value.details()
+
+
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}},
+          "required": ["word"]}
+
+
+@pytest.mark.parametrize("smg, shard", [
+    ({"json_schema": json.dumps(SCHEMA)}, {"json_schema": json.dumps(SCHEMA)}),
+    ({"json_object": True}, {"json_object": True}),
+    ({"regex": "(to|be)( (or|not|to|be)){1,4}"}, {"regex": "(to|be)( (or|not|to|be)){1,4}"}),
+    ({"grammar": 'start: "yes" | "no"'}, {"grammar": 'start: "yes" | "no"'}),
+    ({"choice": {"choices": ["question", "nobler"]}}, {"choice": {"choices": ["question",
+                                                                               "nobler"]}}),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}]})},
+     {"structural_tag": json.dumps({"type": "structural_tag", "triggers": ["<f="], "structures": [
+         {"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}]})}),
+])
+def test_constraints_map_onto_shardlm_constraints(gateway, engine, smg, shard):
+    ids = prompt_ids(gateway, "To be, or not to be")
+    reference = list(gateway.stub.Generate(gateway_pb2.GenerateRequest(
+        token_ids={"token_ids": ids}, sampling={"temperature": 0}, stop={"max_new_tokens": 24},
+        constraint=shard)))
+    expected = [t for m in reference for t in m.token_ids]
+    assert reference[-1].usage.constraint_kind == next(iter(shard))
+    complete = generate(engine, ids, stream=False, temperature=0, max_tokens=24, **smg)[0].complete
+    assert list(complete.output_ids) == expected
+    finished = reference[-1].finish_reason
+    assert complete.finish_reason == ("length" if finished == common_pb2.FINISH_REASON_LENGTH
+                                      else "stop")
+
+
+def test_a_bad_constraint_is_invalid_argument_naming_it(engine):
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(engine, [5, 6], stream=False, json_schema='{"type": "objekt"}')
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "json_schema" in caught.value.details() and "objekt" in caught.value.details()
 
 
 def test_unserved_rpcs_are_unimplemented(engine):

@@ -14,43 +14,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardlm/common/v1/common.proto\x12\x11shardlm.common.v1\"\x92\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"l\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"i\n\x08Logprobs\x12/\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1f.shardlm.common.v1.TokenLogprob\x12,\n\x03top\x18\x02 \x03(\x0b\x32\x1f.shardlm.common.v1.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\"\x99\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12 \n\x18mean_inter_token_seconds\x18\x03 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\"\xda\x01\n\rKvCacheConfig\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.shardlm.common.v1.KvCacheMode\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13gpu_memory_fraction\x18\x04 \x01(\x02\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14static_max_sequences\x18\x06 \x01(\r\x12\"\n\x1astatic_max_sequence_length\x18\x07 \x01(\r\"\xb4\x01\n\x0fKvCacheCapacity\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12,\n\x04mode\x18\x03 \x01(\x0e\x32\x1e.shardlm.common.v1.KvCacheMode\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x15\n\rmax_sequences\x18\x05 \x01(\r\x12\x1b\n\x13max_sequence_length\x18\x06 \x01(\r\"\xe3\x03\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x19\n\x11intermediate_size\x18\t \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\n \x01(\r\x12\'\n\x05\x64type\x18\x0b \x01(\x0e\x32\x18.shardlm.common.v1.Dtype\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x06\x66ormat\x18\x0f \x01(\x0e\x32#.shardlm.common.v1.CheckpointFormat\x12\x14\n\x0ctensor_types\x18\x10 \x03(\t\x12\x19\n\x11has_chat_template\x18\x11 \x01(\x08\x42\x0f\n\r_bos_token_id\"@\n\x0cLoadProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x02\x12\x0f\n\x07message\x18\x03 \x01(\t\"8\n\x0b\x44\x65\x62ugTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*\x9a\x02\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x04\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x05\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x06\x12#\n\x1f\x46INISH_REASON_DEADLINE_EXCEEDED\x10\x07\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x08*_\n\x0bKvCacheMode\x12\x1d\n\x19KV_CACHE_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13KV_CACHE_MODE_PAGED\x10\x01\x12\x18\n\x14KV_CACHE_MODE_STATIC\x10\x02*t\n\x10\x43heckpointFormat\x12!\n\x1d\x43HECKPOINT_FORMAT_UNSPECIFIED\x10\x00\x12!\n\x1d\x43HECKPOINT_FORMAT_SAFETENSORS\x10\x01\x12\x1a\n\x16\x43HECKPOINT_FORMAT_GGUF\x10\x02*\xc3\x06\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_FIELD\x10\x01\x12 \n\x1c\x45RROR_REASON_PROMPT_TOO_LONG\x10\x02\x12\x1d\n\x19\x45RROR_REASON_EMPTY_PROMPT\x10\x03\x12(\n$ERROR_REASON_TOKEN_OUT_OF_VOCABULARY\x10\x04\x12\"\n\x1e\x45RROR_REASON_SESSION_NOT_FOUND\x10\x05\x12\x1d\n\x19\x45RROR_REASON_SESSION_BUSY\x10\x06\x12!\n\x1d\x45RROR_REASON_MODEL_NOT_LOADED\x10\x07\x12\"\n\x1e\x45RROR_REASON_MODEL_LOAD_FAILED\x10\x08\x12)\n%ERROR_REASON_UNSUPPORTED_ARCHITECTURE\x10\t\x12#\n\x1f\x45RROR_REASON_CHECKPOINT_INVALID\x10\n\x12)\n%ERROR_REASON_TENSOR_PARALLEL_MISMATCH\x10\x0b\x12\x1b\n\x17\x45RROR_REASON_QUEUE_FULL\x10\x0c\x12\x1e\n\x1a\x45RROR_REASON_KV_CACHE_FULL\x10\r\x12\x1e\n\x1a\x45RROR_REASON_OUT_OF_MEMORY\x10\x0e\x12#\n\x1f\x45RROR_REASON_WORKER_UNAVAILABLE\x10\x0f\x12\x1c\n\x18\x45RROR_REASON_PEER_FAILED\x10\x10\x12$\n ERROR_REASON_SEQUENCE_NOT_CACHED\x10\x11\x12!\n\x1d\x45RROR_REASON_PATH_NOT_ALLOWED\x10\x12\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x13\x12\"\n\x1e\x45RROR_REASON_PERMISSION_DENIED\x10\x14\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x15\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\x16\x12!\n\x1d\x45RROR_REASON_LOAD_IN_PROGRESS\x10\x17\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardlm/common/v1/common.proto\x12\x11shardlm.common.v1\"\x92\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"l\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xb7\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x35\n\x06\x63hoice\x18\x05 \x01(\x0b\x32#.shardlm.common.v1.ChoiceConstraintH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"i\n\x08Logprobs\x12/\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1f.shardlm.common.v1.TokenLogprob\x12,\n\x03top\x18\x02 \x03(\x0b\x32\x1f.shardlm.common.v1.TokenLogprob\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63onstraint_kind\x18\x04 \x01(\t\"\x99\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12 \n\x18mean_inter_token_seconds\x18\x03 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\"\xda\x01\n\rKvCacheConfig\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.shardlm.common.v1.KvCacheMode\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13gpu_memory_fraction\x18\x04 \x01(\x02\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14static_max_sequences\x18\x06 \x01(\r\x12\"\n\x1astatic_max_sequence_length\x18\x07 \x01(\r\"\xb4\x01\n\x0fKvCacheCapacity\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12,\n\x04mode\x18\x03 \x01(\x0e\x32\x1e.shardlm.common.v1.KvCacheMode\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x15\n\rmax_sequences\x18\x05 \x01(\r\x12\x1b\n\x13max_sequence_length\x18\x06 \x01(\r\"\xe3\x03\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x19\n\x11intermediate_size\x18\t \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\n \x01(\r\x12\'\n\x05\x64type\x18\x0b \x01(\x0e\x32\x18.shardlm.common.v1.Dtype\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x06\x66ormat\x18\x0f \x01(\x0e\x32#.shardlm.common.v1.CheckpointFormat\x12\x14\n\x0ctensor_types\x18\x10 \x03(\t\x12\x19\n\x11has_chat_template\x18\x11 \x01(\x08\x42\x0f\n\r_bos_token_id\"@\n\x0cLoadProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x02\x12\x0f\n\x07message\x18\x03 \x01(\t\"8\n\x0b\x44\x65\x62ugTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*\xbe\x02\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x04\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x05\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x06\x12#\n\x1f\x46INISH_REASON_DEADLINE_EXCEEDED\x10\x07\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x08\x12\"\n\x1e\x46INISH_REASON_GRAMMAR_COMPLETE\x10\t*_\n\x0bKvCacheMode\x12\x1d\n\x19KV_CACHE_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13KV_CACHE_MODE_PAGED\x10\x01\x12\x18\n\x14KV_CACHE_MODE_STATIC\x10\x02*t\n\x10\x43heckpointFormat\x12!\n\x1d\x43HECKPOINT_FORMAT_UNSPECIFIED\x10\x00\x12!\n\x1d\x43HECKPOINT_FORMAT_SAFETENSORS\x10\x01\x12\x1a\n\x16\x43HECKPOINT_FORMAT_GGUF\x10\x02*\xc3\x06\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_FIELD\x10\x01\x12 \n\x1c\x45RROR_REASON_PROMPT_TOO_LONG\x10\x02\x12\x1d\n\x19\x45RROR_REASON_EMPTY_PROMPT\x10\x03\x12(\n$ERROR_REASON_TOKEN_OUT_OF_VOCABULARY\x10\x04\x12\"\n\x1e\x45RROR_REASON_SESSION_NOT_FOUND\x10\x05\x12\x1d\n\x19\x45RROR_REASON_SESSION_BUSY\x10\x06\x12!\n\x1d\x45RROR_REASON_MODEL_NOT_LOADED\x10\x07\x12\"\n\x1e\x45RROR_REASON_MODEL_LOAD_FAILED\x10\x08\x12)\n%ERROR_REASON_UNSUPPORTED_ARCHITECTURE\x10\t\x12#\n\x1f\x45RROR_REASON_CHECKPOINT_INVALID\x10\n\x12)\n%ERROR_REASON_TENSOR_PARALLEL_MISMATCH\x10\x0b\x12\x1b\n\x17\x45RROR_REASON_QUEUE_FULL\x10\x0c\x12\x1e\n\x1a\x45RROR_REASON_KV_CACHE_FULL\x10\r\x12\x1e\n\x1a\x45RROR_REASON_OUT_OF_MEMORY\x10\x0e\x12#\n\x1f\x45RROR_REASON_WORKER_UNAVAILABLE\x10\x0f\x12\x1c\n\x18\x45RROR_REASON_PEER_FAILED\x10\x10\x12$\n ERROR_REASON_SEQUENCE_NOT_CACHED\x10\x11\x12!\n\x1d\x45RROR_REASON_PATH_NOT_ALLOWED\x10\x12\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x13\x12\"\n\x1e\x45RROR_REASON_PERMISSION_DENIED\x10\x14\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x15\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\x16\x12!\n\x1d\x45RROR_REASON_LOAD_IN_PROGRESS\x10\x17\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardlm.common.v1.common_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_DTYPE']._serialized_start=1863
-  _globals['_DTYPE']._serialized_end=1951
-  _globals['_FINISHREASON']._serialized_start=1954
-  _globals['_FINISHREASON']._serialized_end=2236
-  _globals['_KVCACHEMODE']._serialized_start=2238
-  _globals['_KVCACHEMODE']._serialized_end=2333
-  _globals['_CHECKPOINTFORMAT']._serialized_start=2335
-  _globals['_CHECKPOINTFORMAT']._serialized_end=2451
-  _globals['_ERRORREASON']._serialized_start=2454
-  _globals['_ERRORREASON']._serialized_end=3289
+  _globals['_DTYPE']._serialized_start=2111
+  _globals['_DTYPE']._serialized_end=2199
+  _globals['_FINISHREASON']._serialized_start=2202
+  _globals['_FINISHREASON']._serialized_end=2520
+  _globals['_KVCACHEMODE']._serialized_start=2522
+  _globals['_KVCACHEMODE']._serialized_end=2617
+  _globals['_CHECKPOINTFORMAT']._serialized_start=2619
+  _globals['_CHECKPOINTFORMAT']._serialized_end=2735
+  _globals['_ERRORREASON']._serialized_start=2738
+  _globals['_ERRORREASON']._serialized_end=3573
   _globals['_SAMPLINGPARAMS']._serialized_start=54
   _globals['_SAMPLINGPARAMS']._serialized_end=328
   _globals['_STOPCONDITIONS']._serialized_start=330
   _globals['_STOPCONDITIONS']._serialized_end=438
-  _globals['_TOKENLOGPROB']._serialized_start=440
-  _globals['_TOKENLOGPROB']._serialized_end=503
-  _globals['_LOGPROBS']._serialized_start=505
-  _globals['_LOGPROBS']._serialized_end=610
-  _globals['_USAGE']._serialized_start=612
-  _globals['_USAGE']._serialized_end=691
-  _globals['_TIMINGS']._serialized_start=694
-  _globals['_TIMINGS']._serialized_end=847
-  _globals['_KVCACHECONFIG']._serialized_start=850
-  _globals['_KVCACHECONFIG']._serialized_end=1068
-  _globals['_KVCACHECAPACITY']._serialized_start=1071
-  _globals['_KVCACHECAPACITY']._serialized_end=1251
-  _globals['_MODELINFO']._serialized_start=1254
-  _globals['_MODELINFO']._serialized_end=1737
-  _globals['_LOADPROGRESS']._serialized_start=1739
-  _globals['_LOADPROGRESS']._serialized_end=1803
-  _globals['_DEBUGTENSOR']._serialized_start=1805
-  _globals['_DEBUGTENSOR']._serialized_end=1861
+  _globals['_CONSTRAINT']._serialized_start=441
+  _globals['_CONSTRAINT']._serialized_end=624
+  _globals['_CHOICECONSTRAINT']._serialized_start=626
+  _globals['_CHOICECONSTRAINT']._serialized_end=661
+  _globals['_TOKENLOGPROB']._serialized_start=663
+  _globals['_TOKENLOGPROB']._serialized_end=726
+  _globals['_LOGPROBS']._serialized_start=728
+  _globals['_LOGPROBS']._serialized_end=833
+  _globals['_USAGE']._serialized_start=835
+  _globals['_USAGE']._serialized_end=939
+  _globals['_TIMINGS']._serialized_start=942
+  _globals['_TIMINGS']._serialized_end=1095
+  _globals['_KVCACHECONFIG']._serialized_start=1098
+  _globals['_KVCACHECONFIG']._serialized_end=1316
+  _globals['_KVCACHECAPACITY']._serialized_start=1319
+  _globals['_KVCACHECAPACITY']._serialized_end=1499
+  _globals['_MODELINFO']._serialized_start=1502
+  _globals['_MODELINFO']._serialized_end=1985
+  _globals['_LOADPROGRESS']._serialized_start=1987
+  _globals['_LOADPROGRESS']._serialized_end=2051
+  _globals['_DEBUGTENSOR']._serialized_start=2053
+  _globals['_DEBUGTENSOR']._serialized_end=2109
 # @@protoc_insertion_point(module_scope)

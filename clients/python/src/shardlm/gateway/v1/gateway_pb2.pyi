@@ -249,6 +249,7 @@ class PrefillRequest(google.protobuf.message.Message):
     SAMPLING_FIELD_NUMBER: builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: builtins.int
     PREFIX_CACHE_FIELD_NUMBER: builtins.int
+    CONSTRAINT_FIELD_NUMBER: builtins.int
     session_id: builtins.str
     """Session to extend. Empty starts a new session, whose id is returned. For an
     existing session the prompt is appended to its context (a new turn); the
@@ -286,6 +287,15 @@ class PrefillRequest(google.protobuf.message.Message):
         Prefill: a later Prefill may repeat the same options or leave them unset.
         """
 
+    @property
+    def constraint(self) -> shardlm.common.v1.common_pb2.Constraint:
+        """Constrains the text this turn generates, from the token this Prefill
+        samples on: it stays the session's constraint through the following
+        Decode calls (which continue it where the last one stopped) until a
+        Decode replaces it or the next Prefill starts a turn with its own (or
+        none). Unset: the turn is unconstrained.
+        """
+
     def __init__(
         self,
         *,
@@ -296,9 +306,10 @@ class PrefillRequest(google.protobuf.message.Message):
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
         add_special_tokens: builtins.bool | None = ...,
         prefix_cache: global___PrefixCacheOptions | None = ...,
+        constraint: shardlm.common.v1.common_pb2.Constraint | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "constraint", b"constraint", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "constraint", b"constraint", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
     @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
     @typing.overload
@@ -356,6 +367,7 @@ class DecodeRequest(google.protobuf.message.Message):
     SESSION_ID_FIELD_NUMBER: builtins.int
     STOP_FIELD_NUMBER: builtins.int
     SAMPLING_FIELD_NUMBER: builtins.int
+    CONSTRAINT_FIELD_NUMBER: builtins.int
     session_id: builtins.str
     """Session created by Prefill. Required: empty is INVALID_ARGUMENT."""
     @property
@@ -372,15 +384,23 @@ class DecodeRequest(google.protobuf.message.Message):
         session's later calls. Unset keeps the session's parameters.
         """
 
+    @property
+    def constraint(self) -> shardlm.common.v1.common_pb2.Constraint:
+        """If set, replaces the session's constraint from this call's first token on
+        (a Constraint with no kind set removes it). Unset continues the
+        constraint of the turn where the previous call left it.
+        """
+
     def __init__(
         self,
         *,
         session_id: builtins.str = ...,
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
+        constraint: shardlm.common.v1.common_pb2.Constraint | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["constraint", b"constraint", "sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["constraint", b"constraint", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]) -> None: ...
 
 global___DecodeRequest = DecodeRequest
 
@@ -517,6 +537,7 @@ class GenerateRequest(google.protobuf.message.Message):
     STOP_FIELD_NUMBER: builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: builtins.int
     PREFIX_CACHE_FIELD_NUMBER: builtins.int
+    CONSTRAINT_FIELD_NUMBER: builtins.int
     text: builtins.str
     """Raw text, tokenized by the gateway."""
     add_special_tokens: builtins.bool
@@ -547,6 +568,10 @@ class GenerateRequest(google.protobuf.message.Message):
     def prefix_cache(self) -> global___PrefixCacheOptions:
         """How this request uses the prefix cache."""
 
+    @property
+    def constraint(self) -> shardlm.common.v1.common_pb2.Constraint:
+        """Constrains the generated text (see Constraint). Unset: unconstrained."""
+
     def __init__(
         self,
         *,
@@ -557,9 +582,10 @@ class GenerateRequest(google.protobuf.message.Message):
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
         add_special_tokens: builtins.bool | None = ...,
         prefix_cache: global___PrefixCacheOptions | None = ...,
+        constraint: shardlm.common.v1.common_pb2.Constraint | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "constraint", b"constraint", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "constraint", b"constraint", "messages", b"messages", "prefix_cache", b"prefix_cache", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]) -> None: ...
     @typing.overload
     def WhichOneof(self, oneof_group: typing.Literal["_add_special_tokens", b"_add_special_tokens"]) -> typing.Literal["add_special_tokens"] | None: ...
     @typing.overload

@@ -163,6 +163,7 @@ class LoadRequest(google.protobuf.message.Message):
     KV_CACHE_FIELD_NUMBER: builtins.int
     ENGINE_FIELD_NUMBER: builtins.int
     QUANTIZE_FIELD_NUMBER: builtins.int
+    TOKENIZER_JSON_FIELD_NUMBER: builtins.int
     model_path: builtins.str
     """Checkpoint on this worker's filesystem: a Hugging Face directory, or a
     GGUF file (or a directory holding exactly one).
@@ -185,6 +186,12 @@ class LoadRequest(google.protobuf.message.Message):
     packed and reads other types dense; "none" reads every weight dense;
     "int8" / "int4" also quantize the dense weights at load, weight-only, per
     32-weight block (into Q8_0 / Q4_1). Anything else is INVALID_ARGUMENT.
+    """
+    tokenizer_json: builtins.str
+    """The model's tokenizer as Hugging Face `tokenizers` JSON (the gateway's,
+    also for a GGUF checkpoint): the sampling rank builds the token table of
+    its constrained decoding from it. Sent to rank 0 only; empty: constraints
+    are refused.
     """
     @property
     def comm(self) -> global___CommunicatorConfig:
@@ -213,9 +220,10 @@ class LoadRequest(google.protobuf.message.Message):
         kv_cache: shardlm.common.v1.common_pb2.KvCacheConfig | None = ...,
         engine: global___EngineOptions | None = ...,
         quantize: builtins.str = ...,
+        tokenizer_json: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["comm", b"comm", "engine", b"engine", "kv_cache", b"kv_cache"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["comm", b"comm", "device", b"device", "dtype", b"dtype", "engine", b"engine", "kv_cache", b"kv_cache", "model_path", b"model_path", "quantize", b"quantize", "rank", b"rank", "world_size", b"world_size"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["comm", b"comm", "device", b"device", "dtype", b"dtype", "engine", b"engine", "kv_cache", b"kv_cache", "model_path", b"model_path", "quantize", b"quantize", "rank", b"rank", "tokenizer_json", b"tokenizer_json", "world_size", b"world_size"]) -> None: ...
 
 global___LoadRequest = LoadRequest
 
@@ -303,6 +311,7 @@ class PrefillSequence(google.protobuf.message.Message):
     STOP_FIELD_NUMBER: builtins.int
     SAMPLE_FIELD_NUMBER: builtins.int
     PREFIX_TOKEN_IDS_FIELD_NUMBER: builtins.int
+    CONSTRAINT_FIELD_NUMBER: builtins.int
     sequence_id: builtins.int
     """Sequence id assigned by the gateway, unique among live sequences. The
     first Prefill of an id creates the sequence.
@@ -359,6 +368,12 @@ class PrefillSequence(google.protobuf.message.Message):
         cached length on this worker.
         """
 
+    @property
+    def constraint(self) -> global___GrammarConstraint:
+        """The sequence's constraint after this prefill (replacing any it had);
+        unset: none. Read on the sampling rank (0) only, and only when `sample`.
+        """
+
     def __init__(
         self,
         *,
@@ -370,11 +385,42 @@ class PrefillSequence(google.protobuf.message.Message):
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
         sample: builtins.bool = ...,
         prefix_token_ids: collections.abc.Iterable[builtins.int] | None = ...,
+        constraint: global___GrammarConstraint | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "prefix_token_ids", b"prefix_token_ids", "sample", b"sample", "sampling", b"sampling", "sequence_id", b"sequence_id", "start_position", b"start_position", "stop", b"stop", "token_ids", b"token_ids"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["constraint", b"constraint", "sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "constraint", b"constraint", "prefix_token_ids", b"prefix_token_ids", "sample", b"sample", "sampling", b"sampling", "sequence_id", b"sequence_id", "start_position", b"start_position", "stop", b"stop", "token_ids", b"token_ids"]) -> None: ...
 
 global___PrefillSequence = PrefillSequence
+
+@typing.final
+class GrammarConstraint(google.protobuf.message.Message):
+    """A constraint as the workers run it: the gateway has compiled the client's
+    `shardlm.common.v1.Constraint` to llguidance's grammar and checked it.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    GRAMMAR_FIELD_NUMBER: builtins.int
+    START_POSITION_FIELD_NUMBER: builtins.int
+    grammar: builtins.str
+    """llguidance's grammar (its JSON grammar form, or Lark text). Empty: no
+    constraint.
+    """
+    start_position: builtins.int
+    """The position in the sequence of the first token generated under the
+    constraint. The sequence's tokens from there on (fed ones and the pending
+    one) are replayed into the grammar, so a sequence prefilled again (a
+    recompute, a restarted worker) continues exactly where it was.
+    """
+    def __init__(
+        self,
+        *,
+        grammar: builtins.str = ...,
+        start_position: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["grammar", b"grammar", "start_position", b"start_position"]) -> None: ...
+
+global___GrammarConstraint = GrammarConstraint
 
 @typing.final
 class PrefillRequest(google.protobuf.message.Message):
@@ -413,10 +459,16 @@ class SequenceToken(google.protobuf.message.Message):
     SEQUENCE_ID_FIELD_NUMBER: builtins.int
     TOKEN_ID_FIELD_NUMBER: builtins.int
     LOGPROBS_FIELD_NUMBER: builtins.int
+    CONSTRAINT_COMPLETE_FIELD_NUMBER: builtins.int
     sequence_id: builtins.int
     """The sequence it belongs to."""
     token_id: builtins.int
     """The sampled token id."""
+    constraint_complete: builtins.bool
+    """The sequence's constraint allows no token after this one: the worker stops
+    the sequence here (the gateway reports FINISH_REASON_GRAMMAR_COMPLETE
+    unless another reason of its own applies first).
+    """
     @property
     def logprobs(self) -> shardlm.common.v1.common_pb2.Logprobs:
         """Log probabilities, when the sequence's sampling parameters ask for them
@@ -429,9 +481,10 @@ class SequenceToken(google.protobuf.message.Message):
         sequence_id: builtins.int = ...,
         token_id: builtins.int = ...,
         logprobs: shardlm.common.v1.common_pb2.Logprobs | None = ...,
+        constraint_complete: builtins.bool = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["logprobs", b"logprobs"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["logprobs", b"logprobs", "sequence_id", b"sequence_id", "token_id", b"token_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["constraint_complete", b"constraint_complete", "logprobs", b"logprobs", "sequence_id", b"sequence_id", "token_id", b"token_id"]) -> None: ...
 
 global___SequenceToken = SequenceToken
 
@@ -443,6 +496,12 @@ class PrefillResponse(google.protobuf.message.Message):
 
     TOKENS_FIELD_NUMBER: builtins.int
     TAPS_FIELD_NUMBER: builtins.int
+    CONSTRAINT_MASK_SECONDS_FIELD_NUMBER: builtins.int
+    constraint_mask_seconds: builtins.float
+    """Seconds the sampling rank spent making and applying constrained sequences'
+    token masks in this step (making them overlaps the forward pass; 0 when no
+    sequence is constrained).
+    """
     @property
     def tokens(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SequenceToken]:
         """Rank 0: one token per sequence with `sample` set, in request order. Other
@@ -461,8 +520,9 @@ class PrefillResponse(google.protobuf.message.Message):
         *,
         tokens: collections.abc.Iterable[global___SequenceToken] | None = ...,
         taps: collections.abc.Iterable[shardlm.common.v1.common_pb2.DebugTensor] | None = ...,
+        constraint_mask_seconds: builtins.float = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["taps", b"taps", "tokens", b"tokens"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["constraint_mask_seconds", b"constraint_mask_seconds", "taps", b"taps", "tokens", b"tokens"]) -> None: ...
 
 global___PrefillResponse = PrefillResponse
 
@@ -477,6 +537,7 @@ class DecodeSequence(google.protobuf.message.Message):
     MAX_STEPS_FIELD_NUMBER: builtins.int
     SAMPLING_FIELD_NUMBER: builtins.int
     STOP_FIELD_NUMBER: builtins.int
+    CONSTRAINT_FIELD_NUMBER: builtins.int
     sequence_id: builtins.int
     """A sequence created by Prefill that has not finished."""
     max_steps: builtins.int
@@ -504,6 +565,12 @@ class DecodeSequence(google.protobuf.message.Message):
         generation call). Unset: the conditions from Prefill apply.
         """
 
+    @property
+    def constraint(self) -> global___GrammarConstraint:
+        """When set, replaces the sequence's constraint (an empty grammar removes
+        it); unset keeps the one it has. Read on rank 0 only.
+        """
+
     def __init__(
         self,
         *,
@@ -512,9 +579,10 @@ class DecodeSequence(google.protobuf.message.Message):
         max_steps: builtins.int = ...,
         sampling: shardlm.common.v1.common_pb2.SamplingParams | None = ...,
         stop: shardlm.common.v1.common_pb2.StopConditions | None = ...,
+        constraint: global___GrammarConstraint | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "max_steps", b"max_steps", "sampling", b"sampling", "sequence_id", b"sequence_id", "stop", b"stop"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["constraint", b"constraint", "sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "constraint", b"constraint", "max_steps", b"max_steps", "sampling", b"sampling", "sequence_id", b"sequence_id", "stop", b"stop"]) -> None: ...
 
 global___DecodeSequence = DecodeSequence
 
@@ -562,8 +630,14 @@ class DecodeResponse(google.protobuf.message.Message):
     STEP_FIELD_NUMBER: builtins.int
     TOKENS_FIELD_NUMBER: builtins.int
     TAPS_FIELD_NUMBER: builtins.int
+    CONSTRAINT_MASK_SECONDS_FIELD_NUMBER: builtins.int
     step: builtins.int
     """Step index within the call, from 0."""
+    constraint_mask_seconds: builtins.float
+    """Seconds the sampling rank spent making and applying constrained sequences'
+    token masks in this step (making them overlaps the forward pass; 0 when no
+    sequence is constrained).
+    """
     @property
     def tokens(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SequenceToken]:
         """Rank 0: one token per sequence active in this step, in request order. Other
@@ -582,8 +656,9 @@ class DecodeResponse(google.protobuf.message.Message):
         step: builtins.int = ...,
         tokens: collections.abc.Iterable[global___SequenceToken] | None = ...,
         taps: collections.abc.Iterable[shardlm.common.v1.common_pb2.DebugTensor] | None = ...,
+        constraint_mask_seconds: builtins.float = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["step", b"step", "taps", b"taps", "tokens", b"tokens"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["constraint_mask_seconds", b"constraint_mask_seconds", "step", b"step", "taps", b"taps", "tokens", b"tokens"]) -> None: ...
 
 global___DecodeResponse = DecodeResponse
 

@@ -1,0 +1,1 @@
+"""Constraints: requests' JSON schemas, regexes, grammars and structural tags compiled to llguidance grammars."""
