@@ -6,8 +6,9 @@ for the model's tokens (`LLMatcher.validate_grammar_with_warnings`), which is wh
 schema, regex or grammar shows, and which is the cost a hostile constraint could inflate. That
 check runs on a small thread pool under a time limit, so a slow compile answers its own request
 (RESOURCE_EXHAUSTED) and never holds the batch loop or another request. Results are cached by the
-constraint's content, failures too (a refused schema sent again is refused at once), except
-timeouts, which may be the load's fault rather than the schema's.
+constraint's content, failures too (a refused schema sent again is refused at once); a compile
+that outlives its request's time limit still finishes and is cached (llguidance's own fuel limits
+bound it), so a timeout, which may be the load's fault, is never remembered as the schema's.
 
 The workers get the grammar text (worker GrammarConstraint) and build their own matcher from it:
 an llguidance matcher cannot cross processes, and the worker's copy of the grammar is what its
@@ -167,7 +168,7 @@ class ConstraintCompiler:
                 loop = asyncio.get_running_loop()
                 future = loop.run_in_executor(self._pool, self._build, constraint, kind)
                 self._inflight[key] = future
-                future.add_done_callback(lambda _f: self._inflight.pop(key, None))
+                future.add_done_callback(lambda f: self._settle(key, f))
             try:
                 cached = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
             except TimeoutError:
@@ -175,13 +176,18 @@ class ConstraintCompiler:
                     f"{field}.{kind} did not compile within {self.timeout_s:g} s (the server's "
                     "--constraint-compile-timeout); simplify it", reason="CONSTRAINT_COMPILE_TIMEOUT",
                     retry_after_s=1.0) from None
-            self._remember(key, cached)
         else:
             self._cache.move_to_end(key)
         if isinstance(cached, InvalidArgumentError):
             raise _invalid(f"{field}.{kind}", str(cached))
         self.metrics.constrained_requests.labels(kind).inc()
         return cached
+
+    def _settle(self, key: bytes, future: asyncio.Future) -> None:
+        """A compile ended (also one its request stopped waiting for): cache its verdict."""
+        self._inflight.pop(key, None)
+        if not future.cancelled() and future.exception() is None:
+            self._remember(key, future.result())
 
     def _remember(self, key: bytes, value: CompiledConstraint | InvalidArgumentError) -> None:
         self._cache[key] = value
