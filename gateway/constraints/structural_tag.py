@@ -66,13 +66,21 @@ def structural_tag_to_lark(text: str) -> str:
         start = writer.legacy(root)
     else:
         raise StructuralTagError('needs a "format" object, or "structures" and "triggers"')
-    return "\n".join([f"start: {start}", *writer.rules]) + "\n"
+    lark = "\n".join([f"start: {start}", *writer.rules]) + "\n"
+    if reason := _problem(lark):
+        # Only now is each schema and regex compiled alone, to name the field at fault.
+        for piece, path in writer.pieces:
+            if piece_reason := _problem(f"start: {piece}"):
+                raise StructuralTagError(f"{path}: {piece_reason}")
+        raise StructuralTagError(f"does not compile: {reason}")
+    return lark
 
 
 def _as(value: Any, kind: type, path: str) -> Any:
     """`value` if it is of `kind` (and not empty, for a list); `path` names it."""
     if not isinstance(value, kind):
-        raise StructuralTagError(f"{path} must be {_JSON_NAMES[kind]}, not {_JSON_NAMES[type(value)]}")
+        wrong = _JSON_NAMES[type(value)]
+        raise StructuralTagError(f"{path} must be {_JSON_NAMES[kind]}, not {wrong}")
     if kind is list and not value:
         raise StructuralTagError(f"{path} must not be empty")
     return value
@@ -107,15 +115,13 @@ def _regex_literal(pattern: str) -> str:
                         flags=re.DOTALL) + "/"
 
 
-def _check(lark: str, path: str, *, keep_position: bool = False) -> None:
-    """llguidance's verdict on a schema, regex or grammar alone, so that an error names its field
-    rather than a place in the whole grammar (positions mean nothing in a one-line wrapper)."""
+def _problem(lark: str, keep_position: bool = False) -> str:
+    """llguidance's objection to a grammar, on one line without its excerpt of the grammar (and
+    without positions when they are in a wrapper of ours); "" when it has none."""
     message = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
-    if message:
-        first = message.strip().splitlines()[0]
-        if not keep_position:
-            first = re.sub(r"^(at )?\d+\(\d+\): ", "", first)
-        raise StructuralTagError(f"{path}: {first}")
+    reason = " ".join(line.strip() for line in re.split(r"\n\s*\d+ \| ", message)[0]
+                      .splitlines() if line.strip(" ^"))
+    return reason if keep_position else re.sub(r"^(at )?\d+\(\d+\): ", "", reason)
 
 
 class _LarkWriter:
@@ -124,6 +130,7 @@ class _LarkWriter:
     def __init__(self) -> None:
         self.rules: list[str] = []
         self.tags = 0
+        self.pieces: list[tuple[str, str]] = []  # (a JSON schema or regex, its field)
         self._text_terminals: dict[tuple[str, ...], str] = {}
 
     def _rule(self, prefix: str, body: str, lazy: bool = False) -> str:
@@ -169,14 +176,16 @@ class _LarkWriter:
             return _seq(self._grammar(_get(obj, "grammar", str, path), f"{path}.grammar"),
                         _lit(follow))
         if kind == "regex":
-            literal = _regex_literal(_get(obj, "pattern", str, path))
-            _check(f"start: {literal}", f"{path}.pattern")
+            pattern = _get(obj, "pattern", str, path)
+            if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+                raise StructuralTagError(f"{path}.pattern ends in a lone backslash")
+            literal = _regex_literal(pattern)
+            self.pieces.append((literal, f"{path}.pattern"))
             return _seq(literal, _lit(follow))
         if kind == "any_text":
-            excluded = _get(obj, "excluded_str", list, path, default=[])
-            for i, item in enumerate(excluded):
-                if not isinstance(item, str) or not item:
-                    raise StructuralTagError(f"{path}.excluded_str[{i}] must be a non-empty string")
+            excluded = obj.get("excluded_str", [])
+            if not isinstance(excluded, list) or not all(isinstance(x, str) and x for x in excluded):
+                raise StructuralTagError(f"{path}.excluded_str must be a list of non-empty strings")
             return self._text_then(follow, tuple(excluded))
         if kind == "sequence":
             return self._sequence(_get(obj, "elements", list, path), follow, path, depth)
@@ -228,7 +237,7 @@ class _LarkWriter:
             raise StructuralTagError(f"{path}.{key} must be a JSON schema (an object or a "
                                      f"boolean), not {_JSON_NAMES[type(schema)]}")
         expression = f"%json {json.dumps(schema)}"
-        _check(f"start: {expression}", f"{path}.{key}")
+        self.pieces.append((expression, f"{path}.{key}"))
         return expression
 
     def _grammar(self, grammar: str, path: str) -> str:
@@ -236,8 +245,9 @@ class _LarkWriter:
             lark = any_to_lark(grammar)
         except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions
             raise StructuralTagError(f"{path}: {exc}") from None
-        # Checked alone first, which also keeps a stray "}" from closing the nested grammar early.
-        _check(lark, path, keep_position=True)
+        # Checked alone, which also keeps a stray "}" from closing the nested grammar early.
+        if reason := _problem(lark, keep_position=True):
+            raise StructuralTagError(f"{path}: {reason}")
         return self._rule("grammar", "%lark {\n" + lark + "\n}")
 
     def _tag(self, obj: dict, path: str, depth: int, follow: str = "") -> tuple[str, str]:
@@ -275,7 +285,7 @@ class _LarkWriter:
             if len(matches) != 1:
                 raise StructuralTagError(
                     f"{tag_path}.begin {begin!r} must start with exactly one of the triggers "
-                    f"{triggers}; it starts with {len(matches)}")
+                    f"{triggers}; it starts with {len(matches) or 'none'} of them")
             rests[matches[0]].append(_seq(_lit(begin[len(triggers[matches[0]]):]), body))
         opened = []
         for i, trigger in enumerate(triggers):
