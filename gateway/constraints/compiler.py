@@ -29,6 +29,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import FieldViolation, InvalidArgumentError, ResourceExhaustedError
 
+from shardlm_server.gateway.constraints.json_schema import generation_schema
 from shardlm_server.gateway.constraints.structural_tag import (
     StructuralTagError,
     structural_tag_to_lark,
@@ -38,10 +39,6 @@ from shardlm_server.gateway.metrics import Metrics
 CACHE_ENTRIES = 512
 COMPILE_THREADS = 2
 MAX_ERROR_CHARS = 600
-# JSON as models write it (and as json.dumps does): one space after ',' and ':', none elsewhere.
-# Flexible whitespace would let a small model pad its output with newlines until its budget ends;
-# a schema's own "x-guidance" options still override this.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -76,12 +73,12 @@ def to_grammar(constraint: common_pb2.Constraint) -> str:
             raise ConstraintError(f"json_schema is not JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise ConstraintError("json_schema must be a JSON object (or true / false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(generation_schema(schema))
     if kind == "json_object":
         if not constraint.json_object:
             raise ConstraintError("json_object must be true when set")
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                             defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            generation_schema({"type": "object"}))
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
     if kind == "grammar":

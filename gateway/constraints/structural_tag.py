@@ -27,6 +27,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from shardlm_server.gateway.constraints.json_schema import generation_schema
+
 MAX_DEPTH = 32
 MAX_TAGS = 1000
 ANY_TEXT = "/(.|\\n)*/"  # "." alone stops at a newline
@@ -236,7 +238,7 @@ class _LarkWriter:
         if not isinstance(schema, dict | bool):
             raise StructuralTagError(f"{path}.{key} must be a JSON schema (an object or a "
                                      f"boolean), not {_JSON_NAMES[type(schema)]}")
-        expression = f"%json {json.dumps(schema)}"
+        expression = f"%json {json.dumps(generation_schema(schema))}"
         self.pieces.append((expression, f"{path}.{key}"))
         return expression
 
