@@ -610,7 +610,11 @@ class Constraint(google.protobuf.message.Message):
     STRUCTURAL_TAG_FIELD_NUMBER: builtins.int
     json_schema: builtins.str
     """A JSON Schema (as JSON text); the output is one JSON value that
-    validates against it.
+    validates against it. Read as xgrammar reads schemas: an object schema
+    with `properties` takes only those keys unless it says otherwise
+    (additionalProperties, patternProperties, unevaluatedProperties), and
+    whitespace is one space after "," and ":" (llguidance's `x-guidance`
+    options in the schema override this).
     """
     json_object: builtins.bool
     """Any JSON object (true)."""
