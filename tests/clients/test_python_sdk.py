@@ -4,15 +4,19 @@ in-process fake gateway for what a healthy server cannot show: retries, auth met
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import shutil
 import subprocess
 import time
 from concurrent import futures
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import grpc
+import jsonschema
 import pytest
-from shardlm.client import AsyncClient, ChatMessage, Client, _common, _sync
+from shardlm.client import AsyncClient, ChatMessage, Client, Usage, _common, _sync, _types
+from shardlm.client import constraints as cs
 from shardlm.common.v1 import common_pb2
 from shardlm.errors import (
     FailedPreconditionError,
@@ -29,6 +33,10 @@ from tests.gateway.conftest import LiveGateway
 
 KV = common_pb2.KvCacheConfig(block_size=16, num_blocks=128)
 PROMPT = [1, 45, 300, 22, 7, 999, 31]
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 5},
+                                           "ok": {"type": "boolean"}},
+          "required": ["word", "ok"], "additionalProperties": False}
+WORDS = "( (to|be)){2}"
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +171,134 @@ def test_tokenize_gives_each_tokens_bytes(client, loaded):
     tokens = client.tokenize(text, add_special_tokens=False)
     assert len(tokens.token_bytes) == len(tokens) == len(tokens.texts)
     assert b"".join(tokens.token_bytes).decode() == text
+
+
+# ---------------------------------------------------------------------- constrained decoding
+def test_constrained_generate_sync(client, loaded):
+    out = client.generate(PROMPT, max_new_tokens=32, constraint=cs.choice(["yes", "no"]))
+    assert out.text in ("yes", "no") and out.finish_reason == "grammar_complete"
+    assert out.usage.constraint_kind == "choice"
+    chunks = list(client.stream_generate(PROMPT, max_new_tokens=64,
+                                         constraint=cs.json_schema(SCHEMA)))
+    assert chunks[-1].finish_reason == "grammar_complete"
+    assert chunks[-1].usage is not None and chunks[-1].usage.constraint_kind == "json_schema"
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), SCHEMA)
+    plain = client.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    assert plain.usage.constraint_kind == "" and plain.finish_reason == "length"
+    with pytest.raises(InvalidArgumentError) as err:
+        client.generate(PROMPT, constraint=cs.regex("a(b"))
+    assert err.value.reason == "INVALID_CONSTRAINT"
+    assert [v.field for v in err.value.field_violations] == ["constraint.regex"]
+
+
+def test_a_session_turn_keeps_its_constraint_sync(client, loaded):
+    choices = ["sea of troubles", "slings and arrows"]
+    first = client.prefill(PROMPT, constraint=cs.choice(choices), temperature=0.0)
+    assert first.usage.constraint_kind == "choice"
+    text = first.first_token.text
+    for _ in range(20):  # one token per call: the turn's constraint goes on where it stopped
+        step = client.decode(first.session_id, max_new_tokens=1)
+        text += step.text
+        if step.finish_reason == "grammar_complete":
+            break
+    assert text in choices and step.usage.constraint_kind == "choice"
+    # A Decode's constraint replaces the turn's; an empty Constraint removes it.
+    chunks = list(client.stream_decode(first.session_id, constraint=cs.regex(WORDS)))
+    assert re.fullmatch(WORDS, "".join(c.text for c in chunks))
+    assert chunks[-1].finish_reason == "grammar_complete"
+    free = client.decode(first.session_id, max_new_tokens=3, ignore_eos=True,
+                         constraint=common_pb2.Constraint())
+    assert free.finish_reason == "length" and free.usage.constraint_kind == ""
+    assert client.reset_cache(first.session_id) == 1
+
+
+def test_constrained_calls_async(server, loaded):
+    choices = ["sea of troubles", "slings and arrows"]
+
+    async def run():
+        async with AsyncClient(server.address, timeout=60) as sdk:
+            out = await sdk.generate(PROMPT, max_new_tokens=32,
+                                     constraint=cs.choice(["yes", "no"]))
+            chunks = [c async for c in sdk.stream_generate(
+                PROMPT, max_new_tokens=64, constraint=cs.json_schema(json.dumps(SCHEMA)))]
+            first = await sdk.prefill(PROMPT, constraint=cs.choice(choices))
+            turn = [c async for c in sdk.stream_decode(first.session_id, max_new_tokens=40)]
+            again = await sdk.decode(first.session_id, constraint=cs.grammar(
+                'root ::= " to" | " be"'))  # GBNF
+            free = await sdk.decode(first.session_id, max_new_tokens=2, ignore_eos=True,
+                                    constraint=cs.unconstrained())
+            await sdk.reset_cache(first.session_id)
+            return out, chunks, first, turn, again, free
+
+    out, chunks, first, turn, again, free = asyncio.run(run())
+    assert out.text in ("yes", "no") and out.finish_reason == "grammar_complete"
+    assert out.usage.constraint_kind == "choice"
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), SCHEMA)
+    assert chunks[-1].usage is not None and chunks[-1].usage.constraint_kind == "json_schema"
+    assert first.first_token.text + "".join(c.text for c in turn) in choices
+    assert turn[-1].finish_reason == "grammar_complete"
+    assert again.text in (" to", " be") and again.usage.constraint_kind == "grammar"
+    assert free.finish_reason == "length" and free.usage.constraint_kind == ""
+
+
+def test_constraint_constructors_build_the_proto():
+    C = common_pb2.Constraint
+    assert cs.json_schema(SCHEMA) == C(json_schema=json.dumps(SCHEMA))
+    assert json.loads(cs.json_schema(MappingProxyType({"type": "string"})).json_schema) == {
+        "type": "string"}
+    assert cs.json_schema('{"type":"integer"}') == C(json_schema='{"type":"integer"}')  # as is
+    assert cs.json_schema(True) == C(json_schema="true")
+    assert cs.json_object() == C(json_object=True)
+    assert cs.regex("[0-9]+") == C(regex="[0-9]+")
+    assert cs.grammar('root ::= "a"') == C(grammar='root ::= "a"')
+    assert cs.choice(("yes", "no")) == C(choice=common_pb2.ChoiceConstraint(choices=["yes", "no"]))
+    tag = {"type": "structural_tag", "triggers": ["<f"], "structures": []}
+    assert json.loads(cs.structural_tag(tag).structural_tag) == tag
+    assert cs.structural_tag('{"format": {}}') == C(structural_tag='{"format": {}}')
+    assert cs.unconstrained() == C() and cs.unconstrained().WhichOneof("kind") is None
+    for kind, built in [("json_schema", cs.json_schema(False)), ("json_object", cs.json_object()),
+                        ("regex", cs.regex("x")), ("grammar", cs.grammar("start: \"x\"")),
+                        ("choice", cs.choice(["x"])), ("structural_tag", cs.structural_tag("{}"))]:
+        assert built.WhichOneof("kind") == kind
+    with pytest.raises(TypeError):
+        cs.choice("yes")  # a bare string is not a list of choices
+    with pytest.raises(TypeError):
+        cs.json_schema(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        cs.structural_tag(True)  # type: ignore[arg-type]
+
+
+def test_requests_carry_the_constraint():
+    stop = _common.stop_conditions(4, None, None, False)
+    choice = cs.choice(["a", "b"])
+    request = _common.generate_request("hi", None, stop, None, choice)
+    assert request.HasField("constraint") and request.constraint == choice
+    assert not _common.generate_request("hi", None, stop, None).HasField("constraint")
+    prefill = _common.prefill_request("hi", None, None, {}, cs.json_object())
+    assert prefill.constraint.json_object and prefill.constraint.WhichOneof("kind")
+    assert not _common.prefill_request("hi", None, None, {}).HasField("constraint")
+    # Decode: None leaves the field unset (the turn's constraint continues); an empty
+    # Constraint is sent as set (it removes the session's constraint).
+    assert not _common.decode_request("s", stop, {}, None).HasField("constraint")
+    decode = _common.decode_request("s", stop, {}, common_pb2.Constraint())
+    assert decode.HasField("constraint") and decode.constraint.WhichOneof("kind") is None
+    assert _common.decode_request("s", stop, {}, cs.regex("x")).constraint.regex == "x"
+    with pytest.raises(TypeError, match="constraints"):
+        _common.generate_request("hi", None, stop, None,
+                                 {"regex": "x"})  # type: ignore[arg-type]
+    with Client("127.0.0.1:1") as sdk, pytest.raises(TypeError):
+        sdk.stream_generate("hi", constraint={"choice": ["a"]})  # type: ignore[arg-type]
+
+
+def test_usage_and_finish_reason_of_a_constrained_generation():
+    usage = common_pb2.Usage(prompt_tokens=3, generated_tokens=2, constraint_kind="regex")
+    assert _types.usage_of(usage) == Usage(3, 0, 2, "regex")
+    assert Usage().constraint_kind == ""
+    assert _types.finish_reason(common_pb2.FINISH_REASON_GRAMMAR_COMPLETE) == "grammar_complete"
+    chunk = _types.chunk_of(gateway_pb2.DecodeResponse(
+        token_ids=[4], text="x", finish_reason=common_pb2.FINISH_REASON_GRAMMAR_COMPLETE,
+        usage=usage))
+    assert chunk.finish_reason == "grammar_complete" and chunk.usage == Usage(3, 0, 2, "regex")
 
 
 def test_chat_messages_are_accepted_as_dicts_or_dataclasses():

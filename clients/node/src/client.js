@@ -94,13 +94,51 @@ class ShardLMError extends Error {
 const isMessageList = (a) => Array.isArray(a) && a.every((m) => m && typeof m === 'object');
 const isTokenList = (a) => Array.isArray(a) && a.every((t) => Number.isInteger(t));
 
+const CONSTRAINT_KINDS = ['jsonSchema', 'jsonObject', 'regex', 'grammar', 'choice', 'structuralTag'];
+const toJson = (v) => (typeof v === 'string' ? v : JSON.stringify(v));
+
 /**
- * Normalizes the prompt shorthands of a GenerateRequest: `prompt` (a string, an array of token
- * ids or an array of {role, content}), `tokenIds: [..]` and `messages: [..]` become the proto's
- * oneof members. A request already in proto form is passed through.
+ * Normalizes a Constraint (shardlm.common.v1.Constraint, camelCase like every message): at most
+ * one of jsonSchema, jsonObject, regex, grammar, choice, structuralTag. Shorthands: jsonSchema
+ * and structuralTag may be objects (JSON.stringify'd; a string is sent as is, and jsonSchema may
+ * be true or false), choice an array of strings. `{}` is an empty Constraint (no kind: no
+ * constraint). Unknown keys (such as snake_case `json_schema`) throw rather than being dropped
+ * silently, which would leave the generation unconstrained.
+ */
+function normalizeConstraint(constraint) {
+  if (constraint === null || typeof constraint !== 'object' || Array.isArray(constraint)) {
+    throw new TypeError('constraint must be an object such as { jsonSchema: {...} }');
+  }
+  const keys = Object.keys(constraint).filter((k) => constraint[k] !== undefined
+    && constraint[k] !== null);
+  const unknown = keys.filter((k) => !CONSTRAINT_KINDS.includes(k));
+  if (unknown.length) {
+    throw new TypeError(`unknown constraint field(s) ${unknown.join(', ')}; `
+      + `use one of ${CONSTRAINT_KINDS.join(', ')} (camelCase)`);
+  }
+  if (keys.length > 1) throw new TypeError(`a constraint has one kind, not ${keys.join(' and ')}`);
+  const out = {};
+  for (const k of keys) {
+    const v = constraint[k];
+    if (k === 'jsonSchema') out.jsonSchema = toJson(v);
+    else if (k === 'structuralTag') out.structuralTag = toJson(v);
+    else if (k === 'choice') out.choice = Array.isArray(v) ? { choices: v } : v;
+    else out[k] = v;
+  }
+  return out;
+}
+
+/**
+ * Normalizes the shorthands of a GenerateRequest: `prompt` (a string, an array of token ids or
+ * an array of {role, content}), `tokenIds: [..]` and `messages: [..]` become the proto's oneof
+ * members, and `constraint` is normalized by normalizeConstraint. A request already in proto
+ * form is passed through.
  */
 function normalizeGenerateRequest(request) {
   const req = { ...request };
+  if (req.constraint !== undefined && req.constraint !== null) {
+    req.constraint = normalizeConstraint(req.constraint);
+  }
   if ('prompt' in req) {
     const { prompt } = req;
     delete req.prompt;
@@ -128,6 +166,7 @@ function textRequest(prompt, opts) {
   if (opts.ignoreEos !== undefined) stop.ignoreEos = opts.ignoreEos;
   const request = { prompt, sampling, stop };
   if (opts.addSpecialTokens !== undefined) request.addSpecialTokens = opts.addSpecialTokens;
+  if (opts.constraint !== undefined && opts.constraint !== null) request.constraint = opts.constraint;
   return request;
 }
 
@@ -185,6 +224,9 @@ class ShardLMClient {
    * {tokenIds, text, logprobs, finishReason, usage, timings}; the final chunk has a finishReason
    * other than "FINISH_REASON_UNSPECIFIED" and carries usage and timings. The call starts when
    * iteration starts; leaving the loop early cancels it. Errors are thrown as ShardLMError.
+   * `request.constraint` (see normalizeConstraint) constrains the text, e.g.
+   * `{ jsonSchema: {...} }`; the generation then ends with "FINISH_REASON_GRAMMAR_COMPLETE"
+   * and `usage.constraintKind` names the kind ("json_schema").
    *
    * @param {object} request
    * @param {{timeoutMs?: number, deadline?: Date, signal?: AbortSignal, metadata?: object}} [options]
@@ -217,6 +259,7 @@ class ShardLMClient {
    * @param {object} [opts] maxNewTokens, temperature, topK, topP, minP, seed, repetitionPenalty,
    *   presencePenalty, frequencyPenalty, logprobs, topLogprobs, stop (string or strings),
    *   stopTokenIds, ignoreEos, addSpecialTokens, sampling / stopConditions (whole messages),
+   *   constraint ({ jsonSchema }, { regex }, { choice: [...] }, ...; see normalizeConstraint),
    *   and the call options timeoutMs, deadline, signal, metadata.
    * @returns {Promise<{text:string, tokenIds:number[], finishReason:string, usage:object,
    *   timings:object, logprobs:object[]}>}
@@ -264,4 +307,6 @@ class ShardLMClient {
   }
 }
 
-module.exports = { ShardLMClient, ShardLMError, normalizeGenerateRequest, status: grpc.status };
+module.exports = {
+  ShardLMClient, ShardLMError, normalizeConstraint, normalizeGenerateRequest, status: grpc.status,
+};

@@ -7,6 +7,7 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const { ShardLMClient, ShardLMError, decodeStatus, status } = require('../src');
+const { normalizeConstraint, normalizeGenerateRequest } = require('../src/client');
 
 // ---------------------------------------------------------------- a tiny protobuf encoder
 function varint(n) {
@@ -79,6 +80,28 @@ test('ShardLMError.fromGrpcError keeps the plain status without a details traile
   assert.deepEqual(err.fieldViolations, []);
 });
 
+test('constraints: shorthands become the proto form, unknown kinds throw', () => {
+  const schema = { type: 'object', properties: { ok: { type: 'boolean' } }, required: ['ok'] };
+  assert.deepEqual(normalizeConstraint({ jsonSchema: schema }), { jsonSchema: JSON.stringify(schema) });
+  assert.deepEqual(normalizeConstraint({ jsonSchema: '{"type":"string"}' }),
+    { jsonSchema: '{"type":"string"}' }); // a string is sent as is
+  assert.deepEqual(normalizeConstraint({ jsonSchema: true }), { jsonSchema: 'true' });
+  assert.deepEqual(normalizeConstraint({ jsonObject: true }), { jsonObject: true });
+  assert.deepEqual(normalizeConstraint({ regex: '[0-9]+' }), { regex: '[0-9]+' });
+  assert.deepEqual(normalizeConstraint({ grammar: 'root ::= "a"' }), { grammar: 'root ::= "a"' });
+  assert.deepEqual(normalizeConstraint({ choice: ['yes', 'no'] }), { choice: { choices: ['yes', 'no'] } });
+  assert.deepEqual(normalizeConstraint({ choice: { choices: ['a'] } }), { choice: { choices: ['a'] } });
+  const tag = { type: 'structural_tag', triggers: ['<f'], structures: [] };
+  assert.deepEqual(normalizeConstraint({ structuralTag: tag }), { structuralTag: JSON.stringify(tag) });
+  assert.deepEqual(normalizeConstraint({}), {});
+  assert.throws(() => normalizeConstraint({ json_schema: schema }), /unknown constraint field.*json_schema/);
+  assert.throws(() => normalizeConstraint({ regex: 'a', grammar: 'b' }), /one kind/);
+  assert.throws(() => normalizeConstraint('{"regex": "a"}'), TypeError);
+  const req = normalizeGenerateRequest({ prompt: 'hi', constraint: { choice: ['a', 'b'] } });
+  assert.deepEqual(req, { text: 'hi', constraint: { choice: { choices: ['a', 'b'] } } });
+  assert.equal('constraint' in normalizeGenerateRequest({ prompt: 'hi' }), false);
+});
+
 // ---------------------------------------------------------------- against a live gateway
 // SHARDLM_AUTH_TOKEN: the gateway requires this bearer token (`shardlm serve --auth-tokens`).
 const address = process.env.SHARDLM_ADDRESS;
@@ -133,6 +156,33 @@ test('gateway', live, async (t) => {
     assert.equal(again.finishReason, 'FINISH_REASON_LENGTH');
     assert.equal(again.usage.generatedTokens, 16);
     assert.equal(again.text, chunks.map((c) => c.text).join(''));
+  });
+
+  await t.test('a constraint restricts the text and ends with GRAMMAR_COMPLETE', async () => {
+    const out = await client.generateText(prompt, { maxNewTokens: 32, constraint: { choice: ['yes', 'no'] } });
+    assert.ok(['yes', 'no'].includes(out.text), out.text);
+    assert.equal(out.finishReason, 'FINISH_REASON_GRAMMAR_COMPLETE');
+    assert.equal(out.usage.constraintKind, 'choice');
+
+    const schema = { type: 'object', properties: { word: { type: 'string', maxLength: 5 },
+      ok: { type: 'boolean' } }, required: ['word', 'ok'], additionalProperties: false };
+    const chunks = [];
+    for await (const chunk of client.generate({ tokenIds: prompt, stop: { maxNewTokens: 64 },
+      constraint: { jsonSchema: schema } })) {
+      chunks.push(chunk);
+    }
+    const value = JSON.parse(chunks.map((c) => c.text).join(''));
+    assert.deepEqual(Object.keys(value).sort(), ['ok', 'word']);
+    assert.equal(typeof value.ok, 'boolean');
+    assert.ok(typeof value.word === 'string' && value.word.length <= 5);
+    assert.equal(chunks.at(-1).finishReason, 'FINISH_REASON_GRAMMAR_COMPLETE');
+    assert.equal(chunks.at(-1).usage.constraintKind, 'json_schema');
+
+    const plain = await client.generateText(prompt, { maxNewTokens: 2, ignoreEos: true });
+    assert.equal(plain.usage.constraintKind, '');
+    await assert.rejects(client.generateText(prompt, { constraint: { regex: 'a(b' } }),
+      (err) => err instanceof ShardLMError && err.reason === 'INVALID_CONSTRAINT'
+        && err.fieldViolations.some((v) => v.field === 'constraint.regex'));
   });
 
   await t.test('leaving the loop early cancels the stream', async () => {

@@ -7,8 +7,14 @@ to repeat: `tokenize`, `model_info`, `health`, `reset_cache` (releasing is idemp
 streams of `generate` before their first chunk arrived. Calls that create or advance state
 (`prefill`, `decode`, `load`) are retried only when nothing was done: the connection could not
 be established, or the server was draining.
+
+Constrained decoding: `shardlm.client.constraints` builds the `constraint=` argument of
+`generate`, `prefill` and `decode` (`constraints.json_schema({...})`, `json_object()`,
+`regex(...)`, `grammar(...)`, `choice([...])`, `structural_tag(...)`); such a generation ends
+with finish reason "grammar_complete" and reports `usage.constraint_kind`.
 """
 
+from . import constraints
 from ._async import AsyncClient
 from ._common import Message, Prompt, RetryPolicy, SamplingOptions
 from ._sync import Client
@@ -31,5 +37,5 @@ from ._types import (
 __all__ = [
     "AsyncClient", "ChatMessage", "Chunk", "Client", "Completion", "KvCache", "Logprobs",
     "Message", "ModelInfo", "PrefillResult", "Prompt", "RetryPolicy", "SamplingOptions",
-    "ServerInfo", "Timings", "Token", "TokenLogprob", "Tokens", "Usage",
+    "ServerInfo", "Timings", "Token", "TokenLogprob", "Tokens", "Usage", "constraints",
 ]

@@ -165,9 +165,11 @@ class AsyncClient:
         stop: Sequence[str] | str | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
         add_special_tokens: bool | None = None,
+        constraint: common_pb2.Constraint | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """Generate a completion of `prompt`, as an async iterator of chunks (not a coroutine:
-        `async for chunk in client.stream_generate(...)`)."""
+        `async for chunk in client.stream_generate(...)`). `constraint`: see
+        `Client.stream_generate` and `shardlm.client.constraints`."""
         request = c.generate_request(
             prompt, c.sampling_params(
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -175,7 +177,7 @@ class AsyncClient:
                 frequency_penalty=frequency_penalty, seed=seed, logprobs=logprobs,
                 top_logprobs=top_logprobs),
             c.stop_conditions(max_new_tokens, stop, stop_token_ids, ignore_eos),
-            add_special_tokens)
+            add_special_tokens, constraint)
         return self._chunks(self._stream(self._stub.Generate, request, c.Safety.IDEMPOTENT))
 
     async def generate(
@@ -186,6 +188,7 @@ class AsyncClient:
         stop: Sequence[str] | str | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
         add_special_tokens: bool | None = None,
+        constraint: common_pb2.Constraint | None = None,
     ) -> Completion:
         """Generate a completion of `prompt` and return it whole."""
         collector = Collector()
@@ -195,38 +198,46 @@ class AsyncClient:
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                 logprobs=logprobs, top_logprobs=top_logprobs,
-                add_special_tokens=add_special_tokens):
+                add_special_tokens=add_special_tokens, constraint=constraint):
             collector.add(chunk)
         return collector.result()
 
     # ------------------------------------------------------------------------------ sessions
     async def prefill(self, prompt: c.Prompt, *, session_id: str | None = None,
                       add_special_tokens: bool | None = None,
+                      constraint: common_pb2.Constraint | None = None,
                       **sampling: Unpack[c.SamplingOptions]) -> PrefillResult:
         """Process `prompt` into a new session (or a new turn of `session_id`); see
-        `Client.prefill`."""
-        request = c.prefill_request(prompt, session_id, add_special_tokens, sampling)
+        `Client.prefill` (`constraint` constrains the turn, through the following decodes)."""
+        request = c.prefill_request(prompt, session_id, add_special_tokens, sampling,
+                                    constraint)
         return prefill_result(await self._unary(self._stub.Prefill, request, c.Safety.STATEFUL))
 
     def stream_decode(self, session_id: str, *, max_new_tokens: int | None = None,
                       stop: Sequence[str] | str | None = None,
                       stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                      constraint: common_pb2.Constraint | None = None,
                       **sampling: Unpack[c.SamplingOptions]) -> AsyncGenerator[Chunk, None]:
-        """Continue a session after `prefill`, as an async iterator of chunks."""
+        """Continue a session after `prefill`, as an async iterator of chunks. `constraint`:
+        None continues the turn's constraint, a Constraint replaces it, an empty
+        `common_pb2.Constraint()` removes it (see `Client.stream_decode`)."""
         request = c.decode_request(
             session_id, c.stop_conditions(max_new_tokens, stop, stop_token_ids, ignore_eos),
-            sampling)
+            sampling, constraint)
         return self._chunks(self._stream(self._stub.Decode, request, c.Safety.STATEFUL))
 
     async def decode(self, session_id: str, *, max_new_tokens: int | None = None,
                      stop: Sequence[str] | str | None = None,
                      stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                     constraint: common_pb2.Constraint | None = None,
                      **sampling: Unpack[c.SamplingOptions]) -> Completion:
-        """Continue a session after `prefill` and return the whole continuation."""
+        """Continue a session after `prefill` and return the whole continuation (`constraint`:
+        None continues the turn's, an empty `common_pb2.Constraint()` removes it)."""
         collector = Collector()
         async for chunk in self.stream_decode(
                 session_id, max_new_tokens=max_new_tokens, stop=stop,
-                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **sampling):
+                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, constraint=constraint,
+                **sampling):
             collector.add(chunk)
         return collector.result()
 

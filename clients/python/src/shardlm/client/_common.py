@@ -347,20 +347,37 @@ def session_sampling(options: Mapping[str, Any]) -> common_pb2.SamplingParams | 
     return sampling_params(**options)
 
 
+def set_constraint(request: gateway_pb2.GenerateRequest | gateway_pb2.PrefillRequest
+                   | gateway_pb2.DecodeRequest,
+                   constraint: common_pb2.Constraint | None) -> None:
+    """Set the request's `constraint` (None leaves it unset; an empty Constraint is sent as set,
+    which for Decode removes the session's constraint)."""
+    if constraint is None:
+        return
+    if not isinstance(constraint, common_pb2.Constraint):
+        raise TypeError("constraint must be a shardlm.common.v1.Constraint (build one with "
+                        "shardlm.client.constraints), not " + type(constraint).__name__)
+    request.constraint.CopyFrom(constraint)
+
+
 def generate_request(prompt: Prompt, sampling: common_pb2.SamplingParams | None,
-                     stop: common_pb2.StopConditions,
-                     add_special_tokens: bool | None) -> gateway_pb2.GenerateRequest:
+                     stop: common_pb2.StopConditions, add_special_tokens: bool | None,
+                     constraint: common_pb2.Constraint | None = None,
+                     ) -> gateway_pb2.GenerateRequest:
     request = gateway_pb2.GenerateRequest(stop=stop)
     set_prompt(request, prompt)
     if sampling is not None:
         request.sampling.CopyFrom(sampling)
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
+    set_constraint(request, constraint)
     return request
 
 
 def prefill_request(prompt: Prompt, session_id: str | None, add_special_tokens: bool | None,
-                    sampling: Mapping[str, Any]) -> gateway_pb2.PrefillRequest:
+                    sampling: Mapping[str, Any],
+                    constraint: common_pb2.Constraint | None = None,
+                    ) -> gateway_pb2.PrefillRequest:
     request = gateway_pb2.PrefillRequest(session_id=session_id or "")
     set_prompt(request, prompt)
     params = session_sampling(sampling)
@@ -368,17 +385,21 @@ def prefill_request(prompt: Prompt, session_id: str | None, add_special_tokens: 
         request.sampling.CopyFrom(params)
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
+    set_constraint(request, constraint)
     return request
 
 
 def decode_request(session_id: str, stop: common_pb2.StopConditions,
-                   sampling: Mapping[str, Any]) -> gateway_pb2.DecodeRequest:
+                   sampling: Mapping[str, Any],
+                   constraint: common_pb2.Constraint | None = None,
+                   ) -> gateway_pb2.DecodeRequest:
     if not session_id:
         raise _invalid("session_id", "must name a session created by prefill")
     request = gateway_pb2.DecodeRequest(session_id=session_id, stop=stop)
     params = session_sampling(sampling)
     if params is not None:
         request.sampling.CopyFrom(params)
+    set_constraint(request, constraint)
     return request
 
 

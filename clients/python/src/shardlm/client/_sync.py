@@ -145,9 +145,14 @@ class Client:
         stop: Sequence[str] | str | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
         add_special_tokens: bool | None = None,
+        constraint: common_pb2.Constraint | None = None,
     ) -> Generator[Chunk, None, None]:
         """Generate a completion of `prompt` (text, token ids or chat messages), yielding chunks
-        as they are produced. Breaking out of the loop cancels the generation on the server."""
+        as they are produced. Breaking out of the loop cancels the generation on the server.
+
+        `constraint` (built with `shardlm.client.constraints`: a JSON schema, regex, grammar,
+        choice, ...) restricts the generated text to its language; the generation then ends
+        with finish reason "grammar_complete" once the text is complete."""
         request = c.generate_request(
             prompt, c.sampling_params(
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -155,7 +160,7 @@ class Client:
                 frequency_penalty=frequency_penalty, seed=seed, logprobs=logprobs,
                 top_logprobs=top_logprobs),
             c.stop_conditions(max_new_tokens, stop, stop_token_ids, ignore_eos),
-            add_special_tokens)
+            add_special_tokens, constraint)
         # Built eagerly so that a bad argument raises here, not at the first iteration.
         return _chunks(self._stream(self._stub.Generate, request, c.Safety.IDEMPOTENT))
 
@@ -167,8 +172,10 @@ class Client:
         stop: Sequence[str] | str | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
         add_special_tokens: bool | None = None,
+        constraint: common_pb2.Constraint | None = None,
     ) -> Completion:
-        """Generate a completion of `prompt` and return it whole (see `stream_generate`)."""
+        """Generate a completion of `prompt` and return it whole (see `stream_generate`,
+        `constraint` included)."""
         collector = Collector()
         for chunk in self.stream_generate(
                 prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -176,39 +183,53 @@ class Client:
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                 logprobs=logprobs, top_logprobs=top_logprobs,
-                add_special_tokens=add_special_tokens):
+                add_special_tokens=add_special_tokens, constraint=constraint):
             collector.add(chunk)
         return collector.result()
 
     # ------------------------------------------------------------------------------ sessions
     def prefill(self, prompt: c.Prompt, *, session_id: str | None = None,
                 add_special_tokens: bool | None = None,
+                constraint: common_pb2.Constraint | None = None,
                 **sampling: Unpack[c.SamplingOptions]) -> PrefillResult:
         """Process `prompt` into a new session (or append a turn to `session_id`) and sample its
-        first token. Sampling keywords set the session's parameters; none keeps them."""
-        request = c.prefill_request(prompt, session_id, add_special_tokens, sampling)
+        first token. Sampling keywords set the session's parameters; none keeps them.
+
+        `constraint` (see `shardlm.client.constraints`) constrains the text of this turn, from
+        the first token on and through the following `decode` calls, which continue it where
+        the last one stopped; None leaves the turn unconstrained."""
+        request = c.prefill_request(prompt, session_id, add_special_tokens, sampling,
+                                    constraint)
         return prefill_result(self._unary(self._stub.Prefill, request, c.Safety.STATEFUL))
 
     def stream_decode(self, session_id: str, *, max_new_tokens: int | None = None,
                       stop: Sequence[str] | str | None = None,
                       stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                      constraint: common_pb2.Constraint | None = None,
                       **sampling: Unpack[c.SamplingOptions]) -> Generator[Chunk, None, None]:
         """Continue a session after `prefill`, yielding chunks. Sampling keywords replace the
-        session's parameters for this and later calls."""
+        session's parameters for this and later calls.
+
+        `constraint`: None (the default) continues the turn's constraint, if any, where the
+        previous call left it; a Constraint replaces it from this call's first token on; an
+        empty `common_pb2.Constraint()` (`constraints.unconstrained()`) removes it."""
         request = c.decode_request(
             session_id, c.stop_conditions(max_new_tokens, stop, stop_token_ids, ignore_eos),
-            sampling)
+            sampling, constraint)
         return _chunks(self._stream(self._stub.Decode, request, c.Safety.STATEFUL))
 
     def decode(self, session_id: str, *, max_new_tokens: int | None = None,
                stop: Sequence[str] | str | None = None,
                stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+               constraint: common_pb2.Constraint | None = None,
                **sampling: Unpack[c.SamplingOptions]) -> Completion:
-        """Continue a session after `prefill` and return the whole continuation."""
+        """Continue a session after `prefill` and return the whole continuation (see
+        `stream_decode`: `constraint=None` continues the turn's constraint, an empty
+        `common_pb2.Constraint()` removes it)."""
         collector = Collector()
         for chunk in self.stream_decode(session_id, max_new_tokens=max_new_tokens, stop=stop,
                                         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                                        **sampling):
+                                        constraint=constraint, **sampling):
             collector.add(chunk)
         return collector.result()
 

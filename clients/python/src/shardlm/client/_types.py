@@ -43,11 +43,14 @@ class Logprobs:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token accounting of one call (see `shardlm.common.v1.Usage`)."""
+    """Token accounting of one call (see `shardlm.common.v1.Usage`). `constraint_kind` names
+    the constraint the generated text followed ("json_schema", "json_object", "regex",
+    "grammar", "choice", "structural_tag"; see `shardlm.client.constraints`), "" when none."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
+    constraint_kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,9 @@ class Chunk:
 @dataclass(frozen=True)
 class Completion:
     """A whole generation. `finish_reason` is "length", "eos", "stop_token", "stop_sequence",
-    "context_length", "cancelled", "deadline_exceeded" or "error"."""
+    "context_length", "cancelled", "deadline_exceeded", "error" or "grammar_complete" (the
+    request's constraint allowed no further token; the last token is part of the constrained
+    text). A reason added by a newer server reads "unknown_<number>"."""
 
     text: str
     token_ids: list[int]
@@ -183,7 +188,7 @@ def finish_reason(value: int) -> str | None:
 
 
 def usage_of(pb: common_pb2.Usage) -> Usage:
-    return Usage(pb.prompt_tokens, pb.cached_tokens, pb.generated_tokens)
+    return Usage(pb.prompt_tokens, pb.cached_tokens, pb.generated_tokens, pb.constraint_kind)
 
 
 def timings_of(pb: common_pb2.Timings) -> Timings:
