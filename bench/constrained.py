@@ -12,7 +12,8 @@ Against `shardlm serve` (a subprocess, as the other benches start it), over gRPC
              2020-12; `format` checked only for the formats llguidance enforces), finish reasons
              counted (GRAMMAR_COMPLETE, LENGTH, ...), each failure printed with its schema's name.
 2. compile   per schema, in this process, llguidance on the served model's tokenizer: the time of
-             `LLMatcher(tokenizer, grammar_from_json_schema(schema))` plus its first token mask
+             `LLMatcher(tokenizer, grammar_from_json_schema(generation_schema(schema)))` (the
+             server's reading of a schema) plus its first token mask
              (median of 3); p50 / p99 / max over the corpus.
 3. overhead  the same prompts with and without a constraint, at batch 1 (sequential requests) and
              at --concurrency concurrent streams, in alternated rounds (--rounds each side, the
@@ -188,9 +189,11 @@ def compile_times(lt, cases: list[SchemaCase], repeats: int = 3) -> dict:
     """Per schema, the median over `repeats` of grammar + matcher construction + first mask."""
     from llguidance import LLMatcher
 
+    from shardlm_server.gateway.constraints.json_schema import generation_schema
+
     def once(schema: dict) -> tuple[float, str]:
-        start = time.perf_counter()
-        matcher = LLMatcher(lt, LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+        start = time.perf_counter()  # the grammar the gateway makes (gateway/constraints)
+        matcher = LLMatcher(lt, LLMatcher.grammar_from_json_schema(generation_schema(schema)))
         matcher.compute_bitmask()
         return time.perf_counter() - start, matcher.get_error() if matcher.is_error() else ""
 

@@ -659,7 +659,7 @@ EXTRACTION_CASES: list[tuple[str, str, dict[str, Any]]] = [
                      "track": {"enum": ["databases", "frontend", "security", "ml", "devops"]},
                      "minutes": {"enum": [15, 30, 45, 60]},
                      "room": {"type": "string", "maxLength": 10},
-                     "start": {"type": "string", "format": "time"}},
+                     "start": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"}},
       "required": ["title", "speakers", "track", "minutes"], "additionalProperties": False}),
     ("podcast_episode",
      "Extract the episode info: 'Deep Work Radio', episode 112, 'Saying no to meetings', runs 48 "
