@@ -1,11 +1,22 @@
 """Shared by the SMG tests: a tiny checkpoint with a chat template (SMG renders chats itself, so
-both sides need the same template), and a live gateway that has loaded it."""
+both sides need the same template), a live gateway that has loaded it, and `smg launch` routing
+to gateways on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from shardlm.gateway.v1 import gateway_pb2
 
 from shardlm_server.gateway.api.runtime import Limits
@@ -31,3 +42,49 @@ def loaded_gateway(model: Path) -> LiveGateway:
     for _ in gateway.stub.Load(gateway_pb2.LoadRequest(model_path=str(model))):
         pass
     return gateway
+
+
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def smg_router(worker_urls: list[str], log: Path, *extra: str) -> Iterator[tuple[str, str]]:
+    """`smg launch` on a free loopback port (its metrics on another) routing to `worker_urls`:
+    yields its base URL and the model id it lists, and stops it on exit."""
+    port = free_port()
+    command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+               *worker_urls, "--prometheus-port", str(free_port()), "--log-level", "warn",
+               *extra]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        yield base, wait_for_model(base, process, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_for_model(base: str, process: subprocess.Popen, log: Path) -> str:
+    for _ in range(120):
+        if process.poll() is not None:
+            pytest.fail(f"smg exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as reply:
+                models = json.load(reply)["data"]
+            if models:
+                return models[0]["id"]
+        except (urllib.error.URLError, OSError, KeyError, ValueError):
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"smg listed no model within a minute:\n{log.read_text()[-3000:]}")

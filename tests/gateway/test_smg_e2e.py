@@ -10,31 +10,18 @@ replica stopped, SMG serves on from the other. Skipped where `smg` is not instal
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from shardlm.gateway.v1 import gateway_pb2
 
-from tests.gateway.smg_fixtures import chat_checkpoint, loaded_gateway
+from tests.gateway.smg_fixtures import SMG, chat_checkpoint, loaded_gateway, smg_router
 
-SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router (PyPI smg) is not installed")
 
 CHAT = [{"role": "user", "content": "To be, or not to be"}]
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 60,
@@ -64,40 +51,11 @@ def replicas(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def router(replicas, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("smg") / "smg.log"
-    command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy",
-               "round_robin", "--worker-urls", *[f"grpc://{g.address}" for g in replicas],
-               "--sticky-sessions", "--routing-key-headers", "x-shardlm-session",
-               "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-               "--log-level", "warn"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        model_id = _wait_for_model(base, process, log)
-        yield base, model_id
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_for_model(base: str, process: subprocess.Popen, log: Path) -> str:
-    for _ in range(120):
-        if process.poll() is not None:
-            pytest.fail(f"smg exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            models = json.load(_http(f"{base}/v1/models", timeout=5))["data"]
-            if models:
-                return models[0]["id"]
-        except (urllib.error.URLError, OSError, KeyError, ValueError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"smg listed no model within a minute:\n{log.read_text()[-3000:]}")
+    with smg_router([f"grpc://{g.address}" for g in replicas], log, "--policy", "round_robin",
+                    "--sticky-sessions", "--routing-key-headers", "x-shardlm-session",
+                    "--health-check-interval-secs", "1", "--health-failure-threshold", "1") as up:
+        yield up
 
 
 def _reference(gateway) -> str:
