@@ -44,9 +44,13 @@ proto: install
 bench: install
 	$(PY) -m bench.run --device $(if $(DEVICE),$(DEVICE),cpu)
 
-# Serve the default model (SmolLM2-135M-Instruct), or a checkpoint: make serve [MODEL=/path] [ARGS="--tp 2"]
+# Serve the default model (SmolLM2-135M-Instruct), or a checkpoint, on gRPC (127.0.0.1:50051) and
+# OpenAI's HTTP API through SMG (http://127.0.0.1:$(OPENAI_PORT)/v1; OPENAI_PORT= turns it off):
+#   make serve [MODEL=/path] [OPENAI_PORT=8000] [ARGS="--tp 2"]
+OPENAI_PORT ?= 8000
 serve: install
-	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) \
+		$(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT)) $(ARGS)
 
 # llama.cpp's own server into .bench/bin (git-ignored), for the full-stack comparison of
 # `python -m bench.run --model FILE.gguf`; optional, about 8 minutes on 2 cores.

@@ -12,6 +12,7 @@ The gateway's parts receive views of it: `Limits` (the runtime's scheduling and 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,7 +34,7 @@ ENV_PREFIX = "SHARDLM_"
 DEVICES = ("cpu", "cuda")
 MAX_PORT = 65535
 # Groups of settings, in the order `shardlm serve --help` lists them.
-GROUPS = ("model", "workers", "server", "tls", "kv cache", "limits", "engine")
+GROUPS = ("model", "workers", "server", "openai", "tls", "kv cache", "limits", "engine")
 # Who shares cached prompt prefixes: each caller identity its own, or everyone.
 PREFIX_CACHE_SCOPE_IDENTITY = "identity"
 PREFIX_CACHE_SCOPE_GLOBAL = "global"
@@ -127,6 +128,21 @@ class ServeConfig:
         30.0, "seconds in-flight calls get to finish at shutdown", "server", minimum=0)
     auth_tokens: str | None = setting(
         None, "file of 'TOKEN NAME [admin]' lines: require bearer auth", "server")
+    # ---------------------------------------------------------------- openai
+    openai_port: int | None = setting(
+        None, "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/models, ...) on this port "
+        "through the SMG router (PyPI smg), run and restarted as a child process and routed to "
+        "the engine API (--smg-port, else a free loopback port); 0 picks a free port; unset: no "
+        "HTTP API", "openai", minimum=0, maximum=MAX_PORT)
+    openai_host: str = setting(DEFAULT_HOST, "interface of the OpenAI HTTP API", "openai",
+                               metavar="HOST")
+    tool_call_parser: str | None = setting(
+        None, "SMG's tool-call parser (smg launch --tool-call-parser: json, llama, qwen, "
+        "mistral, ...); unset: chosen from the model's architecture and chat template",
+        "openai", metavar="NAME")
+    openai_start_timeout: float = setting(
+        60.0, "seconds the SMG router gets to answer HTTP, at start and after each restart",
+        "openai", minimum=0.001)
     # ---------------------------------------------------------------- tls
     tls_cert: str | None = setting(None, "PEM certificate: serve TLS (with --tls-key)", "tls")
     tls_key: str | None = setting(None, "PEM private key of --tls-cert", "tls")
@@ -316,11 +332,25 @@ def check(cfg: ServeConfig, sources: dict[str, str]) -> ServeConfig:
         raise ConfigError("--tls-cert and --tls-key go together")
     if cfg.tls_client_ca and not cfg.tls_cert:
         raise fail("tls_client_ca", "needs --tls-cert and --tls-key")
+    if cfg.openai_port is not None and cfg.auth_tokens and not is_loopback(cfg.openai_host):
+        raise fail("openai_host", f"must be a loopback address with --auth-tokens, not "
+                   f"{cfg.openai_host!r}: the OpenAI API (SMG) does not check the gateway's "
+                   f"bearer tokens")
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         raise fail("default_max_new_tokens",
                    f"({cfg.default_max_new_tokens}) must not exceed --max-new-tokens "
                    f"({cfg.max_new_tokens})")
     return cfg
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface (and no other)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _exclusive(cfg: ServeConfig, sources: dict[str, str], a: str, b: str) -> None:

@@ -80,6 +80,13 @@ class Metrics:
             "CONSTRAINT_COMPILE_TIMEOUT).", ["reason"], registry=r)
         self.worker_restarts = Counter("shardlm_worker_restarts_total",
                                        "Worker group restarts by the supervisor.", registry=r)
+        self.openai_router_up = Gauge(
+            "shardlm_openai_router_up", "1 while the SMG router of serve --openai-port answers, "
+            "0 while it is down or restarting.", registry=r)
+        self.openai_router_restarts = Counter(
+            "shardlm_openai_router_restarts_total",
+            "Restarts of the SMG router of serve --openai-port: after it exited, or to serve a "
+            "newly loaded model.", registry=r)
 
     def observe_kv_cache(self, used_blocks: int, total_blocks: int, cached_blocks: int = 0,
                          idle_cached_blocks: int = 0) -> None:

@@ -19,6 +19,7 @@ SLOW_TESTS = frozenset({
     "tests/clients/test_node_client.py",
     "tests/gateway/test_smg_e2e.py",
     "tests/gateway/test_smg_port.py",
+    "tests/gateway/serve/test_openai_port.py",
     "tests/gateway/api/test_smg_optional.py",
     "tests/gateway/test_multihost.py",
     "tests/gateway/test_fuzz.py",

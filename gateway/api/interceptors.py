@@ -8,6 +8,7 @@ INTERNAL with a request id and no exception text; the log gets the traceback und
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
@@ -97,8 +98,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 started = time.monotonic()
                 try:
                     _check_decoded(request)
-                    async for message in inner_stream(request, context):
-                        yield message
+                    replies = inner_stream(request, context)
+                    if inspect.isawaitable(replies):  # writes with context.write (health Watch)
+                        await replies
+                    else:
+                        async for message in replies:
+                            yield message
                 except asyncio.CancelledError:
                     self._done(method, grpc.StatusCode.CANCELLED, started)
                     raise

@@ -87,6 +87,10 @@ class Runtime:
         self.pool = self._pool_for(group)
         self.draining = False
         self.recovering = False
+        # Parts served beside the API that are down, and why (`serve --openai-port`'s SMG
+        # router): the server's overall health ("") is NOT_SERVING while any is.
+        self.parts_down: dict[str, str] = {}
+        self._serving = False
         self.last_load: tuple | None = None  # what to reload after a worker restart
         self._load_lock = asyncio.Lock()
         self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
@@ -108,10 +112,20 @@ class Runtime:
         return self.model
 
     async def set_serving(self, serving: bool) -> None:
+        self._serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving and not self.draining
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await self.health.set(SERVICE_NAME, status)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING
+                              if self.parts_down else status)
+
+    async def set_part_down(self, part: str, why: str | None) -> None:
+        """Mark a part served beside the API down (`why`) or up again (None)."""
+        if why is None:
+            self.parts_down.pop(part, None)
+        else:
+            self.parts_down[part] = why
+        await self.set_serving(self._serving)
 
     async def load(self, model_path: str, dtype: int, tp_size: int,
                    kv_cache: common_pb2.KvCacheConfig | None,

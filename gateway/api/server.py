@@ -95,7 +95,9 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
                         auth_tokens: dict[str, Identity] | None = None,
                         model_root: str | None = None,
                         load_options: LoadOptions | None = None,
-                        smg_port: int | None = None) -> GatewayServer:
+                        smg_port: int | None = None,
+                        smg_host: str | None = None) -> GatewayServer:
+    """`smg_host`: the interface of the `smg_port` listener (default: `host`)."""
     metrics = Metrics()
     health = health_aio.HealthServicer()
     runtime = Runtime(group, metrics, limits or Limits(), health, model_root, load_options)
@@ -141,6 +143,7 @@ async def start_gateway(group: WorkerGroup, *, host: str = DEFAULT_HOST, port: i
             await server.stop(grace=None)
             await runtime.pool.close()
             raise OSError(f"cannot serve --smg-port: {smg_problem}")
-        smg = await smg_service.start_smg_server(api, [ErrorInterceptor(metrics)], host, smg_port)
+        smg = await smg_service.start_smg_server(api, [ErrorInterceptor(metrics)],
+                                                 smg_host or host, smg_port)
     assert SERVICE_NAME == names[0]
     return GatewayServer(server, runtime, metrics, bound, smg)

@@ -4,6 +4,8 @@ Start-up goes from cheap to costly: settings and paths, then the gateway's ports
 busy port is reported before any worker is started), then the workers, the gateway, the model.
 Whatever fails on the way, and a SIGINT / SIGTERM before the model is ready, stops every process
 started so far and ends with one `error:` line and exit code 1 (0 for a signal after start-up).
+With --openai-port, the SMG router (openai_router.py) starts once the model is loaded, and
+`ready:` waits for it too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ from shardlm_server.gateway.api.server import (
 )
 from shardlm_server.gateway.config import ServeConfig
 from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
+from shardlm_server.gateway.serve.openai_router import (
+    OpenAIRouter,
+    RouterSettings,
+    free_port,
+    reachable_host,
+    smg_command,
+    url_host,
+)
 from shardlm_server.gateway.serve.supervisor import Supervisor
 from shardlm_server.gateway.workers.processes import WorkerGroup, WorkerTLS, local_device
 
@@ -93,8 +103,12 @@ def _check_before_start(cfg: ServeConfig) -> None:
     check_port_free(cfg.host, cfg.port)
     check_port_free(cfg.host, cfg.metrics_port, "metrics")
     check_port_free(cfg.host, cfg.smg_port, "the SMG engine API")
-    if cfg.smg_port is not None and (problem := smg_engine_problem()):
-        raise ValueError(f"cannot serve --smg-port: {problem}")
+    check_port_free(cfg.openai_host, cfg.openai_port, "the OpenAI API")
+    for name, port in (("--smg-port", cfg.smg_port), ("--openai-port", cfg.openai_port)):
+        if port is not None and (problem := smg_engine_problem()):
+            raise ValueError(f"cannot serve {name}: {problem}")
+    if cfg.openai_port is not None:
+        smg_command()  # RouterError (a ValueError) when SMG is not installed
 
 
 def _start_workers(cfg: ServeConfig, tls: WorkerTLS | None, group: WorkerGroup | None = None
@@ -128,10 +142,33 @@ async def _start_gateway(cfg: ServeConfig, group: WorkerGroup) -> GatewayServer:
     return await start_gateway(group, host=cfg.host, port=cfg.port, limits=cfg.limits,
                                metrics_port=cfg.metrics_port, credentials=credentials,
                                auth_tokens=tokens, model_root=model_root,
-                               load_options=cfg.load_options, smg_port=cfg.smg_port)
+                               load_options=cfg.load_options, **_engine_listener(cfg))
 
 
-async def _load(cfg: ServeConfig, server: GatewayServer) -> None:
+def _engine_listener(cfg: ServeConfig) -> dict:
+    """Where the SMG engine API listens: --smg-port on --host when given. --openai-port without
+    it takes a port on loopback, the OS's choice at bind time (port 0: no probe-then-bind race,
+    and no derived number such as --port + 1 that may be taken); loopback, because that port
+    serves without TLS and tokens and only our own SMG child needs it."""
+    if cfg.openai_port is not None and cfg.smg_port is None:
+        return {"smg_port": 0, "smg_host": "127.0.0.1"}
+    return {"smg_port": cfg.smg_port}
+
+
+def _router_settings(cfg: ServeConfig, server: GatewayServer) -> RouterSettings:
+    assert server.smg is not None and cfg.openai_port is not None
+    engine_host = "127.0.0.1" if cfg.smg_port is None else reachable_host(cfg.host)
+    # --openai-port 0: a free port now, kept across restarts (SMG cannot report one it chose).
+    port = cfg.openai_port or free_port(cfg.openai_host)
+    return RouterSettings(host=cfg.openai_host, port=port,
+                          engine_url=f"grpc://{url_host(engine_host)}:{server.smg[1]}",
+                          tool_call_parser=cfg.tool_call_parser,
+                          start_timeout_s=cfg.openai_start_timeout)
+
+
+async def _load(cfg: ServeConfig, server: GatewayServer) -> str:
+    """Load --model; the `ready:` line's beginning."""
+
     def progress(p: common_pb2.LoadProgress) -> None:
         print(f"loading: {p.fraction:4.0%} {p.message}", flush=True)
 
@@ -140,8 +177,7 @@ async def _load(cfg: ServeConfig, server: GatewayServer) -> None:
                                           progress)
     except ShardLMError as exc:
         raise ValueError(f"could not load {cfg.model}: {exc.message}") from None
-    print(f"ready: serving {model.info.architecture} from {cfg.model} on "
-          f"{cfg.host}:{server.port}", flush=True)
+    return f"ready: serving {model.info.architecture} from {cfg.model} on {cfg.host}:{server.port}"
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -164,6 +200,7 @@ async def serve(cfg: ServeConfig) -> int:
     group = WorkerGroup(tls=tls)
     server: GatewayServer | None = None
     supervisor: Supervisor | None = None
+    router: OpenAIRouter | None = None
     try:
         try:
             group = await unless_stopped(stop, asyncio.to_thread(_start_workers, cfg, tls, group))
@@ -178,35 +215,43 @@ async def serve(cfg: ServeConfig) -> int:
         print(f"ShardLM gateway on {cfg.host}:{server.port} with {group.world_size} worker(s)",
               flush=True)
         if cfg.model:
-            await unless_stopped(stop, _load(cfg, server))
+            ready = await unless_stopped(stop, _load(cfg, server))
         else:
-            print("no model: waiting for a Load call (health is NOT_SERVING until then)",
-                  flush=True)
+            ready = "no model: waiting for a Load call (health is NOT_SERVING until then)"
+        if cfg.openai_port is not None:
+            router = OpenAIRouter(_router_settings(cfg, server), server.runtime)
+            await unless_stopped(stop, router.start())
+            ready += f"; openai: {router.url}"
+        print(ready, flush=True)
     except StartupInterrupted:
         print("error: stopped by a signal during start-up", file=sys.stderr)
-        await _shut_down(group, server, supervisor, 0)
+        await _shut_down(group, server, supervisor, 0, router)
         return 1
     except (ShardLMError, OSError, ValueError, TypeError) as exc:
         message = exc.message if isinstance(exc, ShardLMError) else str(exc)
         print(f"error: {message}", file=sys.stderr)
-        await _shut_down(group, server, supervisor, 0)
+        await _shut_down(group, server, supervisor, 0, router)
         return 1
     except BaseException:
-        await _shut_down(group, server, supervisor, 0)
+        await _shut_down(group, server, supervisor, 0, router)
         raise
     await stop.wait()
     print("draining...", flush=True)
-    await _shut_down(group, server, supervisor, cfg.drain_grace)
+    await _shut_down(group, server, supervisor, cfg.drain_grace, router)
     print("stopped", flush=True)
     return 0
 
 
 async def _shut_down(group: WorkerGroup, server: GatewayServer | None,
-                     supervisor: Supervisor | None, drain_grace_s: float) -> None:
-    """Stop what was started, newest first; the workers last, whichever group is current."""
+                     supervisor: Supervisor | None, drain_grace_s: float,
+                     router: OpenAIRouter | None = None) -> None:
+    """Stop what was started; the workers last, whichever group is current. The SMG router
+    after the gateway has drained: what is in flight through it is the gateway's to finish."""
     if supervisor is not None:
         await supervisor.stop()
     if server is not None:
         await server.drain(drain_grace_s)
         group = server.runtime.group
+    if router is not None:
+        await router.stop()
     await asyncio.to_thread(group.close)

@@ -26,6 +26,13 @@ from shardlm_server.gateway.workers.processes import WorkerGroup
 log = logging.getLogger("shardlm.supervisor")
 
 
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Seconds to wait after failed attempt `attempt` (1, 2, ...): `base_s`, doubling with each
+    attempt, at most `max_s`. Shared by the worker supervisor and the SMG router's
+    (gateway/serve/openai_router.py)."""
+    return min(base_s * 2 ** (attempt - 1), max_s)
+
+
 class Supervisor:
     def __init__(self, runtime: Runtime, respawn: Callable[[], WorkerGroup], *,
                  max_attempts: int = 5, backoff_s: float = 1.0, check_interval_s: float = 0.5,
@@ -113,7 +120,7 @@ class Supervisor:
                              "reconnected" if remote else "restarted", path, attempt)
                     return
                 except (ShardLMError, OSError) as exc:
-                    delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+                    delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s)
                     limit = "" if remote else f"/{self.max_attempts}"
                     log.warning("recovery attempt %d%s failed: %s; next in %.1fs", attempt, limit,
                                 exc, delay)
