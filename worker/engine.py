@@ -35,22 +35,16 @@ from shardlm_server.worker.engine_types import (  # noqa: F401 - the engine's AP
     TokenOutput,
 )
 from shardlm_server.worker.eos import checkpoint_eos_ids
-from shardlm_server.worker.errors import EngineError, InvalidRequestError, SequenceNotCachedError
-from shardlm_server.worker.grammar import GrammarRuntime, PendingMasks, SequenceConstraint
+from shardlm_server.worker.errors import EngineError, InvalidRequestError
+from shardlm_server.worker.grammar import GrammarRuntime
 from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache
 from shardlm_server.worker.layers import Parallel
 from shardlm_server.worker.loader import load_checkpoint_config, open_checkpoint
 from shardlm_server.worker.model import TransformerModel, tap_names
 from shardlm_server.worker.quant import check_mode as check_quantize_mode
-from shardlm_server.worker.sampling import (
-    SampledToken,
-    TokenHistory,
-)
+from shardlm_server.worker.sequences import SequenceStates
 from shardlm_server.worker.step_checks import (
-    check_block_table,
-    check_tokens,
     check_unique,
-    finish_reason,
 )
 from shardlm_server.worker.step_sampler import PendingSample, StepSampler
 from shardlm_server.worker.transfer import to_device
@@ -91,12 +85,13 @@ class Engine:
         self.model_dir = model_dir
         self.source = source or CheckpointSource("safetensors", ())
         self.eos_token_ids = eos_token_ids  # reported in ModelInfo; see the module docstring
-        self.sequences: dict[int, ResidentSequence] = {}
         self.graph_config = graph_config or GraphConfig()
         self.cache = self._allocate(cache_config)
         self.runner = self._decode_runner()
         self.sampler = StepSampler(self.comm, self.device)
         self.grammar = grammar  # constrained decoding, on the sampling rank (rank 0) only
+        self.states = SequenceStates(self.cfg, self.comm.rank, self.device, grammar)
+        self.sequences = self.states.by_id
         self._tap_names = frozenset(tap_names(self.cfg.num_layers))
 
     # ----------------------------------------------------------------- loading and the cache
@@ -211,7 +206,7 @@ class Engine:
         if not items:
             raise InvalidRequestError("prefill needs at least one sequence")
         check_unique([i.sequence_id for i in items])
-        sequences = [self._prepare_prefill(item) for item in items]
+        sequences = [self.states.for_prefill(item, self.cache) for item in items]
         batch = build_prefill_batch(
             [(s.tokens, item.start_position, len(item.token_ids)) for s, item in
              zip(sequences, items, strict=True)],
@@ -222,7 +217,7 @@ class Engine:
         tap_values = self._requested_taps(taps)
         rows = [row for row, item in enumerate(items) if item.sample]
         picked = [sequences[r] for r in rows]
-        masks = self._start_masks(picked)  # made while the forward pass runs
+        masks = self.states.start_masks(picked)  # made while the forward pass runs
         logits = self.model.forward(batch.input_ids, batch.meta, self.cache.layers, tap_values)
         if not rows:
             return StepOutput([], tap_values or {})
@@ -230,7 +225,7 @@ class Engine:
             logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
         pending = self.sampler.launch(logits, picked, rows, masks)
         tokens = self.sampler.collect(pending)
-        return StepOutput(self._advance(picked, tokens), tap_values or {}, pending.mask_seconds)
+        return StepOutput(self.states.advance(picked, tokens), tap_values or {}, pending.mask_seconds)
 
     def decode(
         self, items: list[DecodeItem], num_steps: int, taps: list[str] | tuple[str, ...] = ()
@@ -246,7 +241,7 @@ class Engine:
         if num_steps <= 0:
             raise InvalidRequestError("num_steps must be positive")
         check_unique([i.sequence_id for i in items])
-        plan = [(self._prepare_decode(item, num_steps), item.max_steps) for item in items]
+        plan = [(self.states.for_decode(item, num_steps, self.cache), item.max_steps) for item in items]
         tap_values = self._requested_taps(taps)
         if not plan:
             return
@@ -267,7 +262,7 @@ class Engine:
                 tokens = self.sampler.collect(pending)
                 for i in live:  # the fed token's K/V is now cached
                     seqs[i].tokens.append(seqs[i].pending)  # type: ignore[arg-type]
-                outputs = self._advance([seqs[i] for i in live], tokens)
+                outputs = self.states.advance([seqs[i] for i in live], tokens)
                 step += 1
                 previous, live = pending, live_rows(step) if step < num_steps else []
                 pending = self._launch_decode(call, seqs, live, previous) if live else None
@@ -294,7 +289,7 @@ class Engine:
             call.buffers.stage(call.rows, live, None, positions, slots)
             call.buffers.feed_ids(previous.rows, previous.ids)
         stepping = [seqs[i] for i in live]
-        masks = self._start_masks(stepping)  # made while the forward pass runs
+        masks = self.states.start_masks(stepping)  # made while the forward pass runs
         logits = call.run(taps)
         if live != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(live, torch.int64, self.device))
@@ -311,123 +306,6 @@ class Engine:
                 field="debug_taps",
             )
         return dict.fromkeys(names, torch.empty(0))
-
-    def _prepare_prefill(self, item: PrefillItem) -> ResidentSequence:
-        if not item.token_ids:
-            raise InvalidRequestError(f"sequence {item.sequence_id}: no tokens to prefill")
-        check_tokens(item.token_ids, item.sequence_id, self.cfg.vocab_size)
-        end = item.start_position + len(item.token_ids)
-        if end > self.cfg.max_position_embeddings:
-            raise InvalidRequestError(
-                f"sequence {item.sequence_id}: {end} tokens exceed the context of "
-                f"{self.cfg.max_position_embeddings}",
-                field="token_ids",
-            )
-        check_block_table(item.block_table, end, item.sequence_id, self.cache)
-        prefix = self._prefix_of(item)
-        seq = ResidentSequence(
-            sequence_id=item.sequence_id,
-            tokens=prefix + list(item.token_ids),
-            block_table=list(item.block_table),
-            sampling=item.sampling,
-            stop=item.stop,
-        )
-        self._attach_sampler_state(seq)
-        if item.sample:
-            seq.matcher = self._matcher(item.constraint, seq.tokens, seq.sequence_id)
-        self.sequences[item.sequence_id] = seq
-        return seq
-
-    def _prefix_of(self, item: PrefillItem) -> list[int]:
-        """The ids of the tokens before `start_position`: sent with the item when its first
-        blocks hold a prefix another sequence computed, else the ones this worker remembers."""
-        if item.prefix_token_ids:
-            if len(item.prefix_token_ids) != item.start_position:
-                raise InvalidRequestError(
-                    f"sequence {item.sequence_id}: prefix_token_ids holds "
-                    f"{len(item.prefix_token_ids)} tokens, start_position is "
-                    f"{item.start_position}",
-                    field="prefix_token_ids",
-                )
-            check_tokens(item.prefix_token_ids, item.sequence_id, self.cfg.vocab_size)
-            return list(item.prefix_token_ids)
-        known = self.sequences.get(item.sequence_id)
-        if item.start_position > 0 and (known is None or known.num_cached < item.start_position):
-            raise SequenceNotCachedError(
-                f"sequence {item.sequence_id}: {item.start_position} tokens are not in this "
-                "worker's cache; prefill the whole history from position 0",
-                sequence_id=item.sequence_id,
-            )
-        return known.tokens[: item.start_position] if known else []
-
-    def _prepare_decode(self, item: DecodeItem, num_steps: int) -> ResidentSequence:
-        seq = self.sequences.get(item.sequence_id)
-        if seq is None or seq.pending is None:
-            raise SequenceNotCachedError(
-                f"sequence {item.sequence_id} has no pending token on this worker; prefill it first",
-                sequence_id=item.sequence_id,
-            )
-        if seq.finished is not None and item.stop is None:
-            raise InvalidRequestError(
-                f"sequence {item.sequence_id} already finished ({seq.finished.value})"
-            )
-        steps = min(num_steps, item.max_steps)
-        check_block_table(item.block_table, seq.num_cached + steps, item.sequence_id,
-                          self.cache)
-        seq.block_table = list(item.block_table)
-        if item.sampling is not None and item.sampling != seq.sampling:
-            seq.sampling = item.sampling
-            self._attach_sampler_state(seq)  # new parameters: new generator and penalty state
-        if item.stop is not None:  # a new call with its own limits: count from here
-            seq.stop, seq.generated, seq.finished = item.stop, 0, None
-        if item.constraint is not None:
-            seq.matcher = self._matcher(item.constraint, [*seq.tokens, seq.pending],
-                                        seq.sequence_id)
-        return seq
-
-    def _matcher(self, constraint: SequenceConstraint | None, tokens: list[int],
-                 sequence_id: int):
-        """The sequence's grammar matcher after `tokens` (None: unconstrained, or not rank 0)."""
-        if constraint is None or not constraint.grammar or self.comm.rank != 0:
-            return None
-        if self.grammar is None:
-            raise InvalidRequestError(
-                "constrained decoding needs the tokenizer with Load (LoadRequest.tokenizer_json)",
-                field="constraint")
-        return self.grammar.matcher(constraint, tokens, sequence_id)
-
-    def _start_masks(self, seqs: list[ResidentSequence]) -> PendingMasks | None:
-        if self.grammar is None:
-            return None
-        return self.grammar.start_masks([s.matcher for s in seqs])
-
-    def _attach_sampler_state(self, seq: ResidentSequence) -> None:
-        if self.comm.rank != 0:
-            return  # only rank 0 samples
-        p = seq.sampling
-        seq.generator = None
-        if p.seed is not None and not p.greedy:
-            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed)
-        seq.history = None
-        if p.uses_repetition_penalty or p.uses_output_penalties:
-            seq.history = TokenHistory.from_prompt(seq.tokens, self.cfg.vocab_size, self.device)
-
-    def _advance(self, seqs: list[ResidentSequence],
-                 tokens: list[SampledToken]) -> list[TokenOutput]:
-        """Each sequence's new token becomes its pending one; see whether it finished."""
-        outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.pending = token.token_id
-            seq.generated += 1
-            seq.finished = finish_reason(seq, token.token_id, self.cfg.max_position_embeddings)
-            complete = False
-            if seq.matcher is not None:
-                complete = GrammarRuntime.consume(seq.matcher, token.token_id)
-                if complete:
-                    seq.matcher = None  # nothing more to mask
-                    seq.finished = seq.finished or FinishReason.CONSTRAINT_COMPLETE
-            outputs.append(TokenOutput(seq.sequence_id, token, complete))
-        return outputs
 
 class _SizeOnly(SingleRankCommunicator):
     """Stands in for a group of `world_size` ranks where only the size matters."""
