@@ -19,7 +19,9 @@ use. When that port is taken, it runs on a free port instead and every "127.0.0.
 "localhost:50051" in a block is replaced by its address (the only substitution ever made); blocks
 that reach the default address without naming it then skip, saying so. Node and grpcurl blocks
 skip, with the reason, where node or grpcurl is not installed; grpcurl blocks are then still
-checked statically (every request body parses as its method's request message).
+checked statically (every request body parses as its method's request message). A block that
+reaches OpenAI's HTTP API at http://127.0.0.1:8000 gets what `make serve` runs there: the default
+model behind SMG (or on a free port, substituted the same way).
 """
 
 from __future__ import annotations
@@ -41,13 +43,17 @@ from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
 from shardlm_server.gateway.api.runtime import Limits
+from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 from tests.clients.test_node_client import node_env  # noqa: F401 - the fixture, shared
 from tests.gateway.conftest import LiveGateway
+from tests.gateway.smg_fixtures import SMG, smg_router
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "models" / "shakespeare-tiny"
 EXAMPLE_PORT = 50051
 EXAMPLE_ADDRESSES = (f"127.0.0.1:{EXAMPLE_PORT}", f"localhost:{EXAMPLE_PORT}")
+OPENAI_PORT = 8000  # make serve's --openai-port
+OPENAI_BASE = f"http://127.0.0.1:{OPENAI_PORT}"
 RUN = {"python", "js", "sh"}
 NEVER_RUN = {"text", "console"}
 FENCE = re.compile(r"^(\s*)```(.*)$")
@@ -128,6 +134,28 @@ def gateway():
         yield live
     finally:
         live.close()
+
+
+@pytest.fixture(scope="module")
+def openai_base(tmp_path_factory):
+    """What `make serve` runs: the default model (an instruct model with a chat template, which
+    SMG renders chats with) and SMG in front of it, on 127.0.0.1:8000 when that port is free
+    (else a free port, substituted into the block like the gRPC address)."""
+    if SMG is None:
+        pytest.skip("the smg router (PyPI smg) is not installed")
+    try:
+        model = default_model_path()
+    except DefaultModelMissing as exc:
+        pytest.skip(str(exc))
+    served = LiveGateway(1, Limits())
+    try:
+        list(served.stub.Load(gateway_pb2.LoadRequest(model_path=str(model))))
+        log = tmp_path_factory.mktemp("readme-smg") / "smg.log"
+        port = OPENAI_PORT if _port_is_free(OPENAI_PORT) else None
+        with smg_router([f"grpc://{served.address}"], log, port=port) as (base, _model_id):
+            yield base
+    finally:
+        served.close()
 
 
 def _as_written(block: Block, address: str) -> str:
@@ -212,6 +240,8 @@ def test_example_runs(block, gateway, request):
     if block.fragment:
         pytest.fail(f"{block.name}: only python blocks may be fragments")
     code = _as_written(block, gateway.address)
+    if OPENAI_BASE in code:  # OpenAI's HTTP API: SMG in front of the same gateway
+        code = code.replace(OPENAI_BASE, request.getfixturevalue("openai_base"))
     if block.language == "python":
         _run([sys.executable, "-"], code)
     elif block.language == "js":

@@ -54,10 +54,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def smg_router(worker_urls: list[str], log: Path, *extra: str) -> Iterator[tuple[str, str]]:
-    """`smg launch` on a free loopback port (its metrics on another) routing to `worker_urls`:
-    yields its base URL and the model id it lists, and stops it on exit."""
-    port = free_port()
+def smg_router(worker_urls: list[str], log: Path, *extra: str,
+               port: int | None = None) -> Iterator[tuple[str, str]]:
+    """`smg launch` on loopback port `port` (None: a free one; its metrics on another) routing to
+    `worker_urls`: yields its base URL and the model id it lists, and stops it on exit."""
+    port = port or free_port()
     command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                *worker_urls, "--prometheus-port", str(free_port()), "--log-level", "warn",
                *extra]
