@@ -46,6 +46,7 @@ class PendingMasks:
     """Masks being made for the constrained rows of one step."""
 
     rows: list[int]  # the rows (of the step's logits) they are for
+    batch: int  # the step's rows in all
     words: np.ndarray  # int32 [len(rows), ceil(V / 32)], filled by the mask thread
     made: Future  # its result: seconds spent making them
 
@@ -99,7 +100,8 @@ class GrammarRuntime:
             return None
         words = np.empty((len(rows), self.words_per_row), dtype=np.int32)
         pairs = [(matchers[row], k) for k, row in enumerate(rows)]
-        return PendingMasks(rows, words, self._thread.submit(self._fill, pairs, words))
+        return PendingMasks(rows, len(matchers), words,
+                            self._thread.submit(self._fill, pairs, words))
 
     def _fill(self, pairs: list[tuple[llguidance.LLMatcher, int]], words: np.ndarray) -> float:
         started = time.perf_counter()
@@ -120,11 +122,11 @@ class GrammarRuntime:
 
 @dataclass
 class StepMasks:
-    """A step's masks, ready to apply: `allowed` (bool [len(rows), V], on the logits' device)
-    for the logits rows `rows`."""
+    """A step's masks, ready to apply: `refused` (bool [len(rows), V], on the logits' device) for
+    the logits rows `rows` (None: every row, in order)."""
 
-    rows: torch.Tensor
-    allowed: torch.Tensor
+    rows: torch.Tensor | None
+    refused: torch.Tensor
     seconds: float  # making and unpacking them
 
 
@@ -137,17 +139,20 @@ def finish_masks(pending: PendingMasks | None, vocab_size: int,
     made = pending.made.result()
     started = time.perf_counter()
     bits = np.unpackbits(pending.words.view(np.uint8), axis=1, bitorder="little")
-    allowed = torch.from_numpy(bits[:, :vocab_size]).to(torch.bool)
+    refused = torch.from_numpy(bits[:, :vocab_size] == 0)
     if device.type != "cpu":
-        allowed = allowed.to(device, non_blocking=True)
-    rows = to_device(pending.rows, torch.int64, device)
-    return StepMasks(rows, allowed, made + time.perf_counter() - started)
+        refused = refused.to(device, non_blocking=True)
+    every = len(pending.rows) == pending.batch  # rows are 0..batch-1, in order
+    rows = None if every else to_device(pending.rows, torch.int64, device)
+    return StepMasks(rows, refused, made + time.perf_counter() - started)
 
 
 def apply_masks(logits: torch.Tensor, masks: StepMasks) -> torch.Tensor:
     """`logits` with every token a constrained row's mask refuses at -inf (a new tensor: the raw
     logits stay for logprobs)."""
-    picked = logits.index_select(0, masks.rows)
-    picked = picked.masked_fill(~masks.allowed[:, : logits.shape[1]], float("-inf"))
+    refused = masks.refused[:, : logits.shape[1]]
+    if masks.rows is None:
+        return logits.masked_fill(refused, float("-inf"))
+    picked = logits.index_select(0, masks.rows).masked_fill(refused, float("-inf"))
     return logits.index_copy(0, masks.rows, picked)
 
