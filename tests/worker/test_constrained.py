@@ -15,7 +15,12 @@ import torch
 
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.errors import InvalidRequestError
-from shardlm_server.worker.grammar import SequenceConstraint
+from shardlm_server.worker.grammar import (
+    PendingMasks,
+    SequenceConstraint,
+    apply_masks,
+    finish_masks,
+)
 from tests.checkpoints import load_reference
 from tests.worker.greedy_runs import prompt
 
@@ -155,3 +160,30 @@ def test_a_decode_can_change_the_constraint_and_a_bad_replay_is_refused(setup):
         engine.prefill([PrefillItem(5, ids, 0, blocks, constraint=SequenceConstraint(
             json.dumps({"grammars": [{"lark_grammar": "start: nothing_here"}]}), len(ids)))])
     engine.reset()
+
+
+@pytest.mark.parametrize("rows, batch", [([0, 1, 2], 3), ([1, 3], 5), ([0], 1), ([2], 4)])
+def test_masks_unpack_and_apply_as_the_plain_reference(rows, batch):
+    """llguidance's bit layout (bit i of word w is token 32 w + i) unpacked and applied to the
+    constrained rows only, against a per-token loop."""
+    vocab = 1000
+    g = torch.Generator().manual_seed(len(rows) * 7 + batch)
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), generator=g,
+                          dtype=torch.int64).to(torch.int32).numpy()
+    pending = PendingMasks(rows, batch, words, _done(0.0))
+    logits = torch.randn(batch, vocab, generator=g)
+    masked = apply_masks(logits, finish_masks(pending, vocab, torch.device("cpu")))
+    expected = logits.clone()
+    for k, row in enumerate(rows):
+        for token in range(vocab):
+            if not (int(words[k, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    assert torch.equal(masked, expected)
+    assert torch.isfinite(logits).all()  # the raw logits are left as they were
+
+
+def _done(value):
+    from concurrent.futures import Future
+    future: Future = Future()
+    future.set_result(value)
+    return future
