@@ -43,10 +43,9 @@ from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
 from shardlm_server.gateway.api.runtime import Limits
-from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 from tests.clients.test_node_client import node_env  # noqa: F401 - the fixture, shared
 from tests.gateway.conftest import LiveGateway
-from tests.gateway.smg_fixtures import SMG, smg_router
+from tests.gateway.smg_fixtures import default_model_behind_smg
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "models" / "shakespeare-tiny"
@@ -141,21 +140,10 @@ def openai_base(tmp_path_factory):
     """What `make serve` runs: the default model (an instruct model with a chat template, which
     SMG renders chats with) and SMG in front of it, on 127.0.0.1:8000 when that port is free
     (else a free port, substituted into the block like the gRPC address)."""
-    if SMG is None:
-        pytest.skip("the smg router (PyPI smg) is not installed")
-    try:
-        model = default_model_path()
-    except DefaultModelMissing as exc:
-        pytest.skip(str(exc))
-    served = LiveGateway(1, Limits())
-    try:
-        list(served.stub.Load(gateway_pb2.LoadRequest(model_path=str(model))))
-        log = tmp_path_factory.mktemp("readme-smg") / "smg.log"
-        port = OPENAI_PORT if _port_is_free(OPENAI_PORT) else None
-        with smg_router([f"grpc://{served.address}"], log, port=port) as (base, _model_id):
-            yield base
-    finally:
-        served.close()
+    log = tmp_path_factory.mktemp("readme-smg") / "smg.log"
+    port = OPENAI_PORT if _port_is_free(OPENAI_PORT) else None
+    with default_model_behind_smg(log, port) as (base, _model_id):
+        yield base
 
 
 def _as_written(block: Block, address: str) -> str:

@@ -89,3 +89,26 @@ def wait_for_model(base: str, process: subprocess.Popen, log: Path) -> str:
             pass
         time.sleep(0.5)
     pytest.fail(f"smg listed no model within a minute:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def default_model_behind_smg(log: Path, port: int | None = None) -> Iterator[tuple[str, str]]:
+    """What `make serve` runs: the default model (SmolLM2-135M-Instruct, whose chat template SMG
+    renders) on a live gateway, SMG in front; yields SMG's base URL and model id (skips the test
+    where smg or the model's package is missing)."""
+    from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
+
+    if SMG is None:
+        pytest.skip("the smg router (PyPI smg) is not installed")
+    try:
+        model = default_model_path()
+    except DefaultModelMissing as exc:
+        pytest.skip(str(exc))
+    gateway = LiveGateway(1, Limits())
+    try:
+        for _ in gateway.stub.Load(gateway_pb2.LoadRequest(model_path=str(model))):
+            pass
+        with smg_router([f"grpc://{gateway.address}"], log, port=port) as up:
+            yield up
+    finally:
+        gateway.close()

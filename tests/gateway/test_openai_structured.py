@@ -11,12 +11,8 @@ import re
 
 import jsonschema
 import pytest
-from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.api.runtime import Limits
-from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
-from tests.gateway.conftest import LiveGateway
-from tests.gateway.smg_fixtures import SMG, smg_router
+from tests.gateway.smg_fixtures import SMG, default_model_behind_smg
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router (PyPI smg) is not installed")
@@ -36,19 +32,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    try:
-        model = default_model_path()
-    except DefaultModelMissing as exc:
-        pytest.skip(str(exc))
-    gateway = LiveGateway(1, Limits())
-    try:
-        for _ in gateway.stub.Load(gateway_pb2.LoadRequest(model_path=str(model))):
-            pass
-        log = tmp_path_factory.mktemp("smg-openai") / "smg.log"
-        with smg_router([f"grpc://{gateway.address}"], log) as (base, model_id):
-            yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused"), model_id
-    finally:
-        gateway.close()
+    log = tmp_path_factory.mktemp("smg-openai") / "smg.log"
+    with default_model_behind_smg(log) as (base, model_id):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused"), model_id
 
 
 def chat(client, **kwargs):
