@@ -63,7 +63,9 @@ NOT_NEEDED = {
     "cupy-cuda12x": "the NCCL tests need CuPy and skip without it",
     "llama-cpp-python": "only `bench.run --model`, the CPU comparison with llama.cpp",
     "hypothesis": "only the fuzz tests, which the GPU check does not select",
-    "smg": "only the SMG router tests, which the GPU check does not select",
+    "smg": "only `serve --openai-port` (a child process the GPU check does not start) and the "
+           "SMG router tests, which it does not select",
+    "openai": "only the OpenAI-client tests through SMG, which the GPU check does not select",
     "jsonschema": "only the deployment-manifest tests, which the GPU check does not select",
     "kubernetes-validate": "only the deployment-manifest tests, which the GPU check does not select",
     "accelerate": "transformers' optional loading helper: the test checkpoints load without it",
