@@ -136,7 +136,7 @@ class Engine:
             model = TransformerModel(cfg, parallel, reader, device, progress)
             source = CheckpointSource(reader.format, tuple(reader.tensor_types))
         eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)
-        grammar = (GrammarRuntime(tokenizer_json, cfg.vocab_size, eos)
+        grammar = (GrammarRuntime.for_tokenizer(tokenizer_json, cfg.vocab_size, eos)
                    if tokenizer_json and comm.rank == 0 else None)
         return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos,
                    options.graphs, source, grammar)

@@ -54,12 +54,28 @@ class PendingMasks:
 class GrammarRuntime:
     """The vocabulary's token table, compiled grammars, and the mask thread of one engine."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+    @classmethod
+    def for_tokenizer(cls, tokenizer_json: str, vocab_size: int,
+                      eos_ids: tuple[int, ...]) -> GrammarRuntime | None:
+        """The runtime for a tokenizer (Hugging Face tokenizers JSON); None, with a warning,
+        when llguidance cannot read it (the gateway then refuses constraints for the model)."""
+        eos = list(eos_ids) or None
         try:
-            self.table = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=list(eos_ids) or None)
-        except ValueError:  # the tokenizer has more ids than the model has logits: its size
-            self.table = llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos_ids) or None)
+            try:
+                table = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+            except ValueError as exc:
+                if "vocab size too small" not in str(exc):
+                    raise
+                # The tokenizer has more ids than the model has logits: take its size.
+                table = llguidance.LLTokenizer(tokenizer_json, eos_token=eos)
+        except Exception as exc:  # noqa: BLE001 - llguidance raises plain exceptions
+            log.warning("constrained decoding is off: llguidance cannot read the tokenizer (%s)",
+                        str(exc).splitlines()[0][:200])
+            return None
+        return cls(table)
+
+    def __init__(self, table: llguidance.LLTokenizer) -> None:
+        self.table = table
         self.words_per_row = (self.table.vocab_size + 31) // 32
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._executor = llguidance.LLExecutor(num_threads=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,12 @@ from dataclasses import dataclass
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 from shardlm.common.v1 import common_pb2
-from shardlm.errors import FieldViolation, InvalidArgumentError, ResourceExhaustedError
+from shardlm.errors import (
+    FailedPreconditionError,
+    FieldViolation,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 
 from shardlm_server.gateway.constraints.json_schema import generation_schema
 from shardlm_server.gateway.constraints.structural_tag import (
@@ -36,6 +42,7 @@ from shardlm_server.gateway.constraints.structural_tag import (
 )
 from shardlm_server.gateway.metrics import Metrics
 
+log = logging.getLogger("shardlm.gateway")
 CACHE_ENTRIES = 512
 COMPILE_THREADS = 2
 MAX_ERROR_CHARS = 600
@@ -114,9 +121,10 @@ def _invalid(field: str, problem: str, reason: str = "INVALID_CONSTRAINT") -> In
 class ConstraintCompiler:
     """Compiles and checks constraints for one loaded model (built with it, by Runtime)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, metrics: Metrics, *,
-                 timeout_s: float, max_bytes: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: llguidance.LLTokenizer | None, metrics: Metrics, *,
+                 timeout_s: float, max_bytes: int, unavailable: str = "") -> None:
+        self.tokenizer = tokenizer  # None: this model's tokenizer cannot drive constraints
+        self.unavailable = unavailable  # why, for the requests that ask
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -128,12 +136,22 @@ class ConstraintCompiler:
     def for_vocabulary(cls, tokenizer_json: str, vocab_size: int, eos_ids: list[int],
                        metrics: Metrics, *, timeout_s: float,
                        max_bytes: int) -> ConstraintCompiler:
-        """Builds llguidance's token table (a fraction of a second; call it off the loop)."""
+        """Builds llguidance's token table (a fraction of a second; call it off the loop). A
+        tokenizer llguidance cannot read leaves the model served, its constraints refused."""
         try:
-            table = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                           eos_token=eos_ids or None)
-        except ValueError:  # the tokenizer has more ids than the model has logits: its size
-            table = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_ids or None)
+            try:
+                table = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                               eos_token=eos_ids or None)
+            except ValueError as exc:
+                if "vocab size too small" not in str(exc):
+                    raise
+                # The tokenizer has more ids than the model has logits: take its size.
+                table = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_ids or None)
+        except Exception as exc:  # noqa: BLE001 - llguidance raises plain exceptions
+            log.warning("constrained decoding is off for this model: llguidance cannot read "
+                        "its tokenizer (%s)", str(exc).splitlines()[0][:200])
+            return cls(None, metrics, timeout_s=timeout_s, max_bytes=max_bytes,
+                       unavailable=str(exc).splitlines()[0][:200])
         return cls(table, metrics, timeout_s=timeout_s, max_bytes=max_bytes)
 
     async def compile(self, constraint: common_pb2.Constraint,
@@ -144,6 +162,11 @@ class ConstraintCompiler:
         kind = constraint.WhichOneof("kind")
         if kind is None:
             return None
+        if self.tokenizer is None:
+            self.metrics.constraint_failures.labels("CONSTRAINTS_UNAVAILABLE").inc()
+            raise FailedPreconditionError(
+                f"{field}: the loaded model's tokenizer cannot drive constrained decoding "
+                f"({self.unavailable})", reason="CONSTRAINTS_UNAVAILABLE")
         try:
             return await self._compile(constraint, kind, field)
         except (InvalidArgumentError, ResourceExhaustedError) as exc:

@@ -301,6 +301,10 @@ def test_error_reasons_are_stable():
         "DRAINING",
         "INTERNAL",
         "LOAD_IN_PROGRESS",
+        "INVALID_CONSTRAINT",
+        "CONSTRAINT_TOO_LARGE",
+        "CONSTRAINT_COMPILE_TIMEOUT",
+        "CONSTRAINTS_UNAVAILABLE",
     ]
 
 

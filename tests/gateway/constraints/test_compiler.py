@@ -84,3 +84,24 @@ def test_results_and_failures_are_cached_by_content(tokenizer_json):
 
 def test_no_kind_is_no_constraint(tokenizer_json):
     assert asyncio.run(compiler(tokenizer_json).compile(common_pb2.Constraint())) is None
+
+
+def test_a_tokenizer_llguidance_cannot_read_turns_constraints_off_not_the_model(tokenizer_json):
+    """A tokenizer.json without a decoder (llguidance cannot tell how tokens map to bytes): the
+    model is served, its constraints are refused with CONSTRAINTS_UNAVAILABLE; the worker side
+    holds no grammar runtime."""
+    from shardlm.errors import FailedPreconditionError
+
+    from shardlm_server.worker.grammar import GrammarRuntime
+
+    spec = json.loads(tokenizer_json)
+    spec["decoder"] = None
+    odd = json.dumps(spec)
+    c = ConstraintCompiler.for_vocabulary(odd, LLAMA["vocab_size"], [2], Metrics(),
+                                          timeout_s=1.0, max_bytes=1 << 16)
+    with pytest.raises(FailedPreconditionError) as caught:
+        asyncio.run(c.compile(common_pb2.Constraint(regex="a+")))
+    assert caught.value.reason == "CONSTRAINTS_UNAVAILABLE"
+    assert asyncio.run(c.compile(common_pb2.Constraint())) is None
+    assert GrammarRuntime.for_tokenizer(odd, LLAMA["vocab_size"], (2,)) is None
+    assert GrammarRuntime.for_tokenizer(tokenizer_json, LLAMA["vocab_size"], (2,)) is not None

@@ -327,6 +327,23 @@ class _ErrorReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._En
     """Another Load is running; the server serves one Load at a time.
     FAILED_PRECONDITION: retry once that Load has finished.
     """
+    ERROR_REASON_INVALID_CONSTRAINT: _ErrorReason.ValueType  # 24
+    """A request's Constraint does not compile (a bad schema, regex or grammar,
+    an empty choice). INVALID_ARGUMENT, with a field violation naming the
+    field and llguidance's reason.
+    """
+    ERROR_REASON_CONSTRAINT_TOO_LARGE: _ErrorReason.ValueType  # 25
+    """A request's Constraint is larger than the server accepts
+    (--max-constraint-bytes). INVALID_ARGUMENT.
+    """
+    ERROR_REASON_CONSTRAINT_COMPILE_TIMEOUT: _ErrorReason.ValueType  # 26
+    """A request's Constraint did not compile within the server's time limit
+    (--constraint-compile-timeout). RESOURCE_EXHAUSTED, with RetryInfo.
+    """
+    ERROR_REASON_CONSTRAINTS_UNAVAILABLE: _ErrorReason.ValueType  # 27
+    """The loaded model's tokenizer cannot drive constrained decoding (llguidance
+    could not read it). FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The stable error reasons of ShardLM. `google.rpc.ErrorInfo.reason` is the
@@ -433,6 +450,23 @@ ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 22
 ERROR_REASON_LOAD_IN_PROGRESS: ErrorReason.ValueType  # 23
 """Another Load is running; the server serves one Load at a time.
 FAILED_PRECONDITION: retry once that Load has finished.
+"""
+ERROR_REASON_INVALID_CONSTRAINT: ErrorReason.ValueType  # 24
+"""A request's Constraint does not compile (a bad schema, regex or grammar,
+an empty choice). INVALID_ARGUMENT, with a field violation naming the
+field and llguidance's reason.
+"""
+ERROR_REASON_CONSTRAINT_TOO_LARGE: ErrorReason.ValueType  # 25
+"""A request's Constraint is larger than the server accepts
+(--max-constraint-bytes). INVALID_ARGUMENT.
+"""
+ERROR_REASON_CONSTRAINT_COMPILE_TIMEOUT: ErrorReason.ValueType  # 26
+"""A request's Constraint did not compile within the server's time limit
+(--constraint-compile-timeout). RESOURCE_EXHAUSTED, with RetryInfo.
+"""
+ERROR_REASON_CONSTRAINTS_UNAVAILABLE: ErrorReason.ValueType  # 27
+"""The loaded model's tokenizer cannot drive constrained decoding (llguidance
+could not read it). FAILED_PRECONDITION.
 """
 global___ErrorReason = ErrorReason
 
