@@ -14,7 +14,8 @@ limits, errors and metrics are the same as for ShardLM's own clients. What Shard
 (n > 1, logit bias, prompt logprobs, min_tokens, multimodal input, KV transfer) is refused
 with INVALID_ARGUMENT. Every constraint kind SMG sends (JSON schema, JSON object, regex,
 grammar, choice, structural tag: what response_format, its extra-body fields and forced tool
-calls become) maps onto ShardLM's own Constraint, one to one; FlushCache empties the prefix cache; Embed, profiling
+calls become) maps onto ShardLM's own Constraint, one to one, from the first generated token
+(ShardLM runs no reasoning parser, so `grammar_from_first_token` is what it always does); FlushCache empties the prefix cache; Embed, profiling
 and KV events are left UNIMPLEMENTED (SMG then polls GetLoads).
 """
 
