@@ -6,7 +6,7 @@ Against `shardlm serve` (a subprocess, as the other benches start it), over gRPC
     python -m bench.constrained --model DIR|FILE.gguf --device cuda --max-new-tokens 256 \\
         --concurrency 32 --rounds 3 --json out.json
 
-1. validity  every schema of bench/json_schemas.py, one greedy Generate each (chat `messages`: the
+1. validity  every schema of bench/json_schemas/, one greedy Generate each (chat `messages`: the
              case's prompt and the schema as text; `constraint.json_schema`; --concurrency in
              flight): the output parsed with json.loads and validated with jsonschema (Draft
              2020-12; `format` checked only for the formats llguidance enforces), finish reasons

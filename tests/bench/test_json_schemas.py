@@ -1,4 +1,4 @@
-"""The JSON Schema corpus of `python -m bench.constrained` (bench/json_schemas.py): valid Draft
+"""The JSON Schema corpus of `python -m bench.constrained` (bench/json_schemas/): valid Draft
 2020-12 schemas that llguidance compiles, covering the features applications use, and on which
 llguidance and jsonschema agree; and the benchmark's pure helpers, without a server."""
 
