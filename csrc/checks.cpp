@@ -39,7 +39,8 @@ void check_index(const at::Tensor& t, const char* name, at::ScalarType want, int
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// [num_blocks, block_size, kv_heads, head_dim] key/value caches.
+// [num_blocks, block_size, kv_heads, head_dim] key/value caches of one float
+// dtype, which need not be the key's / query's (`ref`): the ops convert.
 void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& ref, const char* op) {
   TORCH_CHECK(key_cache.dim() == 4, op,
@@ -50,10 +51,10 @@ void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache,
               key_cache.sizes());
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
               ": key_cache and value_cache must be contiguous");
-  TORCH_CHECK(key_cache.scalar_type() == ref.scalar_type() &&
-                  value_cache.scalar_type() == ref.scalar_type(),
-              op, ": cache dtypes (", key_cache.scalar_type(), ", ", value_cache.scalar_type(),
-              ") must equal the key/query dtype ", ref.scalar_type());
+  check_float(key_cache, "key_cache", op);
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op,
+              ": value_cache dtype ", value_cache.scalar_type(), " != key_cache dtype ",
+              key_cache.scalar_type());
   check_same_device(ref, key_cache, "key_cache", op);
   check_same_device(ref, value_cache, "value_cache", op);
 }
@@ -62,8 +63,10 @@ void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache,
 AttnDims check_attention_common(const at::Tensor& out, const at::Tensor& query,
                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, int64_t num_seqs,
-                                const char* op) {
+                                int64_t sliding_window, const char* op) {
   check_float(query, "query", op);
+  TORCH_CHECK(sliding_window >= 0, op, ": sliding_window must be >= 0 (0: no window), got ",
+              sliding_window);
   TORCH_CHECK(query.dim() == 3, op, ": query must be [tokens, num_heads, head_dim], got ",
               query.sizes());
   TORCH_CHECK(query.size(2) == 0 || query.stride(2) == 1, op,
@@ -91,6 +94,7 @@ AttnDims check_attention_common(const at::Tensor& out, const at::Tensor& query,
   d.max_blocks_per_seq = block_tables.size(1);
   d.q_row_stride = query.stride(0);
   d.q_head_stride = query.stride(1);
+  d.sliding_window = sliding_window;
   TORCH_CHECK(key_cache.size(3) == d.head_dim, op, ": cache head_dim ", key_cache.size(3),
               " != query head_dim ", d.head_dim);
   TORCH_CHECK(d.head_dim > 0, op, ": head_dim must be positive");
@@ -100,14 +104,15 @@ AttnDims check_attention_common(const at::Tensor& out, const at::Tensor& query,
   return d;
 }
 
-// Block-table entries needed for `len` tokens must point inside the cache.
-void check_block_row(const int32_t* row, int64_t len, const AttnDims& d, int64_t seq,
-                     const char* op) {
+// Block-table entries the kernels read for tokens first..len-1 must point
+// inside the cache; the table must have columns for all `len` tokens.
+void check_block_row(const int32_t* row, int64_t first, int64_t len, const AttnDims& d,
+                     int64_t seq, const char* op) {
   const int64_t needed = (len + d.block_size - 1) / d.block_size;
   TORCH_CHECK(needed <= d.max_blocks_per_seq, op, ": sequence ", seq, " needs ", needed,
               " blocks for ", len, " tokens but block_tables has ", d.max_blocks_per_seq,
               " columns");
-  for (int64_t i = 0; i < needed; ++i) {
+  for (int64_t i = first / d.block_size; i < needed; ++i) {
     TORCH_CHECK(row[i] >= 0 && row[i] < d.num_blocks, op, ": block_tables[", seq, "][", i,
                 "] = ", row[i], " is outside [0, ", d.num_blocks, ")");
   }
@@ -134,8 +139,7 @@ int64_t check_rms_norm(const at::Tensor& dst, const char* dst_name, const at::Te
   return hidden;
 }
 
-int64_t check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
-  const char* op = "silu_and_mul";
+int64_t check_act_and_mul(const at::Tensor& out, const at::Tensor& input, const char* op) {
   check_float(input, "input", op);
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
               ": input's last dimension must be even ([..., 2*d]), got ", input.sizes());
@@ -323,7 +327,7 @@ CacheWriteDims check_reshape_and_cache(const at::Tensor& key, const at::Tensor& 
 AttnDims check_paged_decode(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t max_context_len) {
+                            int64_t max_context_len, int64_t sliding_window) {
   const char* op = "paged_attention_decode";
   check_index(context_lens, "context_lens", at::kInt, 1, op);
   check_same_device(query, context_lens, "context_lens", op);
@@ -332,14 +336,14 @@ AttnDims check_paged_decode(const at::Tensor& out, const at::Tensor& query,
               query.dim() >= 1 ? query.size(0) : 0, " sequences");
   TORCH_CHECK(max_context_len >= 0, op, ": max_context_len must be >= 0");
   return check_attention_common(out, query, key_cache, value_cache, block_tables,
-                                context_lens.size(0), op);
+                                context_lens.size(0), sliding_window, op);
 }
 
 AttnDims check_paged_prefill(const at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, int64_t max_query_len,
-                             int64_t max_seq_len) {
+                             int64_t max_seq_len, int64_t sliding_window) {
   const char* op = "paged_attention_prefill";
   check_index(seq_lens, "seq_lens", at::kInt, 1, op);
   check_index(query_start_loc, "query_start_loc", at::kInt, 1, op);
@@ -351,7 +355,7 @@ AttnDims check_paged_prefill(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, op,
               ": max_query_len and max_seq_len must be >= 0");
   return check_attention_common(out, query, key_cache, value_cache, block_tables,
-                                seq_lens.size(0), op);
+                                seq_lens.size(0), sliding_window, op);
 }
 
 void check_paged_decode_indices(const AttnDims& d, const int32_t* block_tables,
@@ -363,7 +367,9 @@ void check_paged_decode_indices(const AttnDims& d, const int32_t* block_tables,
     TORCH_CHECK(context_lens[b] >= 0 && context_lens[b] <= max_context_len, op,
                 ": context_lens[", b, "] = ", context_lens[b],
                 " is outside [0, max_context_len=", max_context_len, "]");
-    check_block_row(block_tables + b * d.max_blocks_per_seq, context_lens[b], d, b, op);
+    // The one query sits at position context_lens[b] - 1.
+    const int64_t first = window_first_key(context_lens[b] - 1, d.sliding_window);
+    check_block_row(block_tables + b * d.max_blocks_per_seq, first, context_lens[b], d, b, op);
   }
 }
 
@@ -385,7 +391,9 @@ void check_paged_prefill_indices(const AttnDims& d, const int32_t* block_tables,
     TORCH_CHECK(seq_lens[b] >= q_len && seq_lens[b] <= max_seq_len, op, ": seq_lens[", b,
                 "] = ", seq_lens[b], " must be in [query length ", q_len,
                 ", max_seq_len=", max_seq_len, "]");
-    check_block_row(block_tables + b * d.max_blocks_per_seq, seq_lens[b], d, b, op);
+    // The first new token (position seq_len - q_len) sees the earliest key.
+    const int64_t first = window_first_key(seq_lens[b] - q_len, d.sliding_window);
+    check_block_row(block_tables + b * d.max_blocks_per_seq, first, seq_lens[b], d, b, op);
   }
 }
 

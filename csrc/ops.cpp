@@ -28,6 +28,8 @@ TORCH_LIBRARY(shardlm, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
       "Tensor cos_sin_cache) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  // Gemma's MLP activation: gelu(gate, approximate="tanh") * up.
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor input) -> ()");
   // CPU only: on a GPU, cuBLAS already streams skinny products at bandwidth.
   m.def("skinny_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   // CPU only: W stays in GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8); on a GPU
@@ -42,22 +44,25 @@ TORCH_LIBRARY(shardlm, m) {
       "int num_heads, int num_kv_heads, int head_dim, Tensor(d!) key_cache, "
       "Tensor(e!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, bool is_decode, int max_query_len, int max_seq_len, "
-      "float scale) -> ()");
+      "float scale, int sliding_window=0) -> ()");
   m.def(
       "mlp_block(Tensor(a!) out, Tensor(b!) hidden, Tensor(c!) residual, Tensor norm_weight, "
       "float eps, Tensor gate_up_weight, int gate_up_type, Tensor? gate_up_bias, "
       "Tensor down_weight, int down_type, Tensor? down_bias) -> ()");
+  // The caches may hold another dtype than key / value / query: written
+  // converted, read converted. sliding_window W > 0: a query at position p
+  // sees keys p - W < j <= p only.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
-      "int max_context_len) -> ()");
+      "int max_context_len, int sliding_window=0) -> ()");
   m.def(
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
-      "float scale, int max_query_len, int max_seq_len) -> ()");
+      "float scale, int max_query_len, int max_seq_len, int sliding_window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
@@ -65,6 +70,7 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("fused_add_rms_norm", &shardlm::fused_add_rms_norm_cpu);
   m.impl("rotary_embedding", &shardlm::rotary_embedding_cpu);
   m.impl("silu_and_mul", &shardlm::silu_and_mul_cpu);
+  m.impl("gelu_tanh_and_mul", &shardlm::gelu_tanh_and_mul_cpu);
   m.impl("skinny_linear", &shardlm::skinny_linear_cpu);
   m.impl("quant_linear", &shardlm::quant_linear_cpu);
   m.impl("attention_block", &shardlm::attention_block_cpu);

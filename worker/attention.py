@@ -29,10 +29,20 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """One layer's attention over its paged KV cache. ``sliding_window`` W > 0 limits each
+    query to its last W positions (itself included), as transformers' sliding-window layers;
+    0 attends to the whole sequence. The caches may hold another float dtype than q / k / v
+    (written and read converted)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int = 0
+    ) -> None:
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.sliding_window = sliding_window
         self.scale = head_dim**-0.5
 
     def __call__(
@@ -51,7 +61,14 @@ class PagedAttention:
         q = q.reshape(tokens, self.num_heads, self.head_dim).contiguous()
         if meta.is_decode:
             out = ops.paged_attention_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                meta.max_seq_len,
+                self.sliding_window,
             )
         else:
             out = ops.paged_attention_prefill(
@@ -64,5 +81,6 @@ class PagedAttention:
                 self.scale,
                 meta.max_query_len,
                 meta.max_seq_len,
+                self.sliding_window,
             )
         return out.view(tokens, self.num_heads * self.head_dim)

@@ -2,7 +2,8 @@
 // prefill over the paged KV cache.
 //
 // Both are "a set of query rows of one sequence and one kv head, row r seeing
-// keys 0..pos[r]", run by attend_rows() flash-attention style: keys are
+// keys first[r]..pos[r]" (first[r] = 0, or under a sliding window of W keys
+// pos[r] - W + 1), run by attend_rows() flash-attention style: keys are
 // walked in tiles of kKeyTile tokens shared by all rows (the GQA group's
 // heads, and for prefill a tile of query tokens), with an online (running
 // max / sum) softmax per row. Tasks are
@@ -14,7 +15,8 @@
 // The per-tile steps (score, exponentiate, accumulate) have a portable
 // version, which reads a float copy of each tile, and an AVX2 one (simd.h),
 // picked once per call, which reads the cache rows in place when there are
-// few rows (decode) and a float copy otherwise.
+// few rows (decode) and a float copy otherwise. The cache may hold another
+// dtype than the query (cache_t vs scalar_t); it is converted as it is read.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -45,14 +47,20 @@ int64_t attention_grain(int64_t tasks, int64_t work) {
   return work < kMinParallelWork ? std::max<int64_t>(tasks, 1) : 1;
 }
 
-template <typename T>
-void decode_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables,
+// Keys a query at `pos` attends to: pos + 1, or at most the window.
+inline int64_t keys_seen(int64_t pos, int64_t window) {
+  return pos + 1 - window_first_key(pos, window);
+}
+
+template <typename T, typename C>
+void decode_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
                  const int32_t* ctx_lens, float scale, const AttnDims& d) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t D = d.head_dim;
+  const int64_t window = d.sliding_window;
   const bool simd = cpu::use_avx2();
   int64_t keys = 0;
-  for (int64_t b = 0; b < d.num_seqs; ++b) keys += ctx_lens[b];
+  for (int64_t b = 0; b < d.num_seqs; ++b) keys += keys_seen(ctx_lens[b] - 1, window);
   // Task = (sequence, kv head): the group's query heads share each key tile.
   // With fewer of those than two per thread (one sequence, few kv heads: 3
   // tasks split 2 to 1 over two threads) each query head is a task instead.
@@ -70,20 +78,22 @@ void decode_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* ta
       for (int64_t i = 0; i < per_task; ++i) {
         const int64_t h = h0 + i;
         rows[i] = {q + b * d.q_row_stride + h * d.q_head_stride,
-                   out + (b * d.num_heads + h) * D, ctx_lens[b] - 1};
+                   out + (b * d.num_heads + h) * D, ctx_lens[b] - 1,
+                   window_first_key(ctx_lens[b] - 1, window)};
       }
-      const PagedKV<T> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
+      const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, h0 / group, D};
       attend_rows(rows, per_task, kv, scale, ws, simd);
     }
   });
 }
 
-template <typename T>
-void prefill_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables,
+template <typename T, typename C>
+void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
                   const int32_t* qsl, const int32_t* seq_lens, float scale, const AttnDims& d) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t D = d.head_dim;
+  const int64_t window = d.sliding_window;
   const bool simd = cpu::use_avx2();
   // tile_start[b] = index of sequence b's first query tile (prefix sums), in
   // a reusable buffer of the calling thread. A named reference, because the
@@ -91,11 +101,12 @@ void prefill_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* t
   thread_local std::vector<int64_t> tile_start_buf;
   std::vector<int64_t>& tile_start = tile_start_buf;
   tile_start.assign(d.num_seqs + 1, 0);
-  int64_t work = 0;  // query tokens x keys they see (about half of q_len x seq_len)
+  int64_t work = 0;  // query tokens x keys they see (about)
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
     tile_start[b + 1] = tile_start[b] + (q_len + kQueryTile - 1) / kQueryTile;
-    work += q_len * (seq_lens[b] - q_len / 2);
+    // (the middle token's keys, as the window allows)
+    work += q_len * keys_seen(seq_lens[b] - 1 - q_len / 2, window);
   }
   // Task = (query tile, kv head): kQueryTile tokens x the group's heads.
   const int64_t tasks = tile_start[d.num_seqs] * d.num_kv_heads;
@@ -120,10 +131,11 @@ void prefill_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* t
         for (int64_t i = 0; i < group; ++i) {
           const int64_t h = g * group + i;
           rows[n++] = {q + tok * d.q_row_stride + h * d.q_head_stride,
-                       out + (tok * d.num_heads + h) * D, first_pos + t};
+                       out + (tok * d.num_heads + h) * D, first_pos + t,
+                       window_first_key(first_pos + t, window)};
         }
       }
-      const PagedKV<T> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
+      const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, g, D};
       attend_rows(rows, n, kv, scale, ws, simd);
     }
@@ -135,9 +147,9 @@ void prefill_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* t
 void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,
                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                double scale, int64_t max_context_len) {
+                                double scale, int64_t max_context_len, int64_t sliding_window) {
   const AttnDims d = check_paged_decode(out, query, key_cache, value_cache, block_tables,
-                                        context_lens, max_context_len);
+                                        context_lens, max_context_len, sliding_window);
   if (out.numel() == 0) {
     return;
   }
@@ -146,9 +158,12 @@ void paged_attention_decode_cpu(at::Tensor& out, const at::Tensor& query,
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   check_paged_decode_indices(d, tables, ctx, max_context_len);
   SHARDLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_decode", [&] {
-    decode_impl(out.data_ptr<scalar_t>(), query.const_data_ptr<scalar_t>(),
-                key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
-                tables, ctx, static_cast<float>(scale), d);
+    using T = scalar_t;
+    SHARDLM_DISPATCH_CACHE_TYPES(key_cache.scalar_type(), "paged_attention_decode", [&] {
+      decode_impl(out.data_ptr<T>(), query.const_data_ptr<T>(),
+                  key_cache.const_data_ptr<cache_t>(), value_cache.const_data_ptr<cache_t>(),
+                  tables, ctx, static_cast<float>(scale), d);
+    });
   });
 }
 
@@ -156,9 +171,11 @@ void paged_attention_prefill_cpu(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                 double scale, int64_t max_query_len, int64_t max_seq_len) {
+                                 double scale, int64_t max_query_len, int64_t max_seq_len,
+                                 int64_t sliding_window) {
   const AttnDims d = check_paged_prefill(out, query, key_cache, value_cache, block_tables,
-                                         query_start_loc, seq_lens, max_query_len, max_seq_len);
+                                         query_start_loc, seq_lens, max_query_len, max_seq_len,
+                                         sliding_window);
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
@@ -167,9 +184,12 @@ void paged_attention_prefill_cpu(at::Tensor& out, const at::Tensor& query,
     return;
   }
   SHARDLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
-    prefill_impl(out.data_ptr<scalar_t>(), query.const_data_ptr<scalar_t>(),
-                 key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
-                 tables, qsl, lens, static_cast<float>(scale), d);
+    using T = scalar_t;
+    SHARDLM_DISPATCH_CACHE_TYPES(key_cache.scalar_type(), "paged_attention_prefill", [&] {
+      prefill_impl(out.data_ptr<T>(), query.const_data_ptr<T>(),
+                   key_cache.const_data_ptr<cache_t>(), value_cache.const_data_ptr<cache_t>(),
+                   tables, qsl, lens, static_cast<float>(scale), d);
+    });
   });
 }
 

@@ -1,8 +1,14 @@
 // The tile machinery of the CPU paged attention (attention.cpp): a set of query
-// rows of one sequence and one kv head, row r seeing keys 0..pos[r], run by
-// attend_rows() flash-attention style over tiles of kKeyTile keys shared by all
-// rows, with an online (running max / sum) softmax per row. The per-tile steps
-// have a portable version and an AVX2 one (simd.h), picked once per call.
+// rows of one sequence and one kv head, row r seeing keys first[r]..pos[r]
+// (first > 0 under a sliding window), run by attend_rows() flash-attention
+// style over tiles of kKeyTile keys shared by all rows, with an online
+// (running max / sum) softmax per row. The per-tile steps have a portable
+// version and an AVX2 one (simd.h), picked once per call.
+//
+// Queries and outputs are of type T, the cache of type C, which may differ
+// (e.g. float32 queries over a bfloat16 cache): cache rows are converted to
+// float as they are read (or per tile into the workspace), never as a whole.
+// With C == T the code is exactly the single-dtype kernel.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -23,10 +29,10 @@ using cpu::to_f;
 constexpr int64_t kKeyTile = 32;    // keys scored per step
 constexpr int64_t kQueryTile = 16;  // prefill query tokens per task
 
-template <typename T>
+template <typename C>
 struct PagedKV {
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
   const int32_t* block_row;  // this sequence's block table row
   int64_t block_size;
   int64_t token_stride;  // kv_heads * head_dim
@@ -53,7 +59,8 @@ template <typename T>
 struct Row {
   const T* q;
   T* out;
-  int64_t pos;  // last visible key; < 0 means no keys (zero output)
+  int64_t pos;    // last visible key; < 0 means no keys (zero output)
+  int64_t first;  // first visible key (0 without a sliding window)
 };
 
 // Float scratch for up to `max_rows` rows: q, acc [rows][D]; k, v [kKeyTile][D];
@@ -91,7 +98,7 @@ Row<T>* thread_rows(int64_t n) {
 
 // ---- tile steps --------------------------------------------------------------------
 // A tile's key and value rows are passed as pointers to D elements of S: a
-// float copy of the tile, or (AVX2 only) the cache rows themselves, S = T.
+// float copy of the tile, or (AVX2 only) the cache rows themselves, S = C.
 
 // Converts the tile's rows to float into kt / vt ([nk][D] each) and points
 // kr / vr at the copies.
@@ -254,14 +261,18 @@ struct Avx2 {
 #endif  // SHARDLM_HAVE_AVX2
 
 // One tile for every row that sees part of it: scores, online softmax
-// update, accumulation. Ops is Portable or Avx2; S is float or T.
+// update, accumulation. Ops is Portable or Avx2; S is float or C. Row r sees
+// tile keys [lo, hi): the causal mask cuts the end, a sliding window the start
+// (rows of a prefill tile have different windows), so both are just offsets
+// into the tile's row pointers.
 template <typename Ops, typename T, typename S>
 void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S* const* kr,
                  const S* const* vr, int64_t D, const Workspace& ws) {
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t visible = std::min(nk, rows[r].pos - k0 + 1);  // causal mask
+    const int64_t lo = std::max<int64_t>(0, rows[r].first - k0);
+    const int64_t visible = std::min(nk, rows[r].pos - k0 + 1) - lo;
     if (visible <= 0) continue;
-    Ops::scores(ws.s, ws.q + r * D, kr, visible, D);
+    Ops::scores(ws.s, ws.q + r * D, kr + lo, visible, D);
     float tile_max = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, ws.s[j]);
     // visible > 0 makes m_new finite, so exp(-inf - m_new) = 0 on the
@@ -269,7 +280,7 @@ void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S*
     const float m_new = std::max(ws.m[r], tile_max);
     const float alpha = std::exp(ws.m[r] - m_new);
     const float sum = Ops::exp(ws.s, visible, m_new);  // scores -> probabilities
-    Ops::accumulate(ws.acc + r * D, alpha, ws.s, vr, visible, D);
+    Ops::accumulate(ws.acc + r * D, alpha, ws.s, vr + lo, visible, D);
     ws.l[r] = ws.l[r] * alpha + sum;
     ws.m[r] = m_new;
   }
@@ -280,25 +291,32 @@ void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S*
 // of the tile. float32 rows are always read in place.
 constexpr int64_t kMaxDirectRows = 8;
 
-template <typename T>
-void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<T>& kv, float scale,
+template <typename T, typename C>
+void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<C>& kv, float scale,
                  const Workspace& ws, bool simd) {
   const int64_t D = kv.head_dim;
   int64_t last = -1;
+  int64_t first = std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t i = 0; i < D; ++i) ws.q[r * D + i] = to_f(rows[r].q[i]) * scale;
     std::fill(ws.acc + r * D, ws.acc + (r + 1) * D, 0.f);
     ws.m[r] = -std::numeric_limits<float>::infinity();
     ws.l[r] = 0.f;
-    last = std::max(last, rows[r].pos);
+    if (rows[r].pos >= 0) {
+      last = std::max(last, rows[r].pos);
+      first = std::min(first, rows[r].first);
+    }
   }
-  [[maybe_unused]] const bool direct = std::is_same_v<T, float> || n <= kMaxDirectRows;
+  // Keys before every row's window are never read: the tiles start at the
+  // earliest first key (not at a multiple of kKeyTile: any start works, and
+  // this one needs no masking for the row with that key).
+  [[maybe_unused]] const bool direct = std::is_same_v<C, float> || n <= kMaxDirectRows;
   int64_t off[kKeyTile];
-  const T* kc[kKeyTile];  // the tile's rows in the cache
-  const T* vc[kKeyTile];
+  const C* kc[kKeyTile];  // the tile's rows in the cache
+  const C* vc[kKeyTile];
   const float* kf[kKeyTile];  // ... or in the float copy
   const float* vf[kKeyTile];
-  for (int64_t k0 = 0; k0 <= last; k0 += kKeyTile) {
+  for (int64_t k0 = last >= 0 ? first : 0; k0 <= last; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, last + 1 - k0);
     kv.offsets(k0, nk, off);
     for (int64_t j = 0; j < nk; ++j) {

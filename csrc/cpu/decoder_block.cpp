@@ -4,7 +4,8 @@
 //
 //   attention_block: residual += hidden; hidden = rms_norm(residual);
 //                    qkv = hidden W_qkv^T (+ b); rotary(q, k); write k, v to
-//                    the paged cache; out = attention(q) W_o^T (+ b)
+//                    the paged cache; out = attention(q) W_o^T (+ b), the
+//                    attention within `sliding_window` keys if that is > 0
 //   mlp_block:       residual += hidden; hidden = rms_norm(residual);
 //                    out = silu_and_mul(hidden W_gate_up^T (+ b)) W_down^T (+ b)
 //
@@ -61,7 +62,8 @@ void attention_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residu
                          at::Tensor& value_cache, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, bool is_decode,
-                         int64_t max_query_len, int64_t max_seq_len, double scale) {
+                         int64_t max_query_len, int64_t max_seq_len, double scale,
+                         int64_t sliding_window) {
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
@@ -82,10 +84,11 @@ void attention_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residu
     at::Tensor attn3 = attn.view({tokens, num_heads, head_dim});
     if (is_decode) {
       paged_attention_decode_cpu(attn3, q3, key_cache, value_cache, block_tables, seq_lens, scale,
-                                 max_seq_len);
+                                 max_seq_len, sliding_window);
     } else {
       paged_attention_prefill_cpu(attn3, q3, key_cache, value_cache, block_tables,
-                                  query_start_loc, seq_lens, scale, max_query_len, max_seq_len);
+                                  query_start_loc, seq_lens, scale, max_query_len, max_seq_len,
+                                  sliding_window);
     }
   }
   linear_into(out, attn, o_weight, o_type, o_bias);

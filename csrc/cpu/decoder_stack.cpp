@@ -37,6 +37,7 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
+  int64_t sliding_window;  // per layer: Gemma-style models mix windowed and global layers
 };
 
 class DecoderStack : public torch::CustomClassHolder {
@@ -47,17 +48,22 @@ class DecoderStack : public torch::CustomClassHolder {
         scale_(scale) {}
 
   // Appends the next layer. `*_out` is each projection's output width (a
-  // blocks weight's rows are not its output features).
+  // blocks weight's rows are not its output features); `sliding_window` is
+  // the layer's attention window (0: none).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, int64_t qkv_type,
                  std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type,
                  std::optional<at::Tensor> o_bias, int64_t o_out, at::Tensor gate_up,
                  int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down,
-                 int64_t down_type, std::optional<at::Tensor> down_bias, int64_t down_out) {
+                 int64_t down_type, std::optional<at::Tensor> down_bias, int64_t down_out,
+                 int64_t sliding_window) {
+    TORCH_CHECK(sliding_window >= 0, "DecoderStack.add_layer: sliding_window must be >= 0 "
+                "(0: no window), got ", sliding_window);
     layers_.push_back({std::move(input_norm), std::move(post_norm),
                        {std::move(qkv), qkv_type, std::move(qkv_bias), -1},
                        {std::move(o), o_type, std::move(o_bias), o_out},
                        {std::move(gate_up), gate_up_type, std::move(gate_up_bias), -1},
-                       {std::move(down), down_type, std::move(down_bias), down_out}});
+                       {std::move(down), down_type, std::move(down_bias), down_out},
+                       sliding_window});
   }
 
   // (hidden, residual) after every layer, for the embeddings `hidden` [T, H];
@@ -82,7 +88,7 @@ class DecoderStack : public torch::CustomClassHolder {
                           l.qkv.bias, l.o.weight, l.o.qtype, l.o.bias, positions, cos_sin_cache,
                           num_heads_, num_kv_heads_, head_dim_, key_caches[i], value_caches[i],
                           slot_mapping, block_tables, seq_lens, query_start_loc, is_decode,
-                          max_query_len, max_seq_len, scale_);
+                          max_query_len, max_seq_len, scale_, l.sliding_window);
       at::Tensor mlp = at::empty({tokens, l.down.out_features}, hidden.options());
       mlp_block_cpu(mlp, attn, residual, l.post_norm, eps_, l.gate_up.weight, l.gate_up.qtype,
                     l.gate_up.bias, l.down.weight, l.down.qtype, l.down.bias);

@@ -1,4 +1,4 @@
-// CPU: rms_norm, fused_add_rms_norm, silu_and_mul.
+// CPU: rms_norm, fused_add_rms_norm, silu_and_mul, gelu_tanh_and_mul.
 //
 // Rounding follows Hugging Face's Llama modules step by step (see the
 // comments below) so that low-precision results match the eager model, not
@@ -50,6 +50,24 @@ inline void silu_row(T* o, const T* gate, const T* up, int64_t d) {
   for (int64_t i = 0; i < d; ++i) {
     const float g = to_f(gate[i]);
     const T act = from_f<T>(g / (1.0f + std::exp(-g)));
+    o[i] = from_f<T>(to_f(act) * to_f(up[i]));
+  }
+}
+
+// Gemma's act_fn, gelu(g, approximate="tanh") = 0.5 g (1 + tanh(u)) with
+// u = sqrt(2/pi) (g + 0.044715 g^3), taken as g / (1 + exp(-2u)) (the same
+// function, since 0.5 (1 + tanh(u)) = sigmoid(2u)): one exp like SiLU, so the
+// AVX2 path reuses exp8, and no overflow: exp(-2u) = inf gives g / inf = -0.
+// Rounded to the dtype before the multiply, as HF's MLP does.
+constexpr float kGeluBeta2 = 2.f * 0.7978845608028654f;  // 2 sqrt(2/pi)
+constexpr float kGeluKappa = 0.044715f;
+
+template <typename T>
+inline void gelu_tanh_row(T* o, const T* gate, const T* up, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = to_f(gate[i]);
+    const float u2 = kGeluBeta2 * (g + kGeluKappa * g * g * g);
+    const T act = from_f<T>(g / (1.0f + std::exp(-u2)));
     o[i] = from_f<T>(to_f(act) * to_f(up[i]));
   }
 }
@@ -112,6 +130,23 @@ SHARDLM_AVX2 void silu_row_avx2(T* o, const T* gate, const T* up, int64_t d) {
   }
   silu_row(o + i, gate + i, up + i, d - i);
 }
+
+// gelu_tanh_row's operations in its order (multiplies and adds, no FMA).
+template <typename T>
+SHARDLM_AVX2 void gelu_tanh_row_avx2(T* o, const T* gate, const T* up, int64_t d) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 beta2 = _mm256_set1_ps(-kGeluBeta2);  // negated: exp(-2u) directly
+  const __m256 kappa = _mm256_set1_ps(kGeluKappa);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 g = avx2::load8(gate + i);
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(kappa, g), g), g);
+    const __m256 e = avx2::exp8(_mm256_mul_ps(beta2, _mm256_add_ps(g, g3)));
+    const __m256 act = avx2::round_to<T>(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+    avx2::store8(o + i, _mm256_mul_ps(act, avx2::load8(up + i)));
+  }
+  gelu_tanh_row(o + i, gate + i, up + i, d - i);
+}
 #endif
 
 template <typename T>
@@ -153,20 +188,55 @@ void fused_add_rms_norm_impl(T* in, T* res, const T* w, int64_t rows, int64_t n,
   });
 }
 
-template <typename T>
-void silu_and_mul_impl(T* out, const T* in, int64_t rows, int64_t d) {
+// One row function per activation: Silu / GeluTanh pick the portable and the
+// AVX2 one.
+struct Silu {
+  template <typename T>
+  static void row(T* o, const T* g, const T* u, int64_t d) { silu_row(o, g, u, d); }
+#if SHARDLM_HAVE_AVX2
+  template <typename T>
+  static void row_avx2(T* o, const T* g, const T* u, int64_t d) { silu_row_avx2(o, g, u, d); }
+#endif
+};
+
+struct GeluTanh {
+  template <typename T>
+  static void row(T* o, const T* g, const T* u, int64_t d) { gelu_tanh_row(o, g, u, d); }
+#if SHARDLM_HAVE_AVX2
+  template <typename T>
+  static void row_avx2(T* o, const T* g, const T* u, int64_t d) {
+    gelu_tanh_row_avx2(o, g, u, d);
+  }
+#endif
+};
+
+template <typename Act, typename T>
+void act_and_mul_impl(T* out, const T* in, int64_t rows, int64_t d) {
   [[maybe_unused]] const bool simd = cpu::use_avx2();
   at::parallel_for(0, rows, cpu::grain_for(d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * 2 * d;
 #if SHARDLM_HAVE_AVX2
       if (simd) {
-        silu_row_avx2(out + r * d, gate, gate + d, d);
+        Act::row_avx2(out + r * d, gate, gate + d, d);
         continue;
       }
 #endif
-      silu_row(out + r * d, gate, gate + d, d);
+      Act::row(out + r * d, gate, gate + d, d);
     }
+  });
+}
+
+template <typename Act>
+void act_and_mul_cpu(at::Tensor& out, const at::Tensor& input, const char* op) {
+  const int64_t d = check_act_and_mul(out, input, op);
+  if (out.numel() == 0) {
+    return;
+  }
+  const int64_t rows = out.numel() / d;
+  // (a literal name: the dispatch macro wants a constant expression)
+  SHARDLM_DISPATCH_FLOAT_TYPES(input.scalar_type(), "act_and_mul", [&] {
+    act_and_mul_impl<Act>(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows, d);
   });
 }
 
@@ -201,15 +271,11 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
 }
 
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
-  const int64_t d = check_silu_and_mul(out, input);
-  if (out.numel() == 0) {
-    return;
-  }
-  const int64_t rows = out.numel() / d;
-  SHARDLM_DISPATCH_FLOAT_TYPES(input.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_impl(out.data_ptr<scalar_t>(),
-                      input.const_data_ptr<scalar_t>(), rows, d);
-  });
+  act_and_mul_cpu<Silu>(out, input, "silu_and_mul");
+}
+
+void gelu_tanh_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul_cpu<GeluTanh>(out, input, "gelu_tanh_and_mul");
 }
 
 }  // namespace shardlm

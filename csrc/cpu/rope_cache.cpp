@@ -1,8 +1,10 @@
-// CPU: rotary_embedding (neox / rotate_half layout) and reshape_and_cache.
+// CPU: rotary_embedding (neox / rotate_half layout) and reshape_and_cache
+// (which converts k / v to the cache's dtype where the two differ).
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "../dispatch.h"
 #include "../ops.h"
@@ -73,11 +75,41 @@ void rotary_impl(const int64_t* positions, T* q, T* k, const float* cache, const
   });
 }
 
-template <typename T>
-void reshape_and_cache_impl(const T* key, const T* value, T* key_cache, T* value_cache,
+// dst = src rounded to C (round to nearest even, as torch's .to()).
+template <typename T, typename C>
+inline void convert_row(C* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_f<C>(to_f(src[i]));
+}
+
+#if SHARDLM_HAVE_AVX2
+// Same rounding 8 at a time (simd.h's conversions match c10's bit for bit).
+template <typename T, typename C>
+SHARDLM_AVX2 void convert_row_avx2(C* dst, const T* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) cpu::avx2::store8(dst + i, cpu::avx2::load8(src + i));
+  convert_row(dst + i, src + i, n - i);
+}
+#endif
+
+// Copies one head row of key / value into the cache: a memcpy where the
+// dtypes agree, else a conversion.
+template <typename T, typename C>
+inline void cache_row(C* dst, const T* src, int64_t n, [[maybe_unused]] bool simd) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+  } else {
+#if SHARDLM_HAVE_AVX2
+    if (simd) return convert_row_avx2(dst, src, n);
+#endif
+    convert_row(dst, src, n);
+  }
+}
+
+template <typename T, typename C>
+void reshape_and_cache_impl(const T* key, const T* value, C* key_cache, C* value_cache,
                             const int64_t* slots, const CacheWriteDims& d) {
   const int64_t row = d.kv_heads * d.head_dim;  // one token's entry in the cache
-  const size_t head_bytes = static_cast<size_t>(d.head_dim) * sizeof(T);
+  const bool simd = cpu::use_avx2();
   at::parallel_for(0, d.num_tokens, cpu::grain_for(row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
@@ -86,13 +118,13 @@ void reshape_and_cache_impl(const T* key, const T* value, T* key_cache, T* value
       }
       // slot = block * block_size + offset, and the cache is
       // [num_blocks, block_size, ...] contiguous, so the slot is the row index.
-      T* kdst = key_cache + slot * row;
-      T* vdst = value_cache + slot * row;
+      C* kdst = key_cache + slot * row;
+      C* vdst = value_cache + slot * row;
       for (int64_t h = 0; h < d.kv_heads; ++h) {
-        std::memcpy(kdst + h * d.head_dim, key + t * d.k_row_stride + h * d.k_head_stride,
-                    head_bytes);
-        std::memcpy(vdst + h * d.head_dim, value + t * d.v_row_stride + h * d.v_head_stride,
-                    head_bytes);
+        cache_row(kdst + h * d.head_dim, key + t * d.k_row_stride + h * d.k_head_stride,
+                  d.head_dim, simd);
+        cache_row(vdst + h * d.head_dim, value + t * d.v_row_stride + h * d.v_head_stride,
+                  d.head_dim, simd);
       }
     }
   });
@@ -139,9 +171,12 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   }
   check_slots(slot_mapping.const_data_ptr<int64_t>(), d);
   SHARDLM_DISPATCH_FLOAT_TYPES(key.scalar_type(), "reshape_and_cache", [&] {
-    reshape_and_cache_impl(key.const_data_ptr<scalar_t>(), value.const_data_ptr<scalar_t>(),
-                           key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-                           slot_mapping.const_data_ptr<int64_t>(), d);
+    using T = scalar_t;
+    SHARDLM_DISPATCH_CACHE_TYPES(key_cache.scalar_type(), "reshape_and_cache", [&] {
+      reshape_and_cache_impl(key.const_data_ptr<T>(), value.const_data_ptr<T>(),
+                             key_cache.data_ptr<cache_t>(), value_cache.data_ptr<cache_t>(),
+                             slot_mapping.const_data_ptr<int64_t>(), d);
+    });
   });
 }
 

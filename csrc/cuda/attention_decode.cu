@@ -6,6 +6,14 @@
 // plus (max logit, exp-sum) per partition to float32 workspaces, and a second
 // kernel merges the partitions with the usual max/sum rescaling.
 //
+// Sliding window (W > 0): a sequence of ctx tokens attends to its last
+// span = min(ctx, W) keys only, so the partitions tile [ctx - span, ctx)
+// instead of [0, ctx), and the grid and workspaces are sized by the longest
+// span rather than the longest context.
+//
+// The cache may hold another dtype (C) than the query and output (T): its
+// rows are converted to float as they are loaded, the vector width is C's.
+//
 // head_dim is a runtime value (<= kMaxHeadDim). It is cut into chunks of VEC
 // elements (16-byte loads when head_dim and the cache are suitably aligned,
 // scalar loads otherwise), so any head_dim works and the common ones
@@ -34,19 +42,25 @@ struct DecodeArgs {
   const int* context_lens;
   int64_t q_row_stride, q_head_stride;
   int num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_partitions;
+  int window;  // 0: none
   float scale;
 };
 
-__device__ __forceinline__ int num_partitions(int ctx, int max_partitions) {
-  return min((ctx + kPartition - 1) / kPartition, max_partitions);
+// Keys a sequence of ctx tokens attends to (its last ones).
+__device__ __forceinline__ int attended_span(int ctx, int window) {
+  return window > 0 ? min(ctx, window) : ctx;
 }
 
-template <typename T, int VEC>
+__device__ __forceinline__ int num_partitions(int span, int max_partitions) {
+  return min((span + kPartition - 1) / kPartition, max_partitions);
+}
+
+template <typename T, typename C, int VEC>
 __global__ void __launch_bounds__(kThreads)
     decode_partition_kernel(T* __restrict__ out, float* __restrict__ tmp_out,
                             float* __restrict__ max_logits, float* __restrict__ exp_sums,
-                            const T* __restrict__ q, const T* __restrict__ k_cache,
-                            const T* __restrict__ v_cache, DecodeArgs a) {
+                            const T* __restrict__ q, const C* __restrict__ k_cache,
+                            const C* __restrict__ v_cache, DecodeArgs a) {
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float logits[kPartition];
   __shared__ float red[kRedFloats];
@@ -66,8 +80,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const int start = part * kPartition;
-  const int nparts = num_partitions(ctx, a.max_partitions);
+  const int span = attended_span(ctx, a.window);
+  const int start = ctx - span + part * kPartition;  // this partition's first key
+  const int nparts = num_partitions(span, a.max_partitions);
   if (part >= nparts) {
     return;  // the grid is sized for the longest sequence
   }
@@ -101,10 +116,10 @@ __global__ void __launch_bounds__(kThreads)
     const int i = base + sub;
     float dot = 0.f;
     if (i < n) {
-      const T* kp = k_cache + token_offset(start + i);
+      const C* kp = k_cache + token_offset(start + i);
       for (int c = sub_lane; c < chunks; c += lpt) {
         float kf[VEC];
-        load_f<T, VEC>(kp + c * VEC, kf);
+        load_f<C, VEC>(kp + c * VEC, kf);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) dot += q_s[c * VEC + e] * kf[e];
       }
@@ -136,7 +151,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
     for (int i = g; i < n; i += groups) {
       float vf[VEC];
-      load_f<T, VEC>(v_cache + token_offset(start + i) + c * VEC, vf);
+      load_f<C, VEC>(v_cache + token_offset(start + i) + c * VEC, vf);
       const float p = logits[i];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] += p * vf[e];
@@ -177,7 +192,7 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x;
   const int D = a.head_dim;
   const int ctx = a.context_lens[b];
-  const int nparts = ctx > 0 ? num_partitions(ctx, a.max_partitions) : 0;
+  const int nparts = ctx > 0 ? num_partitions(attended_span(ctx, a.window), a.max_partitions) : 0;
   if (nparts <= 1) {
     return;  // written directly by the partition kernel
   }
@@ -207,10 +222,10 @@ __global__ void __launch_bounds__(kThreads)
 void paged_attention_decode_cuda(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                 double scale, int64_t max_context_len) {
+                                 double scale, int64_t max_context_len, int64_t sliding_window) {
   using namespace cuda;
   const AttnDims d = check_paged_decode(out, query, key_cache, value_cache, block_tables,
-                                        context_lens, max_context_len);
+                                        context_lens, max_context_len, sliding_window);
   TORCH_CHECK(d.head_dim <= kMaxHeadDim, "paged_attention_decode: head_dim ", d.head_dim,
               " > ", kMaxHeadDim, " is not supported on CUDA");
   TORCH_CHECK(d.num_heads <= 65535 && d.num_seqs <= 65535,
@@ -225,13 +240,16 @@ void paged_attention_decode_cuda(at::Tensor& out, const at::Tensor& query,
     check_paged_decode_indices(d, (*host)[0].const_data_ptr<int32_t>(),
                                (*host)[1].const_data_ptr<int32_t>(), max_context_len);
   }
-  // max_context_len sizes the grid (every context is <= it, checked above
-  // outside graph capture). At least one partition so that all-padding
-  // batches still get zeroed.
-  const int max_parts = std::max(1, ceil_div(max_context_len, kPartition));
+  // max_context_len, or the window if that is shorter, sizes the grid (every
+  // context is <= it, checked above outside graph capture). At least one
+  // partition so that all-padding batches still get zeroed.
+  const int64_t max_span =
+      sliding_window > 0 ? std::min(max_context_len, sliding_window) : max_context_len;
   // The reducer keeps one weight per partition in (default, <= 48 KiB) shared memory.
-  TORCH_CHECK(max_parts <= kMaxPartitions, "paged_attention_decode: max_context_len ",
-              max_context_len, " exceeds the supported ", kMaxPartitions * kPartition, " tokens");
+  TORCH_CHECK(max_span <= static_cast<int64_t>(kMaxPartitions) * kPartition,
+              "paged_attention_decode: max_context_len ", max_context_len,
+              " exceeds the supported ", kMaxPartitions * kPartition, " tokens");
+  const int max_parts = std::max(1, ceil_div(max_span, kPartition));
   const size_t reduce_smem = static_cast<size_t>(max_parts) * sizeof(float);
 
   DecodeArgs a{};
@@ -245,6 +263,8 @@ void paged_attention_decode_cuda(at::Tensor& out, const at::Tensor& query,
   a.block_size = static_cast<int>(d.block_size);
   a.max_blocks = static_cast<int>(d.max_blocks_per_seq);
   a.max_partitions = max_parts;
+  // Contexts are int32, so a wider window is no window.
+  a.window = sliding_window < INT32_MAX ? static_cast<int>(sliding_window) : 0;
   a.scale = static_cast<float>(scale);
 
   at::Tensor tmp_out, max_logits, exp_sums;  // workspaces, only for long contexts
@@ -262,21 +282,24 @@ void paged_attention_decode_cuda(at::Tensor& out, const at::Tensor& query,
 
   SHARDLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_decode", [&] {
     using T = scalar_t;
-    constexpr int V = kVec16<T>;
     T* o = out.data_ptr<T>();
     const T* q = query.const_data_ptr<T>();
-    const T* kc = key_cache.const_data_ptr<T>();
-    const T* vc = value_cache.const_data_ptr<T>();
-    // Token rows start at multiples of head_dim elements from the base.
-    const bool vec = d.head_dim % V == 0 && is_aligned(kc, 16) && is_aligned(vc, 16);
-    if (vec) {
-      decode_partition_kernel<T, V>
-          <<<grid, kThreads, 0, stream>>>(o, tmp_p, ml_p, es_p, q, kc, vc, a);
-    } else {
-      decode_partition_kernel<T, 1>
-          <<<grid, kThreads, 0, stream>>>(o, tmp_p, ml_p, es_p, q, kc, vc, a);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SHARDLM_DISPATCH_CACHE_TYPES(key_cache.scalar_type(), "paged_attention_decode", [&] {
+      using C = cache_t;
+      constexpr int V = kVec16<C>;
+      const C* kc = key_cache.const_data_ptr<C>();
+      const C* vc = value_cache.const_data_ptr<C>();
+      // Token rows start at multiples of head_dim elements from the base.
+      const bool vec = d.head_dim % V == 0 && is_aligned(kc, 16) && is_aligned(vc, 16);
+      if (vec) {
+        decode_partition_kernel<T, C, V>
+            <<<grid, kThreads, 0, stream>>>(o, tmp_p, ml_p, es_p, q, kc, vc, a);
+      } else {
+        decode_partition_kernel<T, C, 1>
+            <<<grid, kThreads, 0, stream>>>(o, tmp_p, ml_p, es_p, q, kc, vc, a);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
     if (max_parts > 1) {
       const dim3 rgrid(static_cast<unsigned>(d.num_heads),
                        static_cast<unsigned>(d.num_seqs));

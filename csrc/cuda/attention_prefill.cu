@@ -12,6 +12,13 @@
 //   value phase: lane l accumulates output dims l, l+32, ... (<= 8 per lane,
 //                hence head_dim <= 256) for the warp's rows.
 // SIMT only (no tensor cores): simple and correct for any head_dim <= 256.
+//
+// Sliding window (W > 0): row r also masks keys below pos[r] - W + 1, and the
+// key loop starts at the tile's first row's window (the earliest key any row
+// of the tile sees) instead of key 0.
+//
+// The cache may hold another dtype (C) than the query and output (T): its
+// rows are converted to float as they are loaded into shared memory.
 
 #include "../dispatch.h"
 #include "../ops.h"
@@ -35,6 +42,7 @@ struct PrefillArgs {
   const int* seq_lens;
   int64_t q_row_stride, q_head_stride;
   int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int window;  // 0: none
   float scale;
 };
 
@@ -45,10 +53,10 @@ inline size_t prefill_smem_bytes(int head_dim) {
                           static_cast<size_t>(kBK) * head_dim);
 }
 
-template <typename T, int VEC>
+template <typename T, typename C, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    prefill_kernel(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
-                   const T* __restrict__ v_cache, PrefillArgs a) {
+    prefill_kernel(T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ k_cache,
+                   const C* __restrict__ v_cache, PrefillArgs a) {
   extern __shared__ float smem[];
   const int D = a.head_dim;
   float* q_s = smem;                 // [kBQ][D], pre-scaled
@@ -66,6 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   const int rows = min(kBQ, q_len - q0);
   const int first_pos = a.seq_lens[b] - q_len;  // absolute position of row 0
   const int last_key = first_pos + q0 + rows - 1;
+  // The tile's first row has the earliest window.
+  const int first_key = a.window > 0 ? max(0, first_pos + q0 - a.window + 1) : 0;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -80,14 +90,15 @@ __global__ void __launch_bounds__(kThreads)
     q_s[idx] = r < rows ? to_f(qp[idx % D]) * a.scale : 0.f;
   }
 
-  // Per-row state of this warp's rows. pos < 0 masks every key (rows past
-  // the end of the sequence).
-  int pos[kRowsPerWarp];
+  // Per-row state of this warp's rows: keys lo..pos are visible. pos < 0
+  // masks every key (rows past the end of the sequence).
+  int pos[kRowsPerWarp], lo[kRowsPerWarp];
   float m_run[kRowsPerWarp], l_run[kRowsPerWarp], acc[kRowsPerWarp][kDimsPerLane];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int row = warp * kRowsPerWarp + r;
     pos[r] = row < rows ? first_pos + q0 + row : -1;
+    lo[r] = a.window > 0 ? pos[r] - a.window + 1 : 0;
     m_run[r] = -INFINITY;
     l_run[r] = 0.f;
 #pragma unroll
@@ -95,7 +106,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   const int chunks = D / VEC;
-  for (int k0 = 0; k0 <= last_key; k0 += kBK) {
+  for (int k0 = first_key; k0 <= last_key; k0 += kBK) {
     const int nk = min(kBK, last_key + 1 - k0);
     __syncthreads();  // previous tile consumed (first pass: q_s written)
     for (int idx = tid; idx < kBK * chunks; idx += kThreads) {
@@ -107,8 +118,8 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t block = table[t / a.block_size];
         const int64_t off = (block * a.block_size + t % a.block_size) * token_stride +
                             static_cast<int64_t>(kv_head) * D + e0;
-        load_f<T, VEC>(k_cache + off, kf);
-        load_f<T, VEC>(v_cache + off, vf);
+        load_f<C, VEC>(k_cache + off, kf);
+        load_f<C, VEC>(v_cache + off, vf);
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) kf[e] = vf[e] = 0.f;  // never NaN garbage
@@ -136,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
     float p[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
-      const bool ok = lane < nk && key <= pos[r];
+      const bool ok = lane < nk && key <= pos[r] && key >= lo[r];
       const float sc = ok ? s[r] : -INFINITY;
       const float m_new = fmaxf(m_run[r], warp_max(sc));
       // Rows with no visible key yet keep m = -inf; use 0 as the base so no
@@ -182,10 +193,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int VEC>
-void launch_prefill(T* out, const T* q, const T* kc, const T* vc, const PrefillArgs& a,
+template <typename T, typename C, int VEC>
+void launch_prefill(T* out, const T* q, const C* kc, const C* vc, const PrefillArgs& a,
                     dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = prefill_kernel<T, VEC>;
+  auto kernel = prefill_kernel<T, C, VEC>;
   if (smem > 48 * 1024) {
     // Large head_dim needs the opt-in shared memory carve-out.
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -202,10 +213,12 @@ void paged_attention_prefill_cuda(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                  double scale, int64_t max_query_len, int64_t max_seq_len) {
+                                  double scale, int64_t max_query_len, int64_t max_seq_len,
+                                  int64_t sliding_window) {
   using namespace cuda;
   const AttnDims d = check_paged_prefill(out, query, key_cache, value_cache, block_tables,
-                                         query_start_loc, seq_lens, max_query_len, max_seq_len);
+                                         query_start_loc, seq_lens, max_query_len, max_seq_len,
+                                         sliding_window);
   TORCH_CHECK(d.head_dim <= kMaxHeadDim, "paged_attention_prefill: head_dim ", d.head_dim,
               " > ", kMaxHeadDim, " is not supported on CUDA");
   TORCH_CHECK(d.num_heads <= 65535 && d.num_seqs <= 65535,
@@ -243,6 +256,8 @@ void paged_attention_prefill_cuda(at::Tensor& out, const at::Tensor& query,
   a.head_dim = static_cast<int>(d.head_dim);
   a.block_size = static_cast<int>(d.block_size);
   a.max_blocks = static_cast<int>(d.max_blocks_per_seq);
+  // Positions are int32, so a wider window is no window.
+  a.window = sliding_window < INT32_MAX ? static_cast<int>(sliding_window) : 0;
   a.scale = static_cast<float>(scale);
   // max_query_len sizes the grid (every query length is <= it, checked above
   // outside graph capture); tiles past a sequence's length exit early.
@@ -251,16 +266,19 @@ void paged_attention_prefill_cuda(at::Tensor& out, const at::Tensor& query,
 
   SHARDLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
     using T = scalar_t;
-    constexpr int V = kVec16<T>;
     T* o = out.data_ptr<T>();
     const T* q = query.const_data_ptr<T>();
-    const T* kc = key_cache.const_data_ptr<T>();
-    const T* vc = value_cache.const_data_ptr<T>();
-    if (d.head_dim % V == 0 && is_aligned(kc, 16) && is_aligned(vc, 16)) {
-      launch_prefill<T, V>(o, q, kc, vc, a, grid, smem, stream);
-    } else {
-      launch_prefill<T, 1>(o, q, kc, vc, a, grid, smem, stream);
-    }
+    SHARDLM_DISPATCH_CACHE_TYPES(key_cache.scalar_type(), "paged_attention_prefill", [&] {
+      using C = cache_t;
+      constexpr int V = kVec16<C>;
+      const C* kc = key_cache.const_data_ptr<C>();
+      const C* vc = value_cache.const_data_ptr<C>();
+      if (d.head_dim % V == 0 && is_aligned(kc, 16) && is_aligned(vc, 16)) {
+        launch_prefill<T, C, V>(o, q, kc, vc, a, grid, smem, stream);
+      } else {
+        launch_prefill<T, C, 1>(o, q, kc, vc, a, grid, smem, stream);
+      }
+    });
   });
 }
 

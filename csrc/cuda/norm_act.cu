@@ -1,6 +1,6 @@
-// CUDA: rms_norm, fused_add_rms_norm, silu_and_mul. Rounding mirrors the CPU
-// kernels (and HF) exactly; only the order of the float32 sum of squares
-// differs.
+// CUDA: rms_norm, fused_add_rms_norm, silu_and_mul, gelu_tanh_and_mul.
+// Rounding mirrors the CPU kernels (and HF) exactly; only the order of the
+// float32 sum of squares differs.
 
 #include "../dispatch.h"
 #include "../ops.h"
@@ -59,8 +59,23 @@ __global__ void rms_norm_kernel(T* dst, T* src, const T* weight, int64_t n, floa
   }
 }
 
-template <typename T, int VEC>
-__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ in, int64_t d) {
+// The gated activations, on float: silu(g), and gelu(g, approximate="tanh")
+// as g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3), the CPU kernel's
+// form (0.5 (1 + tanh(u)) = sigmoid(2u)). expf, not __expf: no fast-math
+// approximations in this build.
+struct Silu {
+  static __device__ __forceinline__ float act(float g) { return g / (1.0f + expf(-g)); }
+};
+
+struct GeluTanh {
+  static __device__ __forceinline__ float act(float g) {
+    const float u2 = 2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + expf(-u2));
+  }
+};
+
+template <typename Act, typename T, int VEC>
+__global__ void act_and_mul_kernel(T* __restrict__ out, const T* __restrict__ in, int64_t d) {
   const int64_t row = blockIdx.x;
   const T* gate = in + row * 2 * d;
   const T* up = gate + d;
@@ -71,8 +86,8 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ i
     load_f<T, VEC>(up + c * VEC, u);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      // expf (not __expf): no fast-math approximations in this build.
-      const float act = to_f(from_f<T>(g[i] / (1.0f + expf(-g[i]))));
+      // The activation is rounded to the dtype before the multiply (HF's MLP).
+      const float act = to_f(from_f<T>(Act::act(g[i])));
       g[i] = act * u[i];
     }
     store_f<T, VEC>(o + c * VEC, g);
@@ -133,31 +148,45 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
   });
 }
 
-void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
-  const int64_t d = check_silu_and_mul(out, input);
+namespace cuda {
+namespace {
+template <typename Act>
+void act_and_mul(at::Tensor& out, const at::Tensor& input, const char* op) {
+  const int64_t d = check_act_and_mul(out, input, op);
   if (out.numel() == 0) {
     return;
   }
   const c10::cuda::CUDAGuard guard(input.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t rows = out.numel() / d;
-  SHARDLM_DISPATCH_FLOAT_TYPES(input.scalar_type(), "silu_and_mul", [&] {
+  // (a literal name: the dispatch macro wants a constant expression)
+  SHARDLM_DISPATCH_FLOAT_TYPES(input.scalar_type(), "act_and_mul", [&] {
     using T = scalar_t;
-    constexpr int V = cuda::kVec16<T>;
+    constexpr int V = kVec16<T>;
     T* o = out.data_ptr<T>();
     const T* in = input.const_data_ptr<T>();
     // Rows start at multiples of d (out) and 2d (input), so d % V == 0
     // plus aligned base pointers keeps every vector access aligned.
-    const bool vec = d % V == 0 && cuda::is_aligned(o, 16) && cuda::is_aligned(in, 16);
-    const int threads = cuda::threads_for(vec ? d / V : d, 1024);
+    const bool vec = d % V == 0 && is_aligned(o, 16) && is_aligned(in, 16);
+    const int threads = threads_for(vec ? d / V : d, 1024);
     const dim3 grid(static_cast<unsigned>(rows));
     if (vec) {
-      cuda::silu_and_mul_kernel<T, V><<<grid, threads, 0, stream>>>(o, in, d);
+      act_and_mul_kernel<Act, T, V><<<grid, threads, 0, stream>>>(o, in, d);
     } else {
-      cuda::silu_and_mul_kernel<T, 1><<<grid, threads, 0, stream>>>(o, in, d);
+      act_and_mul_kernel<Act, T, 1><<<grid, threads, 0, stream>>>(o, in, d);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+}  // namespace
+}  // namespace cuda
+
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
+  cuda::act_and_mul<cuda::Silu>(out, input, "silu_and_mul");
+}
+
+void gelu_tanh_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
+  cuda::act_and_mul<cuda::GeluTanh>(out, input, "gelu_tanh_and_mul");
 }
 
 }  // namespace shardlm

@@ -1,8 +1,11 @@
-// CUDA: rotary_embedding (neox / rotate_half layout) and reshape_and_cache.
+// CUDA: rotary_embedding (neox / rotate_half layout) and reshape_and_cache
+// (which converts k / v to the cache's dtype where the two differ).
 
 #include "../dispatch.h"
 #include "../ops.h"
 #include "cuda_utils.cuh"
+
+#include <type_traits>
 
 namespace shardlm {
 namespace cuda {
@@ -39,11 +42,11 @@ __global__ void rotary_kernel(const int64_t* __restrict__ positions, T* q, T* k,
 }
 
 // One block per token; copies kv_heads * head_dim elements of key and value
-// into slot_mapping[t]. Negative (padding) or out-of-range slots write
-// nothing.
-template <typename T, int VEC>
+// into slot_mapping[t], converted from T to the cache's C (a plain copy when
+// they agree). Negative (padding) or out-of-range slots write nothing.
+template <typename T, typename C, int VEC>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
-                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                         C* __restrict__ key_cache, C* __restrict__ value_cache,
                                          const int64_t* __restrict__ slots, CacheWriteDims d) {
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
@@ -59,11 +62,19 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
     const int h = idx / chunks_per_head;
     const int e = (idx % chunks_per_head) * VEC;
     const int64_t dst = row + h * d.head_dim + e;
-    using P = Packed<T, VEC>;
-    *reinterpret_cast<P*>(key_cache + dst) =
-        *reinterpret_cast<const P*>(key + t * d.k_row_stride + h * d.k_head_stride + e);
-    *reinterpret_cast<P*>(value_cache + dst) =
-        *reinterpret_cast<const P*>(value + t * d.v_row_stride + h * d.v_head_stride + e);
+    const T* ksrc = key + t * d.k_row_stride + h * d.k_head_stride + e;
+    const T* vsrc = value + t * d.v_row_stride + h * d.v_head_stride + e;
+    if constexpr (std::is_same_v<T, C>) {
+      using P = Packed<T, VEC>;
+      *reinterpret_cast<P*>(key_cache + dst) = *reinterpret_cast<const P*>(ksrc);
+      *reinterpret_cast<P*>(value_cache + dst) = *reinterpret_cast<const P*>(vsrc);
+    } else {
+      float f[VEC];
+      load_f<T, VEC>(ksrc, f);
+      store_f<C, VEC>(key_cache + dst, f);
+      load_f<T, VEC>(vsrc, f);
+      store_f<C, VEC>(value_cache + dst, f);
+    }
   }
 }
 
@@ -100,28 +111,34 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value,
   const auto stream = c10::cuda::getCurrentCUDAStream();
   SHARDLM_DISPATCH_FLOAT_TYPES(key.scalar_type(), "reshape_and_cache", [&] {
     using T = scalar_t;
-    constexpr int V = cuda::kVec16<T>;
-    const T* k = key.const_data_ptr<T>();
-    const T* v = value.const_data_ptr<T>();
-    T* kc = key_cache.data_ptr<T>();
-    T* vc = value_cache.data_ptr<T>();
-    // Every vector access starts at base + (multiple of V) elements when
-    // all strides and head_dim are multiples of V.
-    const bool vec = d.head_dim % V == 0 && d.k_row_stride % V == 0 &&
-                     d.k_head_stride % V == 0 && d.v_row_stride % V == 0 &&
-                     d.v_head_stride % V == 0 && cuda::is_aligned(k, 16) &&
-                     cuda::is_aligned(v, 16) && cuda::is_aligned(kc, 16) &&
-                     cuda::is_aligned(vc, 16);
-    const int64_t items = d.kv_heads * (vec ? d.head_dim / V : d.head_dim);
-    const int threads = cuda::threads_for(items, 256);
-    const auto* slots = slot_mapping.const_data_ptr<int64_t>();
-    const dim3 grid(static_cast<unsigned>(d.num_tokens));
-    if (vec) {
-      cuda::reshape_and_cache_kernel<T, V><<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, d);
-    } else {
-      cuda::reshape_and_cache_kernel<T, 1><<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, d);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SHARDLM_DISPATCH_CACHE_TYPES(key_cache.scalar_type(), "reshape_and_cache", [&] {
+      using C = cache_t;
+      // The vector covers 16 bytes of the wider of T and C (of both when they agree).
+      constexpr int V = cuda::kVec16<T> < cuda::kVec16<C> ? cuda::kVec16<T> : cuda::kVec16<C>;
+      const T* k = key.const_data_ptr<T>();
+      const T* v = value.const_data_ptr<T>();
+      C* kc = key_cache.data_ptr<C>();
+      C* vc = value_cache.data_ptr<C>();
+      // Every vector access starts at base + (multiple of V) elements when
+      // all strides and head_dim are multiples of V.
+      const bool vec = d.head_dim % V == 0 && d.k_row_stride % V == 0 &&
+                       d.k_head_stride % V == 0 && d.v_row_stride % V == 0 &&
+                       d.v_head_stride % V == 0 && cuda::is_aligned(k, sizeof(T) * V) &&
+                       cuda::is_aligned(v, sizeof(T) * V) && cuda::is_aligned(kc, sizeof(C) * V) &&
+                       cuda::is_aligned(vc, sizeof(C) * V);
+      const int64_t items = d.kv_heads * (vec ? d.head_dim / V : d.head_dim);
+      const int threads = cuda::threads_for(items, 256);
+      const auto* slots = slot_mapping.const_data_ptr<int64_t>();
+      const dim3 grid(static_cast<unsigned>(d.num_tokens));
+      if (vec) {
+        cuda::reshape_and_cache_kernel<T, C, V>
+            <<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, d);
+      } else {
+        cuda::reshape_and_cache_kernel<T, C, 1>
+            <<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, d);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 

@@ -33,6 +33,7 @@ __all__ = [
     "compute_cos_sin_cache",
     "cpu_simd_active",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "linear",
     "mlp_block",
     "paged_attention_decode",
@@ -124,6 +125,17 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for ``x = [gate | up]`` of shape [..., 2*d];
+    returns [..., d] (Gemma's MLP activation; rounded like :func:`silu_and_mul`)."""
+    if USE_REFERENCE:
+        return reference.gelu_tanh_and_mul(x, out=out)
+    if out is None:
+        out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    _ops.gelu_tanh_and_mul(out, x)
+    return out
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -191,7 +203,8 @@ def reshape_and_cache(
     """Write token t's k/v [T, kv_heads, head_dim] to cache slot ``slot_mapping[t]``.
 
     Caches are [num_blocks, block_size, kv_heads, head_dim]; slot = block * block_size +
-    offset; slot -1 marks a padding token and writes nothing.
+    offset; slot -1 marks a padding token and writes nothing. The caches (one dtype for both)
+    may be float32, bfloat16 or float16 whatever k's dtype: values are rounded to it.
     """
     if USE_REFERENCE:
         return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -206,6 +219,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    sliding_window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-query attention per sequence over the paged KV cache.
@@ -214,15 +228,21 @@ def paged_attention_decode(
     int32 [B] (tokens to attend to, the current one included; 0 = padding row, zero
     output). ``max_context_len`` must be >= every context length; pass the batch's real
     maximum, since it sizes the CUDA grid and its float32 split-context workspace.
+    ``sliding_window`` W > 0: only the last W tokens are attended to (transformers'
+    convention: a query at position p sees keys p - W < j <= p); blocks entirely before
+    that are not read, so their block-table entries may be -1. The caches may be of another
+    float dtype than q (read converted); the result has q's dtype.
     """
     if USE_REFERENCE:
         return reference.paged_attention_decode(
-            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=out
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
+            sliding_window, out=out
         )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _ops.paged_attention_decode(
-        out, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
+        sliding_window
     )
     return out
 
@@ -237,6 +257,7 @@ def paged_attention_prefill(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of packed new tokens over the paged KV cache.
@@ -244,7 +265,9 @@ def paged_attention_prefill(
     q: [total_q, num_heads, head_dim] for B sequences; query_start_loc: int32 [B+1];
     seq_lens: int32 [B] = cached prefix + new tokens (already written to the cache).
     Query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys
-    0..position. ``max_query_len`` / ``max_seq_len`` must bound the real values.
+    0..position, or with ``sliding_window`` W > 0 only position - W < j <= position.
+    ``max_query_len`` / ``max_seq_len`` must bound the real values. The caches may be of
+    another float dtype than q (read converted); the result has q's dtype.
     """
     if USE_REFERENCE:
         return reference.paged_attention_prefill(
@@ -257,6 +280,7 @@ def paged_attention_prefill(
             scale,
             max_query_len,
             max_seq_len,
+            sliding_window,
             out=out,
         )
     if out is None:
@@ -272,6 +296,7 @@ def paged_attention_prefill(
         scale,
         max_query_len,
         max_seq_len,
+        sliding_window,
     )
     return out
 
@@ -286,6 +311,8 @@ def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> tor
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
+    if rope_type == "linear":  # positions interpolated: every frequency divided by the factor
+        return inv_freq / rope_scaling["factor"]
     if rope_type != "llama3":
         raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported")
     # transformers' _compute_llama3_parameters, operation for operation.

@@ -39,28 +39,32 @@ def attention_block(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """A decoder layer's attention half on CPU in one op: ``residual += hidden``, ``hidden =
-    rms_norm(residual)`` (in place), then qkv, rotary, the cache write, paged attention and
-    o_proj; returns o_proj's output [T, hidden]. ``heads`` is (num_heads, num_kv_heads,
-    head_dim) of this rank. Equals the unfused ops step for step."""
+    rms_norm(residual)`` (in place), then qkv, rotary, the cache write, paged attention
+    (within ``sliding_window`` keys if that is > 0) and o_proj; returns o_proj's output
+    [T, hidden]. ``heads`` is (num_heads, num_kv_heads, head_dim) of this rank. The caches may
+    be of another dtype than hidden. Equals the unfused ops step for step."""
     if native.USE_REFERENCE:
         return reference.attention_block(hidden, residual, norm_weight, eps, qkv_weight,
                                          qkv_bias, o_weight, o_bias, heads, cos_sin_cache,
-                                         k_cache, v_cache, meta, scale)
+                                         k_cache, v_cache, meta, scale, sliding_window)
     out = hidden.new_empty((hidden.shape[0], o_weight.shape[0]))
     native.torch_ops.attention_block(
         out, hidden, residual, norm_weight, eps, *_weight_args(qkv_weight), qkv_bias,
         *_weight_args(o_weight), o_bias, meta.positions, cos_sin_cache, *heads, k_cache, v_cache,
         meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.is_decode,
-        meta.max_query_len, meta.max_seq_len, scale)
+        meta.max_query_len, meta.max_seq_len, scale, sliding_window)
     return out
 
 
 class DecoderStack:
     """Every decoder layer of a single-rank CPU model in one call (csrc/cpu/decoder_stack.cpp):
     each layer's attention_block then mlp_block in a C++ loop, without a Python and dispatcher
-    round trip per layer. Weights are bound once by `add_layer`, in layer order."""
+    round trip per layer. Weights are bound once by `add_layer`, in layer order, each layer
+    with its own attention window (Gemma-style models interleave windowed and global
+    layers)."""
 
     def __init__(self, eps: float, heads: tuple[int, int, int], scale: float) -> None:
         self.eps, self.heads, self.scale = eps, heads, scale
@@ -72,14 +76,18 @@ class DecoderStack:
                   qkv: torch.Tensor | QuantizedWeight, qkv_bias: torch.Tensor | None,
                   o: torch.Tensor | QuantizedWeight, o_bias: torch.Tensor | None,
                   gate_up: torch.Tensor | QuantizedWeight, gate_up_bias: torch.Tensor | None,
-                  down: torch.Tensor | QuantizedWeight, down_bias: torch.Tensor | None) -> None:
+                  down: torch.Tensor | QuantizedWeight, down_bias: torch.Tensor | None,
+                  sliding_window: int = 0) -> None:
+        """Appends the next layer; ``sliding_window`` > 0 limits its attention to that many
+        keys (0: global attention)."""
         if self._native is None:
             self._layers.append((input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
-                                 gate_up_bias, down, down_bias))
+                                 gate_up_bias, down, down_bias, sliding_window))
             return
         self._native.add_layer(input_norm, post_norm, *_weight_args(qkv), qkv_bias,
                                *_weight_args(o), o_bias, o.shape[0], *_weight_args(gate_up),
-                               gate_up_bias, *_weight_args(down), down_bias, down.shape[0])
+                               gate_up_bias, *_weight_args(down), down_bias, down.shape[0],
+                               sliding_window)
 
     def forward(self, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

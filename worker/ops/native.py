@@ -37,6 +37,7 @@ _OP_NAMES = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "skinny_linear",
     "quant_linear",
     "reshape_and_cache",

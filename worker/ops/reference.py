@@ -70,6 +70,17 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for x = [gate | up], both ops in x's dtype like
+    Gemma's MLP."""
+    d = x.shape[-1] // 2
+    result = F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -90,12 +101,13 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter token t's k/v to cache[slot // block_size, slot % block_size]; slot -1 skips."""
+    """Scatter token t's k/v to cache[slot // block_size, slot % block_size]; slot -1 skips.
+    The cache's dtype may differ from k's: values are rounded to it (as by ``.to()``)."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache[slots // block_size, slots % block_size] = k[valid]
-    v_cache[slots // block_size, slots % block_size] = v[valid]
+    k_cache[slots // block_size, slots % block_size] = k[valid].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[valid].to(v_cache.dtype)
 
 
 def _gather_kv(
@@ -110,15 +122,25 @@ def _gather_kv(
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, q_pos: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    q_pos: torch.Tensor,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal GQA attention in float32: query n sees keys 0..q_pos[n]. q: [n, H, D]."""
+    """Causal GQA attention in float32 (the cache, of any dtype, converted to float32): query n
+    sees keys 0..q_pos[n], or with a sliding window W only q_pos[n] - W < j <= q_pos[n]
+    (transformers' sliding-window mask). q: [n, H, D]; the result is in q's dtype."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
     key_pos = torch.arange(keys.shape[0], device=q.device)
-    scores = scores.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = key_pos[None, :] > q_pos[:, None]
+    if sliding_window > 0:
+        hidden |= key_pos[None, :] <= q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hnl,lhd->nhd", probs, values).to(q.dtype)
 
@@ -131,9 +153,11 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    sliding_window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each sequence's single query attends to its first context_lens[b] cached tokens."""
+    """Each sequence's single query attends to its first context_lens[b] cached tokens (the
+    last sliding_window of them if that is > 0)."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for b in range(q.shape[0]):
@@ -143,7 +167,7 @@ def paged_attention_decode(
             continue
         keys, values = _gather_kv(k_cache, v_cache, block_tables[b], ctx)
         last = torch.tensor([ctx - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], keys, values, scale, last)[0]
+        out[b] = _attend(q[b : b + 1], keys, values, scale, last, sliding_window)[0]
     return out
 
 
@@ -157,9 +181,11 @@ def paged_attention_prefill(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention: the new queries are the last q_len tokens of each sequence."""
+    """Varlen causal attention: the new queries are the last q_len tokens of each sequence;
+    with sliding_window W > 0 each sees its last W positions only."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for b in range(seq_lens.shape[0]):
@@ -169,7 +195,7 @@ def paged_attention_prefill(
         seq_len = int(seq_lens[b])
         keys, values = _gather_kv(k_cache, v_cache, block_tables[b], seq_len)
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        out[start:end] = _attend(q[start:end], keys, values, scale, q_pos)
+        out[start:end] = _attend(q[start:end], keys, values, scale, q_pos, sliding_window)
     return out
 
 
@@ -216,10 +242,12 @@ def attention_block(
     v_cache: torch.Tensor,
     meta,
     scale: float,
+    sliding_window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A decoder layer's attention half: add and norm, qkv, rotary, cache write, attention,
-    o_proj; `hidden` and `residual` are updated in place as by fused_add_rms_norm."""
+    """A decoder layer's attention half: add and norm, qkv, rotary, cache write, attention
+    (within sliding_window keys if > 0), o_proj; `hidden` and `residual` are updated in place
+    as by fused_add_rms_norm."""
     num_heads, num_kv_heads, head_dim = heads
     tokens = hidden.shape[0]
     fused_add_rms_norm(hidden, residual, norm_weight, eps)
@@ -233,11 +261,11 @@ def attention_block(
     q3 = q.view(tokens, num_heads, head_dim)
     if meta.is_decode:
         attn = paged_attention_decode(q3, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      scale, meta.max_seq_len)
+                                      scale, meta.max_seq_len, sliding_window)
     else:
         attn = paged_attention_prefill(q3, k_cache, v_cache, meta.block_tables,
                                        meta.query_start_loc, meta.seq_lens, scale,
-                                       meta.max_query_len, meta.max_seq_len)
+                                       meta.max_query_len, meta.max_seq_len, sliding_window)
     result = _linear(attn.reshape(tokens, q_size), o_weight, o_bias)
     if out is None:
         return result
@@ -277,13 +305,16 @@ def decoder_stack(
     meta,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's attention_block then mlp_block; `layers` holds each layer's (input_norm,
-    post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias). Returns
-    (hidden, residual) after the last layer."""
+    post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias[,
+    sliding_window]) (no window when the last is left out). Returns (hidden, residual) after
+    the last layer."""
     residual = torch.zeros_like(hidden)
-    for (input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down,
-         down_bias), (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        (input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down,
+         down_bias) = layer[:10]
+        window = layer[10] if len(layer) > 10 else 0
         hidden = attention_block(hidden, residual, input_norm, eps, qkv, qkv_bias, o, o_bias,
-                                 heads, cos_sin_cache, k_cache, v_cache, meta, scale)
+                                 heads, cos_sin_cache, k_cache, v_cache, meta, scale, window)
         hidden = mlp_block(hidden, residual, post_norm, eps, gate_up, gate_up_bias, down,
                            down_bias)
     return hidden, residual

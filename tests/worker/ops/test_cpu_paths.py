@@ -33,6 +33,12 @@ def _apply(inp: dict) -> dict:
             out[name] = (x, res)
         elif name.startswith("silu"):
             out[name] = ops.silu_and_mul(a["x"])
+        elif name.startswith("gelu"):
+            out[name] = ops.gelu_tanh_and_mul(a["x"])
+        elif name.startswith("cache"):
+            kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
+            ops.reshape_and_cache(a["k"], a["v"], kc, vc, a["slots"])
+            out[name] = (kc, vc)
         elif name.startswith("rotary"):
             q, k = a["q"].clone(), a["k"].clone()
             ops.rotary_embedding(a["pos"], q, k, a["q"].shape[-1], a["cache"])
@@ -56,6 +62,7 @@ def _inputs(dtype):
         inp[f"rms_norm {n}"] = {"x": x, "w": w}
         inp[f"fused {n}"] = {"x": x, "res": torch.randn(9, n, dtype=dtype), "w": w}
         inp[f"silu {n}"] = {"x": torch.randn(9, 2 * n, dtype=dtype) * 4}
+        inp[f"gelu {n}"] = {"x": torch.randn(9, 2 * n, dtype=dtype) * 4}
         inp[f"linear {n}"] = {"x": torch.randn(5, n, dtype=dtype),
                               "w": torch.randn(67, n, dtype=dtype) / n**0.5,
                               "b": torch.randn(67, dtype=dtype)}
@@ -66,26 +73,42 @@ def _inputs(dtype):
             "pos": torch.randint(0, 4096, (7,)),
             "cache": ops.compute_cos_sin_cache(head_dim, 4096, 10000.0),
         }
-    # (heads, kv_heads, head_dim, block_size, context lengths)
-    for heads, kv_heads, head_dim, block_size, ctx in [
-        (12, 4, 64, 16, [1024, 1, 0, 77]),
-        (4, 1, 36, 3, [100, 9]),
-        (8, 2, 80, 16, [300]),
+    # Converting writes to a cache of every other dtype (head_dim with and without a tail).
+    for cache_dtype in [t for t in (torch.float32, torch.bfloat16, torch.float16) if t != dtype]:
+        for head_dim in (64, 36):
+            shape = (8, 4, 2, head_dim)
+            inp[f"cache {cache_dtype} {head_dim}"] = {
+                "k": torch.randn(7, 2, head_dim, dtype=dtype) * 3,
+                "v": torch.randn(7, 2, head_dim, dtype=dtype),
+                "k_cache": torch.zeros(shape, dtype=cache_dtype),
+                "v_cache": torch.zeros(shape, dtype=cache_dtype),
+                "slots": torch.tensor([0, 5, -1, 31, 8, 9, 17]),
+            }
+    # (heads, kv_heads, head_dim, block_size, context lengths, sliding window, cache dtype)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    for heads, kv_heads, head_dim, block_size, ctx, window, cache_dtype in [
+        (12, 4, 64, 16, [1024, 1, 0, 77], 0, dtype),
+        (4, 1, 36, 3, [100, 9], 0, dtype),
+        (8, 2, 80, 16, [300], 0, dtype),
+        (12, 4, 64, 16, [1024, 1, 0, 77], 45, dtype),
+        (8, 2, 80, 16, [300, 40], 0, other),
+        (4, 1, 36, 3, [100, 9], 7, torch.float16),
     ]:
         k_cache, v_cache, tables = make_paged_cache(
-            ctx, block_size, kv_heads, head_dim, dtype, "cpu"
+            ctx, block_size, kv_heads, head_dim, cache_dtype, "cpu"
         )
         q = torch.randn(len(ctx), heads, head_dim, dtype=dtype)
         lens = torch.tensor(ctx, dtype=torch.int32)
         scale = head_dim**-0.5
-        args = (q, k_cache, v_cache, tables, lens, scale, max(ctx))
-        inp[f"decode {heads}/{kv_heads}x{head_dim}"] = {"args": args}
+        args = (q, k_cache, v_cache, tables, lens, scale, max(ctx), window)
+        name = f"{heads}/{kv_heads}x{head_dim} window {window} cache {cache_dtype}"
+        inp[f"decode {name}"] = {"args": args}
         # Prefill: the last q_len tokens of each sequence are new.
         q_lens = [min(n, 40) for n in ctx]
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         pq = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype)
-        pargs = (pq, k_cache, v_cache, tables, qsl, lens, scale, max(q_lens), max(ctx))
-        inp[f"prefill {heads}/{kv_heads}x{head_dim}"] = {"args": pargs}
+        pargs = (pq, k_cache, v_cache, tables, qsl, lens, scale, max(q_lens), max(ctx), window)
+        inp[f"prefill {name}"] = {"args": pargs}
     return inp
 
 
@@ -104,9 +127,9 @@ def test_simd_and_portable_paths_agree(dtype, level):
     simd, portable = _run(inputs, level), _run(inputs, False)
     assert simd.keys() == portable.keys()
     for name in simd:
-        # Same operations in the same order: equal bits. SiLU's exp and the
-        # attention and linear sums differ in rounding only.
-        exact = name.split()[0] in ("rms_norm", "fused", "rotary")
+        # Same operations in the same order: equal bits. SiLU's and GELU's exp
+        # and the attention and linear sums differ in rounding only.
+        exact = name.split()[0] in ("rms_norm", "fused", "rotary", "cache")
         tol = {"atol": 0.0, "rtol": 0.0} if exact else TOL[dtype]
         torch.testing.assert_close(
             simd[name], portable[name], **tol, msg=lambda m, n=name: f"{level} {n}: {m}"

@@ -61,8 +61,9 @@ def _meta(new_tokens, cached, tables, is_decode):
         max_seq_len=max(seq_lens), logits_indices=torch.tensor(starts[1:]) - 1)
 
 
-def _unfused(layer, hidden, residual, cos_sin, k_cache, v_cache, meta):
-    """The same steps op by op, as DecoderLayer.forward runs them."""
+def _unfused(layer, hidden, residual, cos_sin, k_cache, v_cache, meta, window=0):
+    """The same steps op by op, as DecoderLayer.forward runs them; `window`: the attention's
+    sliding window (0: none)."""
     tokens = hidden.shape[0]
     q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     ops.fused_add_rms_norm(hidden, residual, layer["input_norm"], 1e-5)
@@ -75,22 +76,22 @@ def _unfused(layer, hidden, residual, cos_sin, k_cache, v_cache, meta):
     scale = HEAD_DIM**-0.5
     if meta.is_decode:
         attn = ops.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          scale, meta.max_seq_len)
+                                          scale, meta.max_seq_len, window)
     else:
         attn = ops.paged_attention_prefill(q, k_cache, v_cache, meta.block_tables,
                                            meta.query_start_loc, meta.seq_lens, scale,
-                                           meta.max_query_len, meta.max_seq_len)
+                                           meta.max_query_len, meta.max_seq_len, window)
     hidden = ops.linear(attn.view(tokens, q_size), layer["o"], layer["o_bias"])
     ops.fused_add_rms_norm(hidden, residual, layer["post_norm"], 1e-5)
     return ops.linear(ops.silu_and_mul(ops.linear(hidden, layer["gate_up"], layer["gate_up_bias"])),
                       layer["down"], layer["down_bias"])
 
 
-def _fused(impl, layer, hidden, residual, cos_sin, k_cache, v_cache, meta):
+def _fused(impl, layer, hidden, residual, cos_sin, k_cache, v_cache, meta, window=0):
     heads = (HEADS, KV_HEADS, HEAD_DIM)
     out = impl.attention_block(hidden, residual, layer["input_norm"], 1e-5, layer["qkv"],
                                layer["qkv_bias"], layer["o"], layer["o_bias"], heads, cos_sin,
-                               k_cache, v_cache, meta, HEAD_DIM**-0.5)
+                               k_cache, v_cache, meta, HEAD_DIM**-0.5, window)
     return impl.mlp_block(out, residual, layer["post_norm"], 1e-5, layer["gate_up"],
                           layer["gate_up_bias"], layer["down"], layer["down_bias"])
 

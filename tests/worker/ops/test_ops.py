@@ -374,6 +374,7 @@ def _opcheck_cases():
             ops.compute_cos_sin_cache(d, 8, 10000.0),
         ),
         "silu_and_mul": (torch.empty(t, 8), x),
+        "gelu_tanh_and_mul": (torch.empty(t, 8), x),
         "skinny_linear": (torch.empty(t, 5), x, torch.randn(5, 16), torch.randn(5)),
         "reshape_and_cache": (
             torch.randn(t, kvh, d),
