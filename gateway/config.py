@@ -20,10 +20,13 @@ from shardlm.common.v1 import common_pb2
 from shardlm.constants import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMM_TIMEOUT_S,
+    DEFAULT_CPU_MEMORY_FRACTION,
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
     DEFAULT_GATEWAY_PORT,
+    DEFAULT_GPU_MEMORY_FRACTION,
     DEFAULT_HOST,
+    DEFAULT_MAX_RUNNING,
     DEFAULT_WORKER_START_TIMEOUT_S,
     DTYPE_NAMES,
     dtype_enum_name,
@@ -150,7 +153,14 @@ class ServeConfig:
         None, "PEM CA: require client certificates (mutual TLS; needs --tls-cert)", "tls")
     # ---------------------------------------------------------------- kv cache
     kv_cache_mb: int = setting(
-        0, "KV cache budget per worker in MiB; 0: the worker's default", "kv cache", minimum=0)
+        0, "KV cache budget per worker in MiB; 0: room for --max-running sequences of the "
+        f"model's full context (plus a spare block each), at most "
+        f"{DEFAULT_GPU_MEMORY_FRACTION:.0%} of free GPU memory or, on CPU, "
+        f"{DEFAULT_CPU_MEMORY_FRACTION:.0%} of the available memory (mapped as written: unused "
+        "blocks are not resident)", "kv cache", minimum=0)
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache dtype; auto: the serving dtype (--dtype)", "kv cache",
+        choices=("auto", *DTYPE_NAMES))
     block_size: int = setting(DEFAULT_BLOCK_SIZE, "KV cache block size in tokens", "kv cache",
                               minimum=1)
     prefix_cache: bool = setting(
@@ -172,7 +182,8 @@ class ServeConfig:
     max_waiting: int = setting(
         1024, "requests that may wait for a batch slot before new ones are refused", "limits",
         minimum=1)
-    max_running: int = setting(256, "sequences decoded together at most", "limits", minimum=1)
+    max_running: int = setting(DEFAULT_MAX_RUNNING, "sequences decoded together at most; the "
+                               "default KV cache is sized for them", "limits", minimum=1)
     prefill_token_budget: int = setting(
         2048, "prompt tokens prefilled per step at most (longer prompts are chunked)", "limits",
         minimum=1)
@@ -223,8 +234,11 @@ class ServeConfig:
             prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope)
 
     def kv_cache(self) -> common_pb2.KvCacheConfig:
+        dtype = (common_pb2.DTYPE_UNSPECIFIED if self.kv_cache_dtype == "auto"
+                 else common_pb2.Dtype.Value(dtype_enum_name(self.kv_cache_dtype)))
         return common_pb2.KvCacheConfig(block_size=self.block_size,
-                                        memory_bytes=self.kv_cache_mb << 20)
+                                        memory_bytes=self.kv_cache_mb << 20, dtype=dtype,
+                                        max_running_sequences=self.max_running)
 
     def engine_options(self) -> worker_pb2.EngineOptions:
         return worker_pb2.EngineOptions(

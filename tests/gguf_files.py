@@ -22,6 +22,8 @@ QUANTIZABLE = (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
                    T.Q6_K: (208,)}
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# phi3 keeps Hugging Face's fused tensors: attn_qkv ([q; k; v] rows), ffn_up ([gate; up] rows).
+PHI3_MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
 
 @dataclass
@@ -43,10 +45,18 @@ class GGUFSpec:
     pre_tokenizer: str = "default"
     tokenizer: str = "gpt2"  # tokenizer.ggml.model
     seed: int = 0
+    key_length: int = 0  # head_dim where it is not hidden / heads (written as key_length)
+    sliding_window: int = 0  # gemma3: the windowed layers' window
+    # phi3: the rotated dims where not all of head_dim, the original context, LongRoPE's
+    # (long, short) factor lists and its attention factor (llama.cpp's converter's keys).
+    rotary_dim: int = 0
+    original_context: int = 0
+    rope_factors: tuple[list[float], list[float]] | None = None
+    attn_factor: float = 0.0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
 
 
 def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
@@ -111,7 +121,12 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
     writer.add_feed_forward_length(spec.intermediate)
     writer.add_head_count(spec.heads)
     writer.add_head_count_kv(spec.kv_heads)
-    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_dimension_count(spec.rotary_dim or spec.head_dim)
+    if spec.key_length:
+        writer.add_key_length(spec.key_length)
+        writer.add_value_length(spec.key_length)
+    if spec.sliding_window:
+        writer.add_sliding_window(spec.sliding_window)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_layer_norm_rms_eps(spec.eps)
     writer.add_vocab_size(vocab)
@@ -124,6 +139,8 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if a == "phi3":
+        _phi3_keys(writer, spec)
     q, kv, h, f = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.hidden, \
         spec.intermediate
     shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
@@ -139,9 +156,16 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
         if spec.bias:
             shapes.update({f"{b}.attn_q.bias": (q,), f"{b}.attn_k.bias": (kv,),
                            f"{b}.attn_v.bias": (kv,)})
-        if a == "qwen3":
+        if a in ("qwen3", "gemma3"):
             shapes.update({f"{b}.attn_q_norm.weight": (spec.head_dim,),
                            f"{b}.attn_k_norm.weight": (spec.head_dim,)})
+        if a == "gemma3":  # norms after attention and the MLP
+            shapes.update({f"{b}.post_attention_norm.weight": (h,),
+                           f"{b}.post_ffw_norm.weight": (h,)})
+        if a == "phi3":
+            for part in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+                del shapes[f"{b}.{part}.weight"]
+            shapes.update({f"{b}.attn_qkv.weight": (q + 2 * kv, h), f"{b}.ffn_up.weight": (2 * f, h)})
     originals = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
@@ -156,6 +180,9 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
         qtype = spec.types.get(name, spec.default_type) if len(shape) == 2 else T.F32
         data = _encode(stored, qtype, rng)
         writer.add_tensor(name, data, raw_dtype=qtype if qtype not in (T.F32, T.F16) else None)
+    if spec.rope_factors is not None:  # llama.cpp writes them as float32 vectors
+        for which, values in zip(("long", "short"), spec.rope_factors, strict=True):
+            writer.add_tensor(f"rope_factors_{which}.weight", np.array(values, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -163,11 +190,62 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
     return originals
 
 
+def _phi3_keys(writer: gguf.GGUFWriter, spec: GGUFSpec) -> None:
+    """What llama.cpp's converter writes for phi3 besides the shared keys (Phi3MiniModel)."""
+    writer.add_rope_scaling_orig_ctx_len(spec.original_context or spec.context)
+    if not spec.sliding_window:  # a window is written with the shared keys
+        writer.add_sliding_window(0)  # 0: none, as the converter writes it for Phi-4
+    writer.add_pad_token_id(0)  # transformers sizes its embedding's padding index by it
+    if spec.rope_factors is not None:
+        writer.add_rope_scaling_attn_factors(spec.attn_factor)
+
+
+_PHI3_HF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                  "output": "lm_head", "attn_norm": "input_layernorm",
+                  "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+                  "ffn_down": "mlp.down_proj"}
+
+
+def phi3_hf_twin(folder: Path, spec: GGUFSpec, originals: dict[str, np.ndarray],
+                 config: dict) -> Path:
+    """The Hugging Face folder of the phi3 model `write_gguf` wrote from `originals`: the same
+    values under transformers' names, with `config` (the Phi3Config fields the file's metadata
+    implies) as config.json; the reference a float32 GGUF file is compared with."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, values in originals.items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_PHI3_HF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            hf = f"{_PHI3_HF_NAMES[parts[0]]}.{parts[1]}"
+        tensors[hf] = torch.from_numpy(values.copy())
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    head_dim = spec.head_dim
+    raw = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=spec.hidden,
+               intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
+               num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+               max_position_embeddings=spec.context, rms_norm_eps=spec.eps,
+               vocab_size=originals["token_embd.weight"].shape[0], rope_theta=spec.rope_base,
+               partial_rotary_factor=(spec.rotary_dim or head_dim) / head_dim,
+               tie_word_embeddings=spec.tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               sliding_window=spec.sliding_window or None, **config)
+    (folder / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    return folder
+
+
 def every_type_once(spec: GGUFSpec, types: list[gguf.GGMLQuantizationType],
                     offset: int = 0) -> GGUFSpec:
     """`spec` with its matrices given the listed types in turn, so one small file holds them all."""
+    matrices = PHI3_MATRICES if spec.arch == "phi3" else MATRICES
     names = ["token_embd.weight"] + [f"blk.{i}.{m}.weight" for i in range(spec.layers)
-                                     for m in MATRICES]
+                                     for m in matrices]
     if not spec.tied:
         names.append("output.weight")
     spec.types = {n: types[(i + offset) % len(types)] for i, n in enumerate(names)}

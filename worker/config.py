@@ -1,15 +1,22 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Only the fields the engine needs are kept, validated once here so the rest of the code can trust
-them. The supported families (Llama, Qwen2, Qwen3, Mistral) share one decoder shape; the
-differences are flags (Qwen3's: an RMS norm over each query and key head before the rotary
-embedding, and biases only where `attention_bias` says).
+them. The supported families (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) share one decoder
+shape; the differences are flags (Qwen3's: an RMS norm over each query and key head before the
+rotary embedding, and biases only where `attention_bias` says). A family with more to say reads
+it in its own module of worker/families/.
 
-Mistral is Llama's shape with an optional sliding window: a query attends to the `sliding_window`
-latest keys only. Until the attention kernels window, such a checkpoint is served with its context
-capped at the window, where windowed and full causal attention are the same computation (a query
-at position p < W sees every key 0..p either way), so its tokens are exact; one without a window,
-or whose window covers its whole context, is served at its full context.
+Mistral is Llama's shape with an optional sliding window on every layer: a query attends to the
+`sliding_window` latest keys only (itself included), served at the full context by the windowed
+attention kernels. Gemma 3 (worker/families/gemma3.py) windows some layers and not others.
+Phi-3 (worker/families/phi3.py) windows every layer as Mistral does (e.g. 2047 on Phi-3-mini-4k).
+
+Phi-3's LongRoPE has a short and a long list of rope factors, which transformers switches by the
+length of each sequence. A KV cache holds keys rotated when they were written, so ShardLM chooses
+one list for good, from the context it serves (`max_position_embeddings`): the long list where
+that context exceeds `original_max_position_embeddings`, the short one otherwise. Tokens equal
+transformers' wherever both use the same list: every sequence when the short list is served,
+sequences longer than the original context when the long one is.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
+from shardlm_server.worker.families.gemma3 import gemma3_fields
+from shardlm_server.worker.families.phi3 import PHI3, phi3_fields
 
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+    "Gemma3ForCausalLM", PHI3)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,31 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: per-head RMS norms on q and k (weights [head_dim])
+    # Gemma 3 (worker/families/gemma3.py) and what other families may share with it:
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh"
+    norm_weight_offset: float = 0.0  # added to stored RMS norm weights: (1 + w) norms
+    sandwich_norms: bool = False  # norms after attention and the MLP too, before the residual add
+    embed_scale: float = 1.0  # embeddings multiplied by this (in the serving dtype)
+    attention_scale: float | None = None  # score scale; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in keys, 0 = global
+    local_rope_theta: float | None = None  # rope base of windowed layers (no scaling); None: same
+    partial_rotary_dim: int = 0  # Phi-3: dims of each head the rotary embedding turns; 0: all
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (keys a query sees, itself included); 0: all keys."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """Layer `layer`'s rope base and scaling."""
+        if self.local_rope_theta is not None and self.window(layer):
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head the rotary embedding turns (the first ones)."""
+        return self.partial_rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -83,6 +118,13 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     raise CheckpointError(f"config.json eos_token_id has an unexpected form: {value!r}")
 
 
+#: The rope scaling kinds served, with the numeric fields each needs.
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+}
+
+
 def _validate_rope_scaling(rope_scaling: Any) -> dict[str, Any] | None:
     if rope_scaling is None:
         return None
@@ -91,15 +133,14 @@ def _validate_rope_scaling(rope_scaling: Any) -> dict[str, Any] | None:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
+    if kind not in ROPE_SCALING_KEYS:
         raise CheckpointError(
-            f"rope_scaling type '{kind}' is not supported (supported: default, llama3)",
-            field="rope_scaling",
-        )
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            f"rope_scaling type '{kind}' is not supported (supported: default, "
+            f"{', '.join(ROPE_SCALING_KEYS)})", field="rope_scaling")
+    for key in ROPE_SCALING_KEYS[kind]:
         if not isinstance(rope_scaling.get(key), (int, float)):
-            raise CheckpointError(f"llama3 rope_scaling lacks numeric '{key}'", field="rope_scaling")
-    return dict(rope_scaling, rope_type="llama3")
+            raise CheckpointError(f"{kind} rope_scaling lacks numeric '{key}'", field="rope_scaling")
+    return dict(rope_scaling, rope_type=kind)
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -125,34 +166,38 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     if head_dim > 256:
         raise CheckpointError(f"head_dim {head_dim} is above the supported maximum of 256")
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    if raw.get("hidden_act", "silu") != "silu":
+    is_gemma3 = arch == "Gemma3ForCausalLM"
+    if not is_gemma3 and raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act '{raw.get('hidden_act')}' is not supported (only silu)")
     if raw.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention is not supported", field="use_sliding_window")
     max_positions = _require(raw, "max_position_embeddings", int)
-    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    window = raw.get("sliding_window") if arch in ("MistralForCausalLM", PHI3) else None
     if window is not None:
         if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise CheckpointError(f"sliding_window must be a positive integer or null, got "
                                   f"{window!r}", field="sliding_window")
-        max_positions = min(max_positions, window)  # see the module docstring
+    # A window that covers the whole context changes nothing: such a model runs unwindowed.
+    mistral_windows = ((window,) * _require(raw, "num_hidden_layers", int)
+                       if window and window < max_positions else ())
     # transformers >= 5 writes rope_theta and the scaling under one `rope_parameters` object.
     rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
     rope_theta = (rope or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_scaling = rope if rope is not None else raw.get("rope_scaling")
-    return ModelConfig(
+    num_layers = _require(raw, "num_hidden_layers", int)
+    fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=_require(raw, "vocab_size", int),
         hidden_size=hidden,
         intermediate_size=_require(raw, "intermediate_size", int),
-        num_layers=_require(raw, "num_hidden_layers", int),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_positions,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=_validate_rope_scaling(rope_scaling),
+        rope_scaling=rope_scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
         o_bias=False if is_qwen2 else bool(raw.get("attention_bias", False)),
@@ -161,7 +206,15 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
         qk_norm=arch == "Qwen3ForCausalLM",
+        layer_windows=mistral_windows,
     )
+    if is_gemma3:
+        fields.update(gemma3_fields(raw, num_layers, hidden))
+    if arch == PHI3:  # its rope kinds and partial rotary are its own (worker/families/phi3.py)
+        fields.update(phi3_fields(raw, head_dim, max_positions))
+    else:
+        fields["rope_scaling"] = _validate_rope_scaling(fields["rope_scaling"])
+    return ModelConfig(**fields)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

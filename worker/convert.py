@@ -67,6 +67,8 @@ def cache_config_from_proto(p: common_pb2.KvCacheConfig) -> CacheConfig:
         num_blocks=p.num_blocks,
         static_max_sequences=p.static_max_sequences,
         static_max_sequence_length=p.static_max_sequence_length,
+        dtype=DTYPES[DTYPE_BY_ENUM[p.dtype]] if p.dtype in DTYPE_BY_ENUM else None,
+        sequences=p.max_running_sequences,
     )
 
 
@@ -97,6 +99,8 @@ def model_info_to_proto(engine: Engine) -> common_pb2.ModelInfo:
         eos_token_ids=list(engine.eos_token_ids), tensor_parallel_size=engine.comm.world_size,
         format=FORMAT_ENUMS.get(engine.source.format, common_pb2.CHECKPOINT_FORMAT_UNSPECIFIED),
         tensor_types=list(engine.source.tensor_types),
+        weight_bytes=engine.weight_bytes, kv_cache_bytes=engine.cache.nbytes,
+        kv_cache_dtype=DTYPE_ENUMS[engine.cache.dtype],
     )
     if cfg.bos_token_id is not None:
         info.bos_token_id = cfg.bos_token_id

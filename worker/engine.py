@@ -37,9 +37,10 @@ from shardlm_server.worker.engine_types import (  # noqa: F401 - the engine's AP
 from shardlm_server.worker.eos import checkpoint_eos_ids
 from shardlm_server.worker.errors import EngineError, InvalidRequestError
 from shardlm_server.worker.grammar import GrammarRuntime
-from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache
+from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache, cache_dtype
 from shardlm_server.worker.layers import Parallel
 from shardlm_server.worker.loader import load_checkpoint_config, open_checkpoint
+from shardlm_server.worker.memory import release_load_memory, weight_bytes
 from shardlm_server.worker.model import TransformerModel, tap_names
 from shardlm_server.worker.quant import check_mode as check_quantize_mode
 from shardlm_server.worker.sequences import SequenceStates
@@ -86,6 +87,7 @@ class Engine:
         self.source = source or CheckpointSource("safetensors", ())
         self.eos_token_ids = eos_token_ids  # reported in ModelInfo; see the module docstring
         self.graph_config = graph_config or GraphConfig()
+        self.weight_bytes = weight_bytes(model)  # this rank's, as ModelInfo reports them
         self.cache = self._allocate(cache_config)
         self.runner = self._decode_runner()
         self.sampler = StepSampler(self.comm, self.device)
@@ -135,6 +137,8 @@ class Engine:
         with open_checkpoint(model_dir, device, torch_dtype, quantize) as reader:
             model = TransformerModel(cfg, parallel, reader, device, progress)
             source = CheckpointSource(reader.format, tuple(reader.tensor_types))
+        del reader  # its file's map closes with the parsed file's cache
+        release_load_memory()
         eos = checkpoint_eos_ids(model_dir, cfg.eos_token_ids)
         grammar = (GrammarRuntime.for_tokenizer(tokenizer_json, cfg.vocab_size, eos)
                    if tokenizer_json and comm.rank == 0 else None)
@@ -147,7 +151,7 @@ class Engine:
             num_layers=self.cfg.num_layers,
             kv_heads=self.model.num_kv_heads_per_rank,
             head_dim=self.cfg.head_dim,
-            dtype=self.dtype,
+            dtype=cache_dtype(config, self.dtype),
             device=self.device,
             max_model_len=self.cfg.max_position_embeddings,
         )
@@ -180,6 +184,7 @@ class Engine:
     def reconfigure(self, config: CacheConfig) -> CacheCapacity:
         """Drop every sequence and reallocate the cache with a new configuration."""
         config.validate()
+        cache_dtype(config, self.dtype)  # refused before the pool in use is let go
         old = self.cache.config
         self.sequences.clear()
         # Free the old pool (and the graphs that point into it) before allocating the new one.

@@ -17,7 +17,14 @@ from shardlm_server.worker import ops
 from shardlm_server.worker.checkpoint import CheckpointReader
 from shardlm_server.worker.comm import Communicator
 from shardlm_server.worker.errors import TensorParallelError
-from shardlm_server.worker.quant import QuantizedWeight, fuse_rows, read_linear
+from shardlm_server.worker.quant import (
+    QuantizedWeight,
+    dequantize_rows,
+    fuse_rows,
+    read_blocks,
+    read_linear,
+    to_q4x8,
+)
 
 #: A linear layer's weight: dense, or kept in GGML blocks on CPU (worker.quant).
 LinearWeight = torch.Tensor | QuantizedWeight
@@ -137,11 +144,17 @@ class RowParallelLinear:
 
 class VocabParallelEmbedding:
     """Embedding whose vocabulary rows are split over ranks; ids outside a rank's range give zero
-    rows there, so the all-reduce yields each id's row exactly once."""
+    rows there, so the all-reduce yields each id's row exactly once.
 
-    def __init__(self, weight: torch.Tensor, parallel: Parallel) -> None:
+    A table the checkpoint stores in kernel-type blocks (worker.quant.read_blocks) stays packed:
+    a lookup dequantizes only the rows it reads (B per decode step), to the values the dense
+    table would hold, so no float copy of it is ever resident. A tied lm_head shares those blocks
+    (`tied_head`)."""
+
+    def __init__(self, weight: LinearWeight, parallel: Parallel, dtype: torch.dtype) -> None:
         self.weight = weight
         self.parallel = parallel
+        self.dtype = dtype  # of the rows a lookup returns: the serving dtype
         self.start = parallel.rank * weight.shape[0]
         self.end = self.start + weight.shape[0]
 
@@ -150,18 +163,34 @@ class VocabParallelEmbedding:
         cls, reader: CheckpointReader, parallel: Parallel, name: str, vocab_size: int, hidden: int
     ) -> VocabParallelEmbedding:
         parallel.split(vocab_size, "vocab_size")
-        weight = reader.read(
-            name, (vocab_size, hidden), shard_dim=0, rank=parallel.rank,
-            world_size=parallel.world_size,
-        )
-        return cls(weight, parallel)
+        read = dict(shard_dim=0, rank=parallel.rank, world_size=parallel.world_size)
+        weight = read_blocks(reader, name, (vocab_size, hidden), **read)
+        if weight is None:
+            weight = reader.read(name, (vocab_size, hidden), **read)
+        return cls(weight, parallel, reader.dtype)
+
+    def tied_head(self) -> QuantizedWeight | None:
+        """The weight of an lm_head tied to this embedding when the table is packed: the same
+        blocks, 4-bit ones regrouped once for the head's kernel (`to_q4x8`; the lookup reads
+        that layout too), so one copy serves both. None for a dense table (the head then
+        decides: worker.quant.read_linear with `dense=`)."""
+        if not isinstance(self.weight, QuantizedWeight):
+            return None
+        self.weight = to_q4x8(self.weight)
+        return self.weight
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.weight, QuantizedWeight):
+            return F.embedding(ids, self.weight)
+        rows = dequantize_rows(self.weight, ids.reshape(-1).to(torch.int64))
+        return rows.to(self.dtype).reshape(*ids.shape, rows.shape[-1])
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         inside = (ids >= self.start) & (ids < self.end)
         local = torch.where(inside, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight)
+        out = self._lookup(local)
         out.mul_(inside.unsqueeze(-1).to(out.dtype))
         self.parallel.comm.all_reduce(out)
         return out

@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by the Llama and Qwen2 families.
+"""The decoder-only transformer every supported family shares (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3, Phi-3); what a family adds is a ModelConfig flag (worker/config.py, worker/families/).
 
 Weights are loaded shard by shard through `layers`; the forward pass runs on a packed batch of
 tokens (no padding) and writes into / reads from the paged KV cache through `attention`.
@@ -24,6 +25,7 @@ from shardlm_server.worker.layers import (
     VocabParallelEmbedding,
 )
 from shardlm_server.worker.quant import read_linear
+from shardlm_server.worker.rope import cos_sin_cache
 
 Taps = dict[str, torch.Tensor]
 
@@ -33,6 +35,12 @@ TAP_KINDS = ("input_norm", "q", "k", "v", "attn_output", "mlp_output")
 def tap_names(num_layers: int) -> list[str]:
     """Every tap a request may ask for: per layer `layers.{i}.{kind}`, and `logits`."""
     return [f"layers.{i}.{kind}" for i in range(num_layers) for kind in TAP_KINDS] + ["logits"]
+
+
+def read_norm(reader: CheckpointReader, name: str, size: int, offset: float) -> torch.Tensor:
+    """An RMS norm's weight plus `offset` (1 for Gemma's (1 + w) norms), added in float32."""
+    weight = reader.read(name, (size,))
+    return weight if not offset else (weight.float() + offset).to(weight.dtype)
 
 
 class DecoderLayer:
@@ -49,8 +57,20 @@ class DecoderLayer:
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
         hidden = cfg.hidden_size
-        self.input_norm = reader.read(f"{prefix}.input_layernorm.weight", (hidden,))
-        self.post_norm = reader.read(f"{prefix}.post_attention_layernorm.weight", (hidden,))
+        def norm(name: str, size: int) -> torch.Tensor:
+            return read_norm(reader, f"{prefix}.{name}.weight", size, cfg.norm_weight_offset)
+
+        self.input_norm = norm("input_layernorm", hidden)
+        # The norm before the MLP; Gemma's sandwich norms also normalize each half's output before
+        # it joins the residual (its post_attention_layernorm is such an output norm).
+        self.post_attn_norm = self.post_mlp_norm = None
+        if cfg.sandwich_norms:
+            self.post_attn_norm = norm("post_attention_layernorm", hidden)
+            self.post_norm = norm("pre_feedforward_layernorm", hidden)
+            self.post_mlp_norm = norm("post_feedforward_layernorm", hidden)
+        else:
+            self.post_norm = norm("post_attention_layernorm", hidden)
+        self.act = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
         self.qkv = ColumnParallelLinear.load(
             reader,
             parallel,
@@ -73,12 +93,15 @@ class DecoderLayer:
         self.down = RowParallelLinear.load(
             reader, parallel, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size, cfg.mlp_bias
         )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
-        # Qwen3's per-head norms: one weight over a head's features, the same on every rank.
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                                   sliding_window=cfg.window(index))
+        if cfg.attention_scale is not None:
+            self.attn.scale = cfg.attention_scale
+        # Per-head norms (Qwen3, Gemma 3): one weight over a head's features, the same on every rank.
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = reader.read(f"{prefix}.self_attn.q_norm.weight", (cfg.head_dim,))
-            self.k_norm = reader.read(f"{prefix}.self_attn.k_norm.weight", (cfg.head_dim,))
+            self.q_norm = norm("self_attn.q_norm", cfg.head_dim)
+            self.k_norm = norm("self_attn.k_norm", cfg.head_dim)
 
     def forward_blocks(
         self,
@@ -96,7 +119,7 @@ class DecoderLayer:
         hidden = self.o_proj.reduce(ops.attention_block(
             hidden, residual, self.input_norm, self.eps, self.qkv.weight, self.qkv.bias,
             self.o_proj.weight, self.o_proj.fused_bias, heads, cos_sin, kv[0], kv[1], meta,
-            self.attn.scale))
+            self.attn.scale, self.attn.sliding_window))
         hidden = self.down.reduce(ops.mlp_block(
             hidden, residual, self.post_norm, self.eps, self.gate_up.weight, self.gate_up.bias,
             self.down.weight, self.down.fused_bias))
@@ -132,10 +155,14 @@ class DecoderLayer:
         hidden = self.o_proj(attn)
         if taps is not None:
             self._tap(taps, "attn_output", hidden)
+        if self.post_attn_norm is not None:
+            hidden = ops.rms_norm(hidden, self.post_attn_norm, self.eps)
         ops.fused_add_rms_norm(hidden, residual, self.post_norm, self.eps)
-        hidden = self.down(ops.silu_and_mul(self.gate_up(hidden)))
+        hidden = self.down(self.act(self.gate_up(hidden)))
         if taps is not None:
             self._tap(taps, "mlp_output", hidden)
+        if self.post_mlp_norm is not None:
+            hidden = ops.rms_norm(hidden, self.post_mlp_norm, self.eps)
         return hidden, residual
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -156,7 +183,7 @@ class DecoderLayer:
 
 
 class TransformerModel:
-    """Llama / Qwen2 / Qwen3 / Mistral decoder for one tensor-parallel rank."""
+    """The decoder for one tensor-parallel rank."""
 
     def __init__(
         self,
@@ -176,30 +203,44 @@ class TransformerModel:
         for i in range(cfg.num_layers):
             self.layers.append(DecoderLayer(cfg, parallel, reader, i))
             progress((i + 1) / (cfg.num_layers + 1), f"loaded layer {i + 1}/{cfg.num_layers}")
-        self.norm = reader.read("model.norm.weight", (cfg.hidden_size,))
+        self.norm = read_norm(reader, "model.norm.weight", cfg.hidden_size, cfg.norm_weight_offset)
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
-        head = read_linear(
-            reader,
-            "model.embed_tokens.weight" if tied else "lm_head.weight",
-            (cfg.vocab_size, cfg.hidden_size),
-            shard_dim=0,
-            rank=parallel.rank,
-            world_size=parallel.world_size,
-            dense=self.embed.weight if tied else None,
-        )
+        # A packed table is shared with a tied head as is: one copy of its blocks.
+        head = self.embed.tied_head() if tied else None
+        if head is None:
+            head = read_linear(
+                reader,
+                "model.embed_tokens.weight" if tied else "lm_head.weight",
+                (cfg.vocab_size, cfg.hidden_size),
+                shard_dim=0,
+                rank=parallel.rank,
+                world_size=parallel.world_size,
+                dense=self.embed.weight if tied else None,
+            )
         self.lm_head = ParallelLMHead(head, parallel)
         # A tied checkpoint may still carry a copy of lm_head; it is the same tensor, not unknown.
         reader.check_all_consumed(optional=lambda n: tied and n == "lm_head.weight")
         # On CPU each layer runs as two fused ops (DecoderLayer.forward_blocks) unless debug taps
         # are asked for. A single CPU rank runs all of them in one call; tensor parallelism
         # reduces partial sums between a layer's two halves, so its ranks call them layer by layer.
-        # The fused CPU ops have no per-head q/k norms: a Qwen3 model runs op by op.
-        self.fused_cpu = device.type == "cpu" and not cfg.qk_norm
+        # The fused CPU ops have no per-head q/k norms, sandwich norms, other activations or
+        # per-layer rope: such models (Qwen3, Gemma 3) run op by op.
+        # One cos/sin cache per distinct rope (Gemma 3's windowed layers have their own base).
+        caches: dict[str, torch.Tensor] = {}
+        self.layer_cos_sin: list[torch.Tensor] = []
+        for i in range(cfg.num_layers):
+            theta, scaling = cfg.rope_of(i)
+            key = repr((theta, sorted((scaling or {}).items())))
+            if key not in caches:
+                # rotary_dim < head_dim (Phi-4-mini): the kernels turn only the table's dims.
+                caches[key] = cos_sin_cache(
+                    cfg.rotary_dim, cfg.max_position_embeddings, theta, scaling).to(device)
+            self.layer_cos_sin.append(caches[key])
+        self.cos_sin = self.layer_cos_sin[0]
+        self.fused_cpu = (device.type == "cpu" and not cfg.qk_norm and not cfg.sandwich_norms
+                          and cfg.hidden_act == "silu" and len(caches) == 1)
         self.stack = (self._decoder_stack() if self.fused_cpu and parallel.world_size == 1
                       else None)
-        self.cos_sin = ops.compute_cos_sin_cache(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        ).to(device)
         progress(1.0, "weights loaded")
 
     def _decoder_stack(self) -> ops.DecoderStack:
@@ -209,7 +250,8 @@ class TransformerModel:
         for layer in self.layers:
             stack.add_layer(layer.input_norm, layer.post_norm, layer.qkv.weight, layer.qkv.bias,
                             layer.o_proj.weight, layer.o_proj.fused_bias, layer.gate_up.weight,
-                            layer.gate_up.bias, layer.down.weight, layer.down.fused_bias)
+                            layer.gate_up.bias, layer.down.weight, layer.down.fused_bias,
+                            layer.attn.sliding_window)
         return stack
 
     @property
@@ -226,22 +268,26 @@ class TransformerModel:
     ) -> torch.Tensor:
         """Logits (float32) for each sequence's last token: [B, vocab]."""
         hidden = self.embed(input_ids)
+        if self.cfg.embed_scale != 1.0:  # scaled in the serving dtype, as transformers does
+            hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
         residual: torch.Tensor | None = None
         fused = self.fused_cpu and taps is None
         if fused and self.stack is not None:
             hidden, residual = self.stack.forward(hidden, self.cos_sin, kv_caches, meta)
         else:
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
+            for layer, kv, cos_sin in zip(self.layers, kv_caches, self.layer_cos_sin,
+                                          strict=True):
                 if fused:
-                    hidden, residual = layer.forward_blocks(hidden, residual, self.cos_sin, kv,
-                                                            meta)
+                    hidden, residual = layer.forward_blocks(hidden, residual, cos_sin, kv, meta)
                 else:
-                    hidden, residual = layer.forward(hidden, residual, self.cos_sin, kv, meta,
-                                                     taps)
+                    hidden, residual = layer.forward(hidden, residual, cos_sin, kv, meta, taps)
         assert residual is not None
         ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         last = hidden.index_select(0, meta.logits_indices)
         logits = self.lm_head(last).float()
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if taps is not None and "logits" in taps:
             taps["logits"] = logits.cpu()
         return logits

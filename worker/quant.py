@@ -127,6 +127,36 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return (d * q + m).reshape(n, -1)
 
 
+def _q4x8_rows(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """float32 rows `rows` of a Q4x8 weight: each row's scale, offset and 16 nibble bytes per
+    block gathered out of its group (layout in `to_q4x8`), then `_dequantize_q4x8`'s arithmetic."""
+    b = blocks.reshape(blocks.shape[0], -1, GROUP_BLOCK_BYTES)
+    nblocks = b.shape[1]
+    r = (rows % GROUP_ROWS).unsqueeze(1)  # [n, 1]
+    steps = torch.arange(2, device=rows.device)
+    # Byte offsets of row r in a group block: d at 2r, m at 16 + 2r, then for each of the 4
+    # sub-blocks s its 4 bytes at 32 + 32 s + 4 r.
+    words = (32 + 32 * torch.arange(4, device=rows.device).view(4, 1)
+             + torch.arange(4, device=rows.device).view(1, 4)).reshape(1, 16)
+    offsets = torch.cat((2 * r + steps, 16 + 2 * r + steps, words + 4 * r), dim=1)  # [n, 20]
+    picked = torch.gather(b.index_select(0, rows // GROUP_ROWS), 2,
+                          offsets.unsqueeze(1).expand(-1, nblocks, -1))  # [n, blocks, 20]
+    d = picked[..., 0:2].contiguous().view(torch.float16).float()
+    m = picked[..., 2:4].contiguous().view(torch.float16).float()
+    nibbles = picked[..., 4:]
+    q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(len(rows), nblocks, BLOCK)
+    return (d * q.float() + m).reshape(len(rows), nblocks * BLOCK)
+
+
+def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [len(rows), K]: the rows `rows` (int64 ids) of `weight`, dequantized alone and
+    equal bit for bit to those rows of `weight.dequantize()` (an embedding lookup: a step reads
+    a few rows, so the table stays packed)."""
+    if weight.qtype == "Q4x8":
+        return _q4x8_rows(weight.blocks, rows)
+    return dequantize_blocks(weight.blocks.index_select(0, rows), weight.qtype)
+
+
 def _halves(values: torch.Tensor) -> torch.Tensor:
     """float16 values [n, nb, 1] as their bytes [n, nb, 2]."""
     return values.to(torch.float16).contiguous().view(torch.uint8)
@@ -166,6 +196,19 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
                            (sum(w.shape[0] for w in weights), weights[0].shape[1]))
 
 
+def read_blocks(reader, name: str, shape: tuple[int, int], *, shard_dim: int | None = None,
+                rank: int = 0, world_size: int = 1) -> QuantizedWeight | None:
+    """`name`'s slice as the file's blocks when it is of a kernel type and the reader keeps
+    weights packed (on CPU, unless quantize="none"); None when it must be read dense."""
+    if reader.device.type != "cpu" or reader.quantize == "none":
+        return None
+    packed = reader.read_packed(name, shape, shard_dim=shard_dim, rank=rank,
+                                world_size=world_size)
+    if packed is None or packed.qtype not in BLOCK_BYTES:
+        return None
+    return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
+
+
 def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | None = None,
                 rank: int = 0, world_size: int = 1,
                 dense: torch.Tensor | None = None,
@@ -179,10 +222,10 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
     if reader.device.type != "cpu" or mode == "none":
         return dense if dense is not None else reader.read(
             name, shape, shard_dim=shard_dim, rank=rank, world_size=world_size)
-    packed = reader.read_packed(name, shape, shard_dim=shard_dim, rank=rank,
-                                world_size=world_size)
-    if packed is not None and packed.qtype in GGML_TYPES:
-        return group(QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape))
+    packed = read_blocks(reader, name, shape, shard_dim=shard_dim, rank=rank,
+                         world_size=world_size)
+    if packed is not None:
+        return group(packed)
     if dense is None:
         dense = reader.read(name, shape, shard_dim=shard_dim, rank=rank, world_size=world_size)
     if mode in QUANTIZE_SCHEMES and dense.dim() == 2 and dense.shape[1] % BLOCK == 0:

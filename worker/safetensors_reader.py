@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shardlm_server.worker.config import load_config
 from shardlm_server.worker.errors import CheckpointError
+from shardlm_server.worker.fused import FusedRows
 
 # Buffers some exporters write that carry no weights the engine needs (it recomputes them).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -35,6 +37,8 @@ class SafetensorsReader:
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
         self._where: dict[str, str] = self._index()
+        # Phi-3's fused q/k/v and gate/up tensors, served as their parts (worker/fused.py).
+        self._fused = FusedRows(self._where, lambda: load_config(self.model_dir))
         self._consumed: set[str] = set()
 
     def _index(self) -> dict[str, str]:
@@ -89,7 +93,7 @@ class SafetensorsReader:
         return None
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or self._fused.get(name) is not None
 
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
@@ -111,33 +115,41 @@ class SafetensorsReader:
         """Read `name` (its `rank`-th of `world_size` slices along `shard_dim`), checked and cast.
 
         `expected_shape` is the full, unsharded shape the config implies; a mismatch is a clear
-        error rather than a silent broadcast later.
+        error rather than a silent broadcast later. A name held by a fused tensor is read as its
+        row range of that tensor, and the rank's slice cut inside that range.
         """
-        view = self._slice(name)
+        part = None if name in self._where else self._fused.get(name)
+        stored = part.stored if part else name
+        view = self._slice(stored)
         shape = tuple(view.get_shape())
-        if shape != tuple(expected_shape):
+        want = tuple(expected_shape) if part is None else (part.rows, *expected_shape[1:])
+        if shape != want:
             raise CheckpointError(
-                f"tensor '{name}' has shape {list(shape)}, config implies {list(expected_shape)}",
-                tensor=name,
+                f"tensor '{stored}' has shape {list(shape)}, config implies {list(want)}",
+                tensor=stored,
             )
         self._consumed.add(name)
+        index = [slice(None)] * len(shape)
+        if part is not None:
+            index[0] = slice(part.start, part.stop)
+        if shard_dim is not None and world_size > 1:
+            size = expected_shape[shard_dim] // world_size
+            base = index[shard_dim].start or 0
+            index[shard_dim] = slice(base + rank * size, base + (rank + 1) * size)
         try:
-            if shard_dim is None or world_size == 1:
-                tensor = view[:]
-            else:
-                size = shape[shard_dim] // world_size
-                index = [slice(None)] * len(shape)
-                index[shard_dim] = slice(rank * size, (rank + 1) * size)
-                tensor = view[tuple(index)]
+            sliced = any(i != slice(None) for i in index)
+            tensor = view[tuple(index)] if sliced else view[:]
         except Exception as exc:
-            raise CheckpointError(f"tensor '{name}' could not be read: {exc}", tensor=name) from exc
+            raise CheckpointError(f"tensor '{stored}' could not be read: {exc}",
+                                  tensor=stored) from exc
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
     def check_all_consumed(self, optional: Callable[[str], bool] = lambda _name: False) -> None:
         leftover = sorted(
             n
             for n in self._where
-            if n not in self._consumed and not n.endswith(IGNORED_SUFFIXES) and not optional(n)
+            if n not in self._consumed and not self._fused.used(n, self._consumed)
+            and not n.endswith(IGNORED_SUFFIXES) and not optional(n)
         )
         if leftover:
             shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")

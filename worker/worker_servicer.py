@@ -186,8 +186,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 raise a
             else:
                 self._engine = a
-                log.info("rank %d/%d loaded %s", request.rank, request.world_size,
-                         request.model_path)
+                log.info("rank %d/%d loaded %s: weights %.1f MiB, KV cache %.1f MiB (%d "
+                         "blocks, %s)", request.rank, request.world_size, request.model_path,
+                         a.weight_bytes / 2**20, a.cache.nbytes / 2**20, a.capacity.num_blocks,
+                         str(a.cache.dtype).removeprefix("torch."))
                 yield worker_pb2.LoadResponse(complete=worker_pb2.LoadComplete(
                     model=convert.model_info_to_proto(a),
                     capacity=convert.capacity_to_proto(a.capacity)))

@@ -143,6 +143,7 @@ class Runtime:
                 field_violations=[FieldViolation("tensor_parallel_size", f"must be 0 or {world}")],
                 metadata={"tensor_parallel_size": tp_size, "workers": world})
         model_path = check_model_path(model_path, self.model_root)
+        kv_cache = self._sized(kv_cache)
         if self._load_lock.locked():
             raise FailedPreconditionError("another Load is in progress; retry when it has finished",
                                           reason="LOAD_IN_PROGRESS")
@@ -242,8 +243,19 @@ class Runtime:
         self.group, self.pool = group, self._pool_for(group)
         await old.close()
 
+    def _sized(self, config: common_pb2.KvCacheConfig | None) -> common_pb2.KvCacheConfig:
+        """`config` with max_running_sequences filled in from --max-running where it is 0: the
+        workers size their default cache for the sequences this gateway runs at once."""
+        sized = common_pb2.KvCacheConfig()
+        if config is not None:
+            sized.CopyFrom(config)
+        if not sized.max_running_sequences:
+            sized.max_running_sequences = self.limits.max_running
+        return sized
+
     async def reset_cache(self, config: common_pb2.KvCacheConfig) -> common_pb2.KvCacheCapacity:
         """Reallocate the workers' caches with a new configuration; every session is released."""
+        config = self._sized(config)
         model = self.require()
         await model.scheduler.stop()
         model.scheduler.fail_all(UnavailableError("the KV cache was reconfigured",
@@ -257,6 +269,9 @@ class Runtime:
                                      model.tokenizer, model.constraints, model.sessions)
             raise
         complete = worker_pb2.LoadComplete(model=model.info, capacity=reply.capacity)
+        # The new pool's size and dtype (auto: the serving dtype, as the workers resolve it).
+        complete.model.kv_cache_bytes = reply.capacity.num_blocks * reply.capacity.bytes_per_block
+        complete.model.kv_cache_dtype = config.dtype or model.info.dtype
         self.model = self._build(complete, model.tokenizer, model.constraints, model.sessions)
         return reply.capacity
 

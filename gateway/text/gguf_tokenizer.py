@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.gguf_header import GGUFFormatError, SeveralGGUFFiles, find_gguf, read_gguf_header
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from shardlm_server.gateway.text.tokenizer_parts import TokenizerError, TokenizerParts
@@ -45,6 +45,8 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
 }
 TOKENIZER_KINDS = ("gpt2", "llama")
+# Architectures whose sentencepiece files transformers converts Gemma's way (no prefix space).
+GEMMA_STYLE = ("gemma", "gemma2", "gemma3")
 
 
 def find_gguf_file(path: str | os.PathLike[str]) -> Path | None:
@@ -120,13 +122,32 @@ def _byte_level(meta: dict[str, Any], tokens: list[str]) -> Backend:
 
 
 def _sentencepiece(meta: dict[str, Any], tokens: list[str]) -> Backend:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = Backend(models.BPE(vocab=vocab, merges=_merges(meta, tokens), dropout=None,
-                                 fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
-                                                     split=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    """Sentencepiece-style BPE with byte fallback. Llama's marks the start of the text with a
+    space (Metaspace); the architectures in SENTENCEPIECE_STYLES differ, as transformers'
+    conversion of their files does."""
+    style = meta.get("general.architecture")
+    if style in GEMMA_STYLE:
+        # A run of spaces is stored as spaces, but looked up (after the normalizer) as "▁"s; the
+        # file lists no merges, and its token order, not its scores, is the merge order.
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    merges = (_merges_from_scores(tokens, [-float(i) for i in range(len(tokens))])
+              if style in GEMMA_STYLE and meta.get("tokenizer.ggml.merges") is None
+              else _merges(meta, tokens))
+    backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                 dropout=None, fuse_unk=True, byte_fallback=True))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if style in GEMMA_STYLE:  # no prefix space to add or to strip
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence(steps)
+        return backend
+    if style == "phi3":  # the prefix space comes from a normalizer, before every other space
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                   normalizers.Replace(" ", "▁")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                         split=False)
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
     return backend
 
 

@@ -12,8 +12,9 @@ import pytest
 from shardlm_server.worker.errors import InvalidRequestError
 from shardlm_server.worker.kv_cache import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_CPU_BUDGET_BYTES,
+    DEFAULT_CPU_MEMORY_FRACTION,
     DEFAULT_GPU_MEMORY_FRACTION,
+    DEFAULT_MAX_RUNNING,
     CacheConfig,
     CacheMode,
 )
@@ -45,10 +46,12 @@ def test_comm_timeout_default_matches_the_worker():
 def test_kv_cache_defaults_match_the_worker():
     assert f"default, {DEFAULT_BLOCK_SIZE}" in comment_of(COMMON, "uint32 block_size")
     fraction = comment_of(COMMON, "float gpu_memory_fraction")
-    assert f"default, {DEFAULT_GPU_MEMORY_FRACTION}" in fraction
+    assert f"at most {DEFAULT_GPU_MEMORY_FRACTION} of the free memory" in fraction
     assert "free memory" in fraction and "total memory" not in fraction
-    assert DEFAULT_CPU_BUDGET_BYTES == 1 << 30
-    assert "on CPU, 1 GiB" in comment_of(COMMON, "uint64 memory_bytes")
+    assert "max_running_sequences" in comment_of(COMMON, "uint64 memory_bytes")
+    sequences = comment_of(COMMON, "uint32 max_running_sequences")
+    assert f"0 means {DEFAULT_MAX_RUNNING}." in sequences
+    assert DEFAULT_CPU_MEMORY_FRACTION == 0.5 and "on CPU half of" in sequences
 
 
 @pytest.mark.parametrize("field", ["static_max_sequences", "static_max_sequence_length"])

@@ -1,17 +1,21 @@
-"""A GGUF file's model configuration: its `llama.*` / `qwen2.*` / `qwen3.*` metadata rewritten as the
-config.json fields `worker.config.parse_config` validates, so both formats share one set of checks.
+"""A GGUF file's model configuration: its `<arch>.*` metadata (llama, qwen2, qwen3, gemma3, phi3)
+rewritten as the config.json fields `worker.config.parse_config` validates, so both formats share
+one set of checks.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from shardlm_server.worker.config import ModelConfig, parse_config
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 from shardlm_server.worker.gguf.file import GGUFFile, T
+from shardlm_server.worker.gguf.phi3 import phi3_fields
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 
 
 def _key(file: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
@@ -37,14 +41,36 @@ def _served_dtype(file: GGUFFile) -> str:
     return "bfloat16"
 
 
-def _rope_scaling(file: GGUFFile, arch: str) -> None:
+def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = file.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear",
+                "factor": _key(file, f"{arch}.rope.scaling.factor", float)}
     if kind not in ("none", None):
-        raise CheckpointError(f"GGUF rope scaling '{kind}' is not supported (supported: none)",
-                              field=f"{arch}.rope.scaling.type")
+        raise CheckpointError(f"GGUF rope scaling '{kind}' is not supported (supported: none, "
+                              "linear)", field=f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in file.tensors:
         raise CheckpointError("per-frequency rope factors (tensor rope_freqs.weight) are not "
                               "supported", tensor="rope_freqs.weight")
+    return None
+
+
+def _gemma3(file: GGUFFile, raw: dict[str, Any]) -> None:
+    """Gemma 3's fields, where llama.cpp keeps them: its window pattern, local rope base and score
+    scale are fixed in llama.cpp's code for this architecture unless the file states them."""
+    pattern = file.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer: true where the layer is windowed
+        raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        raw["sliding_window_pattern"] = pattern
+    raw["sliding_window"] = _key(file, "gemma3.attention.sliding_window", int)
+    raw["rope_local_base_freq"] = _key(file, "gemma3.rope.freq_base_swa", float, 10000.0)
+    # llama.cpp: 1/sqrt(hidden / heads) for the 27B model (62 blocks), 1/sqrt(head_dim) otherwise,
+    # as the checkpoints' query_pre_attn_scalar says.
+    scalar = raw["hidden_size"] // raw["num_attention_heads"] if raw["num_hidden_layers"] == 62 \
+        else raw["head_dim"]
+    raw["query_pre_attn_scalar"] = scalar
+    raw["final_logit_softcapping"] = file.get("gemma3.final_logit_softcapping")
 
 
 def gguf_config(file: GGUFFile) -> ModelConfig:
@@ -62,10 +88,10 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"key length {head_dim} and value length {value_dim} differ; "
                               "ShardLM needs them equal")
     rotary = _key(file, f"{arch}.rope.dimension_count", int, head_dim)
-    if rotary != head_dim:
+    if rotary != head_dim and arch != "phi3":  # phi3 turns a part (worker/gguf/phi3.py)
         raise CheckpointError(f"partial rotary embedding ({rotary} of {head_dim} dimensions) "
                               "is not supported")
-    _rope_scaling(file, arch)
+    rope_scaling = _rope_scaling(file, arch)
     tokens = file.get("tokenizer.ggml.tokens")
     embed = file.tensors.get("token_embd.weight")
     vocab = file.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None) or (
@@ -91,5 +117,12 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
         "torch_dtype": _served_dtype(file),
         "eos_token_id": list(dict.fromkeys(e for e in eos if isinstance(e, int))),
         "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+        "rope_scaling": rope_scaling,
     }
-    return parse_config(raw)
+    if arch == "gemma3":
+        _gemma3(file, raw)
+    if arch == "phi3":
+        raw.update(phi3_fields(file, rotary))
+    cfg = parse_config(raw)
+    # llama.cpp's converter stores Gemma's norm weights with the 1 of (1 + w) already added.
+    return replace(cfg, norm_weight_offset=0.0) if cfg.norm_weight_offset else cfg

@@ -134,6 +134,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         return parsed
 
 
+def drop_cache() -> None:
+    """Forget the last parsed file once a load has copied its weights out: its memory map then
+    closes, and the file's pages the copy read no longer count in the worker's RSS."""
+    global _cache
+    with _cache_lock:
+        _cache = None
+
+
 def find_gguf(path: str | os.PathLike[str]) -> Path | None:
     """The GGUF file `path` names: the file itself, or the one `.gguf` inside a folder. None when
     the folder is a Hugging Face folder (it has a config.json) or holds no GGUF; an error when it

@@ -29,19 +29,30 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its norms after where they sit: its ffn_norm is the pre-feedforward norm, and it
+# has output norms after attention and the MLP (worker/families/gemma3.py).
+_GEMMA3_BLOCK = dict(_BLOCK, ffn_norm="pre_feedforward_layernorm",
+                     post_attention_norm="post_attention_layernorm",
+                     post_ffw_norm="post_feedforward_layernorm")
+# phi3 keeps Hugging Face's fused tensors: q, k and v rows in attn_qkv, gate and up rows in
+# ffn_up; the readers serve their parts (worker/fused.py).
+_PHI3_BLOCK = dict(_BLOCK, attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+_BLOCK_BY_ARCHITECTURE = {"gemma3": _GEMMA3_BLOCK, "phi3": _PHI3_BLOCK}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 # Architectures whose converter permutes the Q/K rows (Qwen2 and Qwen3 keep Hugging Face's order).
 PERMUTED_ARCHITECTURES = ("llama",)
 
 
-def shardlm_name(gguf_name: str) -> str | None:
-    """ShardLM's name for a llama.cpp tensor name, or None for a tensor ShardLM has no use for."""
+def shardlm_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """ShardLM's name for a llama.cpp tensor name of a file of `architecture`, or None for a
+    tensor ShardLM has no use for."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    block = _BLOCK_BY_ARCHITECTURE.get(architecture, _BLOCK)
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK:
+    if match and match.group(2) in block:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
+        return f"model.layers.{layer}.{block[part]}.{kind}"
     return None
 
 

@@ -19,9 +19,11 @@ import torch
 from shardlm_server.worker.checkpoint import PackedTensor
 from shardlm_server.worker.config import ModelConfig
 from shardlm_server.worker.errors import CheckpointError
+from shardlm_server.worker.fused import FusedRows
 from shardlm_server.worker.gguf.config import gguf_config
 from shardlm_server.worker.gguf.file import GGUFTensor, open_gguf
 from shardlm_server.worker.gguf.names import hf_rows, is_rotary_permuted, shardlm_name
+from shardlm_server.worker.gguf.phi3 import config_tensors
 
 
 class GGUFCheckpointReader:
@@ -38,25 +40,38 @@ class GGUFCheckpointReader:
         self.quantize = ""  # set by open_checkpoint
         # Tensors ShardLM does not know keep their GGUF name, so the leftover check can name them.
         self._tensors: dict[str, GGUFTensor] = {
-            shardlm_name(t.name) or t.name: t for t in self.file.tensors.values()}
-        self._consumed: set[str] = set()
+            shardlm_name(t.name, self.architecture) or t.name: t
+            for t in self.file.tensors.values()}
+        # phi3's fused q/k/v and gate/up tensors, served as their parts (worker/fused.py).
+        self._fused = FusedRows(self._tensors, lambda: self.config)
+        # Tensors the configuration was read from (phi3's rope factors) are no leftovers.
+        self._consumed: set[str] = set(config_tensors(self.file))
 
     @property
     def tensor_types(self) -> list[str]:
         return self.file.tensor_type_names()
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or self._fused.get(name) is not None
 
-    def _tensor(self, name: str, expected_shape: tuple[int, ...]) -> GGUFTensor:
-        tensor = self._tensors.get(name)
+    def _stored(self, name: str) -> tuple[GGUFTensor | None, int, tuple[int, ...] | None]:
+        """The tensor holding `name`, the row where `name` starts in it, and the shape it has
+        where `name` is part of a fused tensor (None otherwise)."""
+        part = None if name in self._tensors else self._fused.get(name)
+        if part is None:
+            return self._tensors.get(name), 0, None
+        return self._tensors[part.stored], part.start, (part.rows,)
+
+    def _tensor(self, name: str, expected_shape: tuple[int, ...]) -> tuple[GGUFTensor, int]:
+        tensor, offset, fused_rows = self._stored(name)
         if tensor is None:
             raise CheckpointError(f"GGUF file lacks the tensor ShardLM calls '{name}'", tensor=name)
-        if tensor.shape != tuple(expected_shape):
+        want = tuple(expected_shape) if fused_rows is None else (*fused_rows, *expected_shape[1:])
+        if tensor.shape != want:
             raise CheckpointError(f"tensor '{tensor.name}' has shape {list(tensor.shape)}, "
-                                  f"the metadata implies {list(expected_shape)}", tensor=tensor.name)
+                                  f"the metadata implies {list(want)}", tensor=tensor.name)
         self._consumed.add(name)
-        return tensor
+        return tensor, offset
 
     def _rows(self, name: str, tensor: GGUFTensor, start: int, stop: int) -> slice | np.ndarray:
         """The stored rows that make up ShardLM rows [start, stop), in ShardLM's order."""
@@ -71,25 +86,27 @@ class GGUFCheckpointReader:
     def _select(self, name: str, expected_shape: tuple[int, ...], shard_dim: int | None,
                 rank: int, world_size: int) -> tuple[GGUFTensor, np.ndarray, slice | None]:
         """This rank's stored data of `name` and the column slice still to cut after dequantizing
-        (None when the data already is the slice)."""
-        tensor = self._tensor(name, expected_shape)
+        (None when the data already is the slice). A part of a fused tensor is its row range
+        (`offset` on), the rank's slice cut inside it."""
+        tensor, offset = self._tensor(name, expected_shape)
         shape = tensor.shape
         split = shard_dim is not None and world_size > 1
         if len(shape) == 1:  # norms and biases: small, always float in practice
             data = tensor.data.reshape(1, -1)
-            rows = self._rows(name, tensor, 0, shape[0])
+            rows = self._rows(name, tensor, offset, offset + expected_shape[0])
+            if split or offset or expected_shape[0] != shape[0]:
+                if tensor.is_quantized:
+                    raise CheckpointError(f"block-quantized 1-D tensor '{tensor.name}' cannot "
+                                          "be sliced", tensor=tensor.name)
             data = data[:, rows] if not tensor.is_quantized else data
-            if split and not tensor.is_quantized:
-                size = shape[0] // world_size
-                return tensor, data[:, rank * size:(rank + 1) * size], None
             if split:
-                raise CheckpointError(f"block-quantized 1-D tensor '{tensor.name}' cannot be "
-                                      "split over ranks", tensor=tensor.name)
+                size = expected_shape[0] // world_size
+                return tensor, data[:, rank * size:(rank + 1) * size], None
             return tensor, data, None
-        start, stop = 0, shape[0]
+        start, stop = offset, offset + expected_shape[0]
         if split and shard_dim == 0:
-            size = shape[0] // world_size
-            start, stop = rank * size, (rank + 1) * size
+            size = expected_shape[0] // world_size
+            start, stop = offset + rank * size, offset + (rank + 1) * size
         data = tensor.data[self._rows(name, tensor, start, stop)]
         if not (split and shard_dim == 1):
             return tensor, data, None
@@ -125,7 +142,7 @@ class GGUFCheckpointReader:
                     world_size: int = 1) -> PackedTensor | None:
         """This rank's slice of `name` as the file's blocks, or None when `name` is not
         block-quantized or its slice splits blocks (then `read` it)."""
-        tensor = self._tensors.get(name)
+        tensor, _, _ = self._stored(name)
         if tensor is None or not tensor.is_quantized or len(tensor.shape) != 2:
             return None
         tensor, data, columns = self._select(name, expected_shape, shard_dim, rank, world_size)
@@ -138,7 +155,8 @@ class GGUFCheckpointReader:
         return PackedTensor(tensor.qtype.name, blocks, (rows, cols))
 
     def check_all_consumed(self, optional: Callable[[str], bool] = lambda _name: False) -> None:
-        leftover = sorted(n for n in self._tensors if n not in self._consumed and not optional(n))
+        leftover = sorted(n for n in self._tensors if n not in self._consumed
+                          and not self._fused.used(n, self._consumed) and not optional(n))
         if leftover:
             shown = ", ".join(self._tensors[n].name for n in leftover[:5])
             raise CheckpointError(

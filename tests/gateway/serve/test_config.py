@@ -231,3 +231,14 @@ def test_a_worker_runs_with_the_options_it_is_sent(llama_dir):
     finally:
         ops.set_cpu_simd(True)
         server.stop(0)
+
+
+def test_the_kv_cache_request_carries_its_dtype_and_the_running_sequences():
+    default = config([]).kv_cache()
+    assert default.dtype == common_pb2.DTYPE_UNSPECIFIED  # auto: the serving dtype
+    assert default.max_running_sequences == config([]).max_running
+    cfg = config(["--kv-cache-dtype", "bfloat16", "--max-running", "8"])
+    assert (cfg.kv_cache().dtype, cfg.kv_cache().max_running_sequences) == (
+        common_pb2.DTYPE_BFLOAT16, 8)
+    with pytest.raises(ConfigError, match="kv_cache_dtype|kv-cache-dtype"):
+        config(["--kv-cache-dtype", "int8"])

@@ -1,6 +1,7 @@
 """The tokenizer built from a GGUF file's metadata encodes and decodes exactly as transformers'
 own GGUF conversion does: on the default model's file, and on small files written here for each
-tokenizer kind (byte-level BPE with several pre-tokenizers, sentencepiece BPE from scores)."""
+tokenizer kind (byte-level BPE with several pre-tokenizers, sentencepiece BPE from scores in
+Llama's, Gemma's and Phi-3's styles)."""
 
 from __future__ import annotations
 
@@ -102,9 +103,11 @@ def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_sentencepiece(path) -> None:
+def write_sentencepiece(path, arch: str = "llama") -> None:
     tokens, scores, types = sentencepiece_vocab()
-    writer = gguf.GGUFWriter(str(path), "llama")
+    if arch == "gemma3":  # Gemma stores runs of spaces as spaces
+        tokens, scores, types = tokens + ["  ", "   "], scores + [-1e3, -1e3], types + [1, 1]
+    writer = gguf.GGUFWriter(str(path), arch)
     _model_keys(writer)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -141,9 +144,13 @@ def test_byte_level_tokenizers_match_transformers(tmp_path, pre):
     assert ours.has_chat_template and ours.bos_token_id == 1
 
 
-def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path, arch):
+    """Llama's sentencepiece files, and the two architectures transformers converts otherwise:
+    Gemma's (no prefix space, space runs, merges in token order) and Phi-3's (the prefix space
+    from a normalizer)."""
     path = tmp_path / "m.gguf"
-    write_sentencepiece(path)
+    write_sentencepiece(path, arch)
     ours = Tokenizer.from_pretrained(path)
     _assert_same(ours, _reference(path))
     assert ours.encode("hi")[0] == 1  # llama.cpp's sentencepiece default: BOS added

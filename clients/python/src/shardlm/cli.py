@@ -120,9 +120,17 @@ def load(args: argparse.Namespace, client: Client) -> None:
     info = client.load(args.model_path, dtype=args.dtype, progress=bar)
     sys.stderr.write("\n")
     kv = f"; {info.kv_cache.num_blocks} KV blocks" if info.kv_cache else ""
+    if info.kv_cache_bytes:
+        kv += f" ({_mib(info.kv_cache_bytes)} {info.kv_cache_dtype})"
+    weights = f"; weights {_mib(info.weight_bytes)}" if info.weight_bytes else ""
     source = f"{info.format} {'/'.join(info.tensor_types)}".strip()
     print(f"loaded {info.architecture} ({info.num_layers} layers, vocab {info.vocab_size}, "
-          f"tp {info.tensor_parallel_size}; {source} served as {info.dtype}){kv}")
+          f"tp {info.tensor_parallel_size}; {source} served as {info.dtype}){weights}{kv}"
+          + (" per rank" if info.tensor_parallel_size > 1 and (weights or kv) else ""))
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 CLIENT_COMMANDS: dict[str, Callable[[argparse.Namespace, Client], None]] = {

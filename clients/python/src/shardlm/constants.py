@@ -25,6 +25,14 @@ MAX_REQUEST_BYTES = 8 << 20
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Tokens per KV-cache block when a KvCacheConfig leaves block_size at 0.
 DEFAULT_BLOCK_SIZE = 16
+# Sequences the gateway decodes together at most (`serve --max-running`), and the number a
+# worker sizes its default KV cache for when a KvCacheConfig leaves max_running_sequences at 0.
+DEFAULT_MAX_RUNNING = 256
+# The default KV cache (KvCacheConfig with memory_bytes and num_blocks 0) takes what
+# max_running_sequences need, but at most this share of free GPU memory, or on CPU of the
+# host's available memory.
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+DEFAULT_CPU_MEMORY_FRACTION = 0.5
 # Seconds the ranks of a load wait for each other and for each collective when the LoadRequest
 # leaves CommunicatorConfig.timeout_seconds at 0.
 DEFAULT_COMM_TIMEOUT_S = 60.0

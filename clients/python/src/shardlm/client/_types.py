@@ -142,6 +142,9 @@ class ModelInfo:
     format: str = ""  # "safetensors" or "gguf"
     tensor_types: list[str] = field(default_factory=list)  # stored types, e.g. ["Q4_1", "F32"]
     has_chat_template: bool = False
+    weight_bytes: int = 0  # held by one rank: packed blocks at their size, the rest dense
+    kv_cache_bytes: int = 0  # the KV cache of one rank
+    kv_cache_dtype: str = ""  # e.g. "float32"
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,10 @@ def model_info_of(pb: common_pb2.ModelInfo,
         bos_token_id=pb.bos_token_id if pb.HasField("bos_token_id") else None,
         tensor_parallel_size=pb.tensor_parallel_size, kv_cache=cache, raw=pb,
         format=_enum_name(common_pb2.CheckpointFormat, "CHECKPOINT_FORMAT_", pb.format),
-        tensor_types=list(pb.tensor_types), has_chat_template=pb.has_chat_template)
+        tensor_types=list(pb.tensor_types), has_chat_template=pb.has_chat_template,
+        weight_bytes=pb.weight_bytes, kv_cache_bytes=pb.kv_cache_bytes,
+        kv_cache_dtype=(_enum_name(common_pb2.Dtype, "DTYPE_", pb.kv_cache_dtype)
+                        if pb.kv_cache_dtype else ""))
 
 
 def server_info_of(pb: gateway_pb2.GetModelInfoResponse) -> ServerInfo:

@@ -853,18 +853,22 @@ class KvCacheConfig(google.protobuf.message.Message):
     NUM_BLOCKS_FIELD_NUMBER: builtins.int
     STATIC_MAX_SEQUENCES_FIELD_NUMBER: builtins.int
     STATIC_MAX_SEQUENCE_LENGTH_FIELD_NUMBER: builtins.int
+    DTYPE_FIELD_NUMBER: builtins.int
+    MAX_RUNNING_SEQUENCES_FIELD_NUMBER: builtins.int
     mode: global___KvCacheMode.ValueType
     """Cache organisation."""
     block_size: builtins.int
     """Tokens per block. 0 means the default, 16."""
     memory_bytes: builtins.int
-    """Memory budget for the cache in bytes, per rank. 0 means the default: on
-    GPU, derived from gpu_memory_fraction; on CPU, 1 GiB.
+    """Memory budget for the cache in bytes, per rank. 0 means the default: room
+    for max_running_sequences sequences of the model's full context (see
+    there).
     """
     gpu_memory_fraction: builtins.float
     """Fraction of the device's free memory, measured after the weights are
-    loaded, that the cache takes. 0 means the default, 0.9. Ignored on CPU and
-    when memory_bytes or num_blocks is set. Valid range [0, 1).
+    loaded, that the cache takes. 0 means the default: the room
+    max_running_sequences need, at most 0.9 of the free memory. Ignored on CPU
+    and when memory_bytes or num_blocks is set. Valid range [0, 1).
     """
     num_blocks: builtins.int
     """Explicit number of blocks, overriding memory_bytes and
@@ -880,6 +884,20 @@ class KvCacheConfig(google.protobuf.message.Message):
     INVALID_FIELD): tokens per sequence slot, capped at the model's maximum
     context length and rounded up to a whole number of blocks.
     """
+    dtype: global___Dtype.ValueType
+    """Type of the cached keys and values. DTYPE_UNSPECIFIED means the dtype the
+    model is served in (ModelInfo.dtype). Another dtype than that is refused
+    with INVALID_FIELD until the attention kernels read a cache of another
+    dtype than they compute in.
+    """
+    max_running_sequences: builtins.int
+    """Sequences run at once, for which the default paged pool is sized (the
+    gateway fills in its --max-running when a Load or ResetCache leaves it 0):
+    with memory_bytes and num_blocks 0, the pool holds this many sequences of
+    the model's full context, plus one spare block each, but at most the
+    gpu_memory_fraction default's share of free GPU memory, or on CPU half of
+    the host's available memory. 0 means 256.
+    """
     def __init__(
         self,
         *,
@@ -890,8 +908,10 @@ class KvCacheConfig(google.protobuf.message.Message):
         num_blocks: builtins.int = ...,
         static_max_sequences: builtins.int = ...,
         static_max_sequence_length: builtins.int = ...,
+        dtype: global___Dtype.ValueType = ...,
+        max_running_sequences: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["block_size", b"block_size", "gpu_memory_fraction", b"gpu_memory_fraction", "memory_bytes", b"memory_bytes", "mode", b"mode", "num_blocks", b"num_blocks", "static_max_sequence_length", b"static_max_sequence_length", "static_max_sequences", b"static_max_sequences"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["block_size", b"block_size", "dtype", b"dtype", "gpu_memory_fraction", b"gpu_memory_fraction", "max_running_sequences", b"max_running_sequences", "memory_bytes", b"memory_bytes", "mode", b"mode", "num_blocks", b"num_blocks", "static_max_sequence_length", b"static_max_sequence_length", "static_max_sequences", b"static_max_sequences"]) -> None: ...
 
 global___KvCacheConfig = KvCacheConfig
 
@@ -958,6 +978,9 @@ class ModelInfo(google.protobuf.message.Message):
     FORMAT_FIELD_NUMBER: builtins.int
     TENSOR_TYPES_FIELD_NUMBER: builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: builtins.int
+    WEIGHT_BYTES_FIELD_NUMBER: builtins.int
+    KV_CACHE_BYTES_FIELD_NUMBER: builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: builtins.int
     architecture: builtins.str
     """Model architecture class name, for example "LlamaForCausalLM" (from the
     checkpoint's config.json, or mapped from a GGUF file's
@@ -988,8 +1011,9 @@ class ModelInfo(google.protobuf.message.Message):
     <architecture>.context_length).
     """
     dtype: global___Dtype.ValueType
-    """Type the weights are served in and of the KV cache (block-quantized GGUF
-    tensors are dequantized to it at load).
+    """Type the weights are served in (block-quantized GGUF tensors that are not
+    kept packed are dequantized to it at load); the KV cache's is
+    kv_cache_dtype.
     """
     tensor_parallel_size: builtins.int
     """Number of ranks the model is sharded over (1 without tensor parallelism)."""
@@ -1000,6 +1024,20 @@ class ModelInfo(google.protobuf.message.Message):
     has_chat_template: builtins.bool
     """Whether the model's tokenizer has a chat template (otherwise chat
     messages are rendered as plain "role: content" lines).
+    """
+    weight_bytes: builtins.int
+    """Bytes of the weights one rank holds (rank 0's shard): packed blocks at
+    their stored size, dense tensors in the serving dtype, a tied lm_head
+    sharing the embedding's storage counted once.
+    """
+    kv_cache_bytes: builtins.int
+    """Bytes of the KV cache one rank holds (KvCacheCapacity.num_blocks times
+    bytes_per_block). On CPU the pool is mapped on first write, so the part
+    no sequence has used yet is not resident.
+    """
+    kv_cache_dtype: global___Dtype.ValueType
+    """Type of the cached keys and values (KvCacheConfig.dtype; by default the
+    serving dtype).
     """
     @property
     def eos_token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
@@ -1035,9 +1073,12 @@ class ModelInfo(google.protobuf.message.Message):
         format: global___CheckpointFormat.ValueType = ...,
         tensor_types: collections.abc.Iterable[builtins.str] | None = ...,
         has_chat_template: builtins.bool = ...,
+        weight_bytes: builtins.int = ...,
+        kv_cache_bytes: builtins.int = ...,
+        kv_cache_dtype: global___Dtype.ValueType = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["_bos_token_id", b"_bos_token_id", "architecture", b"architecture", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "format", b"format", "has_chat_template", b"has_chat_template", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "intermediate_size", b"intermediate_size", "max_position_embeddings", b"max_position_embeddings", "model_path", b"model_path", "num_attention_heads", b"num_attention_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tensor_parallel_size", b"tensor_parallel_size", "tensor_types", b"tensor_types", "vocab_size", b"vocab_size"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["_bos_token_id", b"_bos_token_id", "architecture", b"architecture", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "format", b"format", "has_chat_template", b"has_chat_template", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "intermediate_size", b"intermediate_size", "kv_cache_bytes", b"kv_cache_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_position_embeddings", b"max_position_embeddings", "model_path", b"model_path", "num_attention_heads", b"num_attention_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tensor_parallel_size", b"tensor_parallel_size", "tensor_types", b"tensor_types", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]) -> None: ...
     def WhichOneof(self, oneof_group: typing.Literal["_bos_token_id", b"_bos_token_id"]) -> typing.Literal["bos_token_id"] | None: ...
 
 global___ModelInfo = ModelInfo

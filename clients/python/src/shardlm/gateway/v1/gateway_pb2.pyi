@@ -80,7 +80,9 @@ class LoadRequest(google.protobuf.message.Message):
     directories.
     """
     dtype: shardlm.common.v1.common_pb2.Dtype.ValueType
-    """Type of the weights and KV cache; unset means the server default."""
+    """Type of the weights, and of the KV cache unless kv_cache.dtype says
+    otherwise; unset means the server default.
+    """
     tensor_parallel_size: builtins.int
     """Number of workers to shard the model over. 0 means all configured
     workers.

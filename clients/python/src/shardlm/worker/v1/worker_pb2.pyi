@@ -169,8 +169,8 @@ class LoadRequest(google.protobuf.message.Message):
     GGUF file (or a directory holding exactly one).
     """
     dtype: shardlm.common.v1.common_pb2.Dtype.ValueType
-    """Type of the weights and KV cache; unset means the worker default for the
-    device.
+    """Type of the weights, and of the KV cache unless kv_cache.dtype says
+    otherwise; unset means the worker default for the device.
     """
     device: builtins.str
     """Torch device to run on: "cpu", or "cuda:N"."""
