@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
-from shardlm_server.worker.families.gemma3 import gemma3_fields
+from shardlm_server.worker.families.gemma3 import gemma3_fields, text_config
 from shardlm_server.worker.families.phi3 import PHI3, phi3_fields
 
+MULTIMODAL_GEMMA3 = "Gemma3ForConditionalGeneration"  # served as its language model
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-    "Gemma3ForCausalLM", PHI3)
+    "Gemma3ForCausalLM", MULTIMODAL_GEMMA3, PHI3)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ def _validate_rope_scaling(rope_scaling: Any) -> dict[str, Any] | None:
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """Validate a config.json dict and return the engine's view of it."""
     archs = raw.get("architectures") or []
+    if MULTIMODAL_GEMMA3 in archs:  # its language model; the reader drops the vision tower
+        raw, archs = text_config(raw), ["Gemma3ForCausalLM"]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedArchitectureError(

@@ -21,6 +21,26 @@ from shardlm_server.worker.fused import FusedRows
 
 # Buffers some exporters write that carry no weights the engine needs (it recomputes them).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# A multimodal checkpoint (Gemma3ForConditionalGeneration) wraps its language model: older
+# exports as `language_model.model.*` / `language_model.lm_head.*`, transformers 5 as
+# `model.language_model.*`. Served under the usual names; the vision tower is not served.
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model."}
+VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                   "model.multi_modal_projector.")
+
+
+def served_names(stored: list[str]) -> dict[str, str]:
+    """ShardLM's name -> the stored name, for every stored tensor the model may read."""
+    if not any(n.startswith(tuple(LANGUAGE_MODEL_PREFIXES)) for n in stored):
+        return {n: n for n in stored}
+    names = {}
+    for name in stored:
+        if name.startswith(VISION_PREFIXES):
+            continue
+        prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        names[LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):] if prefix else name] = name
+    return names
 
 
 class SafetensorsReader:
@@ -36,7 +56,9 @@ class SafetensorsReader:
         self.quantize = ""  # set by open_checkpoint
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
-        self._where: dict[str, str] = self._index()
+        where = self._index()
+        self._stored = served_names(list(where))  # ShardLM's name -> the stored name
+        self._where: dict[str, str] = {n: where[s] for n, s in self._stored.items()}
         # Phi-3's fused q/k/v and gate/up tensors, served as their parts (worker/fused.py).
         self._fused = FusedRows(self._where, lambda: load_config(self.model_dir))
         self._consumed: set[str] = set()
@@ -101,7 +123,7 @@ class SafetensorsReader:
     def _slice(self, name: str):
         if name not in self._where:
             raise CheckpointError(f"checkpoint lacks tensor '{name}'", tensor=name)
-        return self._open(self._where[name]).get_slice(name)
+        return self._open(self._where[name]).get_slice(self._stored[name])
 
     def read(
         self,

@@ -123,7 +123,7 @@ def _byte_level(meta: dict[str, Any], tokens: list[str]) -> Backend:
 
 def _sentencepiece(meta: dict[str, Any], tokens: list[str]) -> Backend:
     """Sentencepiece-style BPE with byte fallback. Llama's marks the start of the text with a
-    space (Metaspace); the architectures in SENTENCEPIECE_STYLES differ, as transformers'
+    space (Metaspace); Gemma's (GEMMA_STYLE) and Phi-3's differ, as transformers'
     conversion of their files does."""
     style = meta.get("general.architecture")
     if style in GEMMA_STYLE:

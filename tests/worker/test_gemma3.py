@@ -2,7 +2,8 @@
 layers interleaved with global ones, each kind with its own rope, (1 + w) norms around both halves
 of a layer, GELU-tanh gating, scaled embeddings, a query_pre_attn_scalar that is not head_dim and
 final logit soft-capping. Logits and greedy tokens exact against transformers in float32, with
-prompts and generations far longer than the window, on one rank and on two."""
+prompts and generations far longer than the window, on one rank and on two; and the language
+model of a multimodal Gemma3ForConditionalGeneration checkpoint."""
 
 from __future__ import annotations
 
@@ -156,3 +157,45 @@ def test_gguf_logits_and_greedy_tokens_equal_transformers_on_the_same_file(gemma
     torch.testing.assert_close(out.taps["logits"][0], expected, atol=2e-4, rtol=1e-4)
     engine.reset()
     assert greedy_tokens(engine, 0, ids, 40, TABLE) == reference_greedy(reference, ids, 40)
+
+
+def test_a_multimodal_config_is_read_over_gemma3_text_defaults():
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration, whose text_config states only
+    what differs from Gemma3TextConfig's defaults (here as in gemma-3-4b-it's config.json)."""
+    cfg = parse_config({"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+                        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                        "num_hidden_layers": 34, "sliding_window": 1024,
+                                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+                        "vision_config": {"hidden_size": 1152}})
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262_208)
+    assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
+    assert cfg.layer_windows[:6] == (1024,) * 5 + (0,)
+    assert cfg.rope_of(5) == (1e6, {"factor": 8.0, "rope_type": "linear", "rope_theta": 1e6})
+    assert cfg.rope_of(0) == (1e4, None)
+
+
+def test_the_language_model_of_a_multimodal_checkpoint_equals_transformers(tmp_path):
+    """Its vision tower is left unread; text-only greedy tokens equal transformers' multimodal
+    model on the same folder."""
+    import transformers
+
+    text = {k: v for k, v in GEMMA3.items() if k != "architectures"}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=1000, eoi_token_index=1001, image_token_index=1002)
+    torch.manual_seed(11)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = Engine.load(tmp_path, dtype="float32",
+                         cache_config=CacheConfig(block_size=16, num_blocks=len(TABLE)))
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = prompt(30, GEMMA3["vocab_size"] - 8, 12)
+    assert greedy_tokens(engine, 0, ids, 24, TABLE) == reference_greedy(reference, ids, 24)

@@ -1,4 +1,5 @@
-"""Gemma 3 text models (`Gemma3ForCausalLM`): what they add to the shared decoder.
+"""Gemma 3 text models (`Gemma3ForCausalLM`, and the language model of a multimodal
+`Gemma3ForConditionalGeneration`): what they add to the shared decoder.
 
 - Interleaved attention: most layers attend over a sliding window with their own rope base
   (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), every `sliding_window_pattern`
@@ -62,6 +63,34 @@ def _rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CheckpointError("rope scaling on Gemma 3's sliding-window layers is not supported",
                               field="rope_parameters")
     return sliding, full
+
+
+#: Gemma3TextConfig's defaults: the multimodal checkpoints (Gemma3ForConditionalGeneration: 4B and
+#: up) state in their `text_config` only what differs from these.
+TEXT_CONFIG_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096,
+    rope_theta=DEFAULT_GLOBAL_THETA, rope_local_base_freq=DEFAULT_LOCAL_THETA,
+    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+)
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a multimodal Gemma 3's language model, read as a Gemma3ForCausalLM's:
+    its `text_config` over Gemma3TextConfig's defaults (the vision tower is not served)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("a Gemma3ForConditionalGeneration config.json needs a text_config "
+                              "object", field="text_config")
+    merged = {k: v for k, v in TEXT_CONFIG_DEFAULTS.items()
+              if not (k in ("rope_theta", "rope_local_base_freq") and "rope_parameters" in text)}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if raw.get(key) is not None:
+            merged[key] = raw[key]
+    merged.update(text)
+    merged["architectures"] = ["Gemma3ForCausalLM"]
+    return merged
 
 
 def gemma3_fields(raw: dict[str, Any], num_layers: int, hidden: int) -> dict[str, Any]:
