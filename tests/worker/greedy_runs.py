@@ -1,11 +1,16 @@
 """Greedy runs for the engine's parity tests: a random prompt, the engine's greedy tokens over a
-prefill and one multi-step decode, and transformers' greedy tokens for the same prompt."""
+prefill and one multi-step decode, the greedy tokens of a gateway serving a folder over two
+tensor-parallel ranks, and transformers' greedy tokens for the same prompt."""
 
 from __future__ import annotations
 
 import torch
+from shardlm.common.v1 import common_pb2
+from shardlm.gateway.v1 import gateway_pb2
 
+from shardlm_server.gateway.api.runtime import Limits
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from tests.gateway.conftest import LiveGateway
 
 
 def prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -30,3 +35,18 @@ def reference_greedy(reference, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         return reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+
+
+def two_rank_tokens(path, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after `ids` from a gateway serving `path` over two ranks, in float32."""
+    gateway = LiveGateway(2, Limits())
+    try:
+        events = list(gateway.stub.Load(gateway_pb2.LoadRequest(
+            model_path=str(path), dtype=common_pb2.DTYPE_FLOAT32)))
+        assert events[-1].model.tensor_parallel_size == 2
+        chunks = gateway.stub.Generate(gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=common_pb2.SamplingParams(),
+            stop=common_pb2.StopConditions(max_new_tokens=n, ignore_eos=True)))
+        return [i for c in chunks for i in c.token_ids]
+    finally:
+        gateway.close()

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shardlm.common.v1 import common_pb2
-from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.api.runtime import Limits
 from shardlm_server.worker.config import parse_config
 from shardlm_server.worker.engine import Engine, PrefillItem
 from shardlm_server.worker.errors import CheckpointError
 from shardlm_server.worker.gguf.file import SUPPORTED_TYPES
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import GEMMA3, build_checkpoint, load_reference
-from tests.gateway.conftest import LiveGateway
 from tests.gguf_files import GGUFSpec, T, every_type_once, write_gguf
-from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy
+from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy, two_rank_tokens
 
 TABLE = list(range(32))  # 512 tokens in blocks of 16
 
@@ -104,17 +100,7 @@ def test_two_ranks_serve_the_same_greedy_tokens(gemma3_dir, gemma3):
     _, reference = gemma3
     ids = prompt(23, GEMMA3["vocab_size"], 9)
     expected = reference_greedy(reference, ids, 12)
-    gateway = LiveGateway(2, Limits())
-    try:
-        events = list(gateway.stub.Load(gateway_pb2.LoadRequest(
-            model_path=str(gemma3_dir), dtype=common_pb2.DTYPE_FLOAT32)))
-        assert events[-1].model.tensor_parallel_size == 2
-        chunks = gateway.stub.Generate(gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=common_pb2.SamplingParams(),
-            stop=common_pb2.StopConditions(max_new_tokens=12, ignore_eos=True)))
-        assert [i for c in chunks for i in c.token_ids] == expected
-    finally:
-        gateway.close()
+    assert two_rank_tokens(gemma3_dir, ids, 12) == expected
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from shardlm.common.v1 import common_pb2
-from shardlm.gateway.v1 import gateway_pb2
 
-from shardlm_server.gateway.api.runtime import Limits
 from shardlm_server.worker.config import load_config, parse_config
 from shardlm_server.worker.engine import Engine, PrefillItem
 from shardlm_server.worker.errors import CheckpointError
@@ -26,9 +23,8 @@ from shardlm_server.worker.loader import load_checkpoint_config
 from shardlm_server.worker.rope import cos_sin_cache
 from shardlm_server.worker.safetensors_reader import SafetensorsReader
 from tests.checkpoints import PHI3, PHI4_MINI, build_checkpoint, load_reference
-from tests.gateway.conftest import LiveGateway
 from tests.gguf_files import GGUFSpec, T, every_type_once, phi3_hf_twin, write_gguf
-from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy
+from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy, two_rank_tokens
 
 TABLE = list(range(32))  # 512 tokens
 CPU = torch.device("cpu")
@@ -44,20 +40,6 @@ PROMPT = {"phi3": 21, "phi4_mini": 70, "phi4_mini_short": 21}
 def load(path) -> Engine:
     return Engine.load(path, dtype="float32",
                        cache_config=CacheConfig(block_size=16, num_blocks=len(TABLE)))
-
-
-def two_rank_tokens(path, ids: list[int], n: int) -> list[int]:
-    gateway = LiveGateway(2, Limits())
-    try:
-        events = list(gateway.stub.Load(gateway_pb2.LoadRequest(
-            model_path=str(path), dtype=common_pb2.DTYPE_FLOAT32)))
-        assert events[-1].model.tensor_parallel_size == 2
-        chunks = gateway.stub.Generate(gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=common_pb2.SamplingParams(),
-            stop=common_pb2.StopConditions(max_new_tokens=n, ignore_eos=True)))
-        return [i for c in chunks for i in c.token_ids]
-    finally:
-        gateway.close()
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
