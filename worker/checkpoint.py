@@ -35,6 +35,7 @@ class CheckpointReader(Protocol):
 
     format: str  # "safetensors" or "gguf"
     device: torch.device
+    dtype: torch.dtype  # the serving dtype dense tensors are read in
     quantize: str  # how linear weights are kept in memory: worker.quant.QUANTIZE_MODES
 
     @property

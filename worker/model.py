@@ -199,6 +199,10 @@ class TransformerModel:
         self.embed = VocabParallelEmbedding.load(
             reader, parallel, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size
         )
+        # Gemma's sqrt(hidden) scale, rounded to the serving dtype as transformers rounds it;
+        # made once here, not on every forward pass.
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=reader.dtype, device=device)
+                            if cfg.embed_scale != 1.0 else None)
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_layers):
             self.layers.append(DecoderLayer(cfg, parallel, reader, i))
@@ -268,8 +272,8 @@ class TransformerModel:
     ) -> torch.Tensor:
         """Logits (float32) for each sequence's last token: [B, vocab]."""
         hidden = self.embed(input_ids)
-        if self.cfg.embed_scale != 1.0:  # scaled in the serving dtype, as transformers does
-            hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
+        if self.embed_scale is not None:
+            hidden.mul_(self.embed_scale)  # the lookup's output is a fresh tensor
         residual: torch.Tensor | None = None
         fused = self.fused_cpu and taps is None
         if fused and self.stack is not None:
