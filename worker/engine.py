@@ -40,7 +40,7 @@ from shardlm_server.worker.grammar import GrammarRuntime
 from shardlm_server.worker.kv_cache import CacheCapacity, CacheConfig, KVCache, cache_dtype
 from shardlm_server.worker.layers import Parallel
 from shardlm_server.worker.loader import load_checkpoint_config, open_checkpoint
-from shardlm_server.worker.memory import release_load_memory, weight_bytes
+from shardlm_server.worker.memory import release_load_memory, trim_after_prefill, weight_bytes
 from shardlm_server.worker.model import TransformerModel, tap_names
 from shardlm_server.worker.quant import check_mode as check_quantize_mode
 from shardlm_server.worker.sequences import SequenceStates
@@ -224,6 +224,7 @@ class Engine:
         picked = [sequences[r] for r in rows]
         masks = self.states.start_masks(picked)  # made while the forward pass runs
         logits = self.model.forward(batch.input_ids, batch.meta, self.cache.layers, tap_values)
+        trim_after_prefill(self.device, len(batch.input_ids))
         if not rows:
             return StepOutput([], tap_values or {})
         if len(rows) != logits.shape[0]:

@@ -5,6 +5,9 @@ embedding's blocks counts once), as model information reports them. `release_loa
 after a load: it closes the GGUF file's memory map (the weights were copied out of it) and hands
 the heap memory the load freed (dequantized temporaries, the layouts a regroup replaced) back to
 the OS, which glibc otherwise keeps for later allocations, counted in the worker's RSS.
+`trim_after_prefill` does the same after a long prefill on CPU: its activations (tens of MB per
+2,048-token chunk) are freed into glibc's arenas, which kept ~140 MB of a 135M model's worker
+after 8 prompts of 8,100 tokens; a trim costs a few milliseconds against a prefill's seconds.
 """
 
 from __future__ import annotations
@@ -53,13 +56,36 @@ def weight_bytes(model: object) -> int:
     return walk(model)
 
 
-def release_load_memory() -> None:
-    """After a load (module notes). A no-op where the C library has no malloc_trim."""
-    drop_cache()
+# Prefill steps of at least this many tokens on CPU trim the heap afterwards (module notes);
+# shorter ones free too little to be worth a trim (~10 ms, 1% of a 1,024-token prefill).
+TRIM_AFTER_PREFILL_TOKENS = 1024
+
+
+def _find_malloc_trim():
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
-        trim = None
-    if trim is not None:
-        trim(0)
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Hand the heap memory glibc keeps for later allocations back to the OS (a no-op where the
+    C library has no malloc_trim)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def release_load_memory() -> None:
+    """After a load (module notes)."""
+    drop_cache()
+    trim_heap()
+
+
+def trim_after_prefill(device: torch.device, tokens: int) -> None:
+    """After a prefill step of `tokens` tokens (module notes); GPU memory is torch's own."""
+    if device.type == "cpu" and tokens >= TRIM_AFTER_PREFILL_TOKENS:
+        trim_heap()
