@@ -5,7 +5,8 @@ STAMP := $(VENV)/.shardlm-installed
 SOURCES := pyproject.toml setup.py clients/python/pyproject.toml scripts/install.sh \
 	$(wildcard csrc/*.h csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: install test test-fast check proto bench serve gpu-check gpu-wheels llama-server
+.PHONY: install test test-fast check proto bench serve gpu-check gpu-wheels llama-server \
+	llama-quantize
 
 $(STAMP): $(SOURCES)
 	bash scripts/install.sh
@@ -52,9 +53,10 @@ serve: install
 	$(VENV)/bin/shardlm serve $(if $(MODEL),--model $(MODEL)) \
 		$(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT)) $(ARGS)
 
-# llama.cpp's own server into .bench/bin (git-ignored), for the full-stack comparison of
-# `python -m bench.run --model FILE.gguf`; optional, about 8 minutes on 2 cores.
-llama-server: install
+# llama.cpp's own server and quantizer into .bench/bin (git-ignored), for the full-stack
+# comparison of `python -m bench.run --model FILE.gguf` and the K-quant files of
+# `python -m bench.quantize`; optional, about 8 minutes on 2 cores. Either target builds both.
+llama-server llama-quantize: install
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
 
 # GPU verification (README, "GPU verification"): make gpu-check [PART=tests|bench|all] [ARGS=...]

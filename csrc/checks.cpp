@@ -197,10 +197,12 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
     case 3: block_bytes = 20; break;  // Q4_1
     case 8: block_bytes = 34; break;  // Q8_0
     case 100: block_bytes = 160; break;  // Q4x8: a block of 8 rows (cpu/quant_blocks.h)
+    case 101: block_bytes = 1184; break;  // Q4Kx8: a super-block of 8 rows and 256 weights
     default: TORCH_CHECK(false, op, ": block type ", qtype, " is not supported (Q4_0 = 2, "
-                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100)");
+                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101)");
   }
-  const int64_t rows_per_row = qtype == 100 ? 8 : 1;
+  const int64_t rows_per_row = qtype >= 100 ? 8 : 1;
+  const int64_t weights_per_block = qtype == 101 ? 256 : 32;
   check_float(input, "input", op);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
               ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
@@ -209,7 +211,7 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
               " bytes is not a whole number of ", block_bytes, "-byte blocks");
   TORCH_CHECK(input.dim() == 2, op, ": input must be [M, K], got ", input.sizes());
   const LinearDims d{input.size(0), blocks.size(0) * rows_per_row,
-                     blocks.size(1) / block_bytes * 32};
+                     blocks.size(1) / block_bytes * weights_per_block};
   TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
               " features but the blocks hold ", d.k);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == d.m && out.size(1) == d.n, op,

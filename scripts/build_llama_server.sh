@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own HTTP server, `llama-server`, for the full-stack comparison of
-# `python -m bench.run --model FILE.gguf` (bench/llama_server.py). Optional: nothing else needs it.
+# `python -m bench.run --model FILE.gguf` (bench/llama_server.py), and its `llama-quantize`, which
+# makes the K-quant files (Q4_K_M, Q6_K, ...) users download from a GGUF file (bench/quantize.py).
+# Optional: nothing else needs them.
 #
-#   scripts/build_llama_server.sh [DEST]     (default: .bench; the binary lands in DEST/bin)
+#   scripts/build_llama_server.sh [DEST]     (default: .bench; the binaries land in DEST/bin)
 #
 # The source is the llama.cpp that llama-cpp-python vendors, fetched as that package's source
 # distribution through pip (the version installed in PYTHON's environment when there is one, so
@@ -27,15 +29,17 @@ tar -xzf "$WORK"/llama_cpp_python-*.tar.gz -C "$WORK"
 SRC=$(echo "$WORK"/llama_cpp_python-*/vendor/llama.cpp)
 [ -f "$SRC/tools/server/CMakeLists.txt" ] || { echo "no llama.cpp server source in $SPEC" >&2; exit 1; }
 
-echo "building llama-server (${MAX_JOBS:-$(nproc)} jobs)"
+echo "building llama-server and llama-quantize (${MAX_JOBS:-$(nproc)} jobs)"
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF > "$WORK/configure.log" 2>&1 \
   || { tail -30 "$WORK/configure.log" >&2; exit 1; }
-cmake --build "$WORK/build" --target llama-server -j "${MAX_JOBS:-$(nproc)}" > "$WORK/build.log" 2>&1 \
+cmake --build "$WORK/build" --target llama-server llama-quantize -j "${MAX_JOBS:-$(nproc)}" > "$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log" >&2; exit 1; }
 mkdir -p "$DEST/bin"
-install -m 755 "$WORK/build/bin/llama-server" "$DEST/bin/llama-server"
-echo "$SPEC" > "$DEST/bin/llama-server.version"
-echo "built $DEST/bin/llama-server from $SPEC"
+for tool in llama-server llama-quantize; do
+  install -m 755 "$WORK/build/bin/$tool" "$DEST/bin/$tool"
+  echo "$SPEC" > "$DEST/bin/$tool.version"
+done
+echo "built llama-server and llama-quantize in $DEST/bin from $SPEC"

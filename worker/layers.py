@@ -23,7 +23,7 @@ from shardlm_server.worker.quant import (
     fuse_rows,
     read_blocks,
     read_linear,
-    to_q4x8,
+    regrouped,
 )
 
 #: A linear layer's weight: dense, or kept in GGML blocks on CPU (worker.quant).
@@ -171,12 +171,12 @@ class VocabParallelEmbedding:
 
     def tied_head(self) -> QuantizedWeight | None:
         """The weight of an lm_head tied to this embedding when the table is packed: the same
-        blocks, 4-bit ones regrouped once for the head's kernel (`to_q4x8`; the lookup reads
+        blocks, 4-bit ones regrouped once for the head's kernel (`regrouped`; the lookup reads
         that layout too), so one copy serves both. None for a dense table (the head then
         decides: worker.quant.read_linear with `dense=`)."""
         if not isinstance(self.weight, QuantizedWeight):
             return None
-        self.weight = to_q4x8(self.weight)
+        self.weight = regrouped(self.weight)
         return self.weight
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlm_server.worker import kquant
 from shardlm_server.worker.errors import InvalidRequestError
 
-#: Type ids of the block formats `ops.quant_linear` reads: GGML's, and Q4x8 (ShardLM's own, see
-#: `to_q4x8`).
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100}
+#: Type ids of the block formats `ops.quant_linear` reads: GGML's, and Q4x8 and Q4Kx8 (ShardLM's
+#: own, see `regrouped`).
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101}
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GROUP_ROWS = 8  # rows of a Q4x8 group
@@ -95,6 +96,14 @@ def to_q4x8(weight: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight("Q4x8", packed.reshape(groups, -1).contiguous(), weight.shape)
 
 
+def regrouped(weight: QuantizedWeight) -> QuantizedWeight:
+    """The layout the CPU kernels read `weight` in: Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8 for
+    Q4_K (whose rows `read_blocks` keeps to whole groups of 8), the weight itself otherwise."""
+    if weight.qtype == "Q4_K":
+        return QuantizedWeight("Q4Kx8", kquant.to_q4kx8(weight.blocks), weight.shape)
+    return to_q4x8(weight)
+
+
 def _dequantize_q4x8(blocks: torch.Tensor) -> torch.Tensor:
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, GROUP_BLOCK_BYTES)
@@ -114,6 +123,10 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [N, K] of GGML blocks, computed as GGML does (the reference of quant_linear)."""
     if qtype == "Q4x8":
         return _dequantize_q4x8(blocks)
+    if qtype == "Q4Kx8":
+        return kquant.dequantize_q4kx8(blocks)
+    if qtype == "Q4_K":
+        return kquant.dequantize_q4_k(blocks)
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).float()
@@ -154,6 +167,10 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     a few rows, so the table stays packed)."""
     if weight.qtype == "Q4x8":
         return _q4x8_rows(weight.blocks, rows)
+    if weight.qtype == "Q4Kx8":  # the rows' groups whole, then each row out of its group
+        groups = kquant.dequantize_q4kx8(weight.blocks.index_select(0, rows // GROUP_ROWS))
+        picked = torch.arange(len(rows), device=rows.device) * GROUP_ROWS + rows % GROUP_ROWS
+        return groups.index_select(0, picked)
     return dequantize_blocks(weight.blocks.index_select(0, rows), weight.qtype)
 
 
@@ -204,7 +221,13 @@ def read_blocks(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
         return None
     packed = reader.read_packed(name, shape, shard_dim=shard_dim, rank=rank,
                                 world_size=world_size)
-    if packed is None or packed.qtype not in BLOCK_BYTES:
+    if packed is None:
+        return None
+    if packed.qtype == "Q5_0":
+        return QuantizedWeight("Q8_0", kquant.q5_0_to_q8_0(packed.blocks), packed.shape)
+    if packed.qtype == "Q4_K" and packed.shape[0] % GROUP_ROWS == 0:
+        return QuantizedWeight("Q4_K", packed.blocks.contiguous(), packed.shape)
+    if packed.qtype not in BLOCK_BYTES:
         return None
     return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
 
@@ -217,7 +240,7 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
     it (see the module notes), else dense in the serving dtype. `dense`, when given, is the slice
     already read (a tied embedding) and is returned when no packed form is made. `regroup=False`
     leaves 4-bit blocks as the file stores them, for parts that `fuse_rows` stacks first."""
-    group = to_q4x8 if regroup else (lambda weight: weight)
+    group = regrouped if regroup else (lambda weight: weight)
     mode = reader.quantize
     if reader.device.type != "cpu" or mode == "none":
         return dense if dense is not None else reader.read(
@@ -236,10 +259,10 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
 def fuse_rows(weights: list[torch.Tensor | QuantizedWeight],
               dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
     """Row-stacked weights for one GEMM: packed when all are packed alike (4-bit ones then
-    regrouped, see `to_q4x8`), else dense."""
+    regrouped, see `regrouped`), else dense."""
     if all(isinstance(w, QuantizedWeight) for w in weights):
         fused = cat_rows(weights)
         if fused is not None:
-            return to_q4x8(fused)
+            return regrouped(fused)
     dense = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
     return torch.cat(dense).contiguous()

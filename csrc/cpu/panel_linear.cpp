@@ -71,8 +71,8 @@ SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t ro
 void unpack(float* panel, int64_t qtype, const uint8_t* w, int64_t g, int64_t k, int64_t stride,
             bool avx2) {
   const int64_t blocks_row_bytes = k / kBlock * block_bytes(qtype);
-  const uint8_t* group = w + g * (qtype == kQ4x8 ? 1 : kGroupRows) * blocks_row_bytes;
-  if (qtype == kQ4x8) return q4x8::unpack_panel(panel, group, k, stride, avx2);
+  const uint8_t* group = w + g * (grouped(qtype) ? 1 : kGroupRows) * blocks_row_bytes;
+  if (grouped(qtype)) return q4x8::unpack_panel(panel, qtype, group, k, stride, avx2);
 #if SHARDLM_HAVE_AVX2
   if (avx2) return unpack_q8_0_avx2(panel, group, blocks_row_bytes, k, stride);
 #endif
@@ -216,7 +216,7 @@ int64_t rows_per_pass(int64_t k) {
 
 bool takes(int64_t qtype, int64_t m, int64_t n) {
   return m >= kMinRows && m <= kMaxRows &&
-         (qtype == kQ4x8 || (qtype == kQ8_0 && n % kGroupRows == 0));
+         (grouped(qtype) || (qtype == kQ8_0 && n % kGroupRows == 0));
 }
 
 template <typename T>

@@ -9,6 +9,11 @@
 // of inputs below 2^-100 going subnormal), so every product is still q * x,
 // for one mask, one conversion and one FMA per 8 weights. The top quant
 // (j = 7) is shifted down instead: masked in place it would read as negative.
+//
+// Q4Kx8 (Q4_K regrouped, quant_blocks.h) has the same quant words per block of
+// 32 weights; only where a block's scale and offset come from differs, so
+// every kernel here is a template over the layout (Q4x8Layout, Q4Kx8Layout)
+// and the arithmetic after the scales is the same.
 #include "q4x8.h"
 
 #include <ATen/Parallel.h>
@@ -31,23 +36,64 @@ using quant::kBlock;
 using quant::kGroupBlockBytes;
 using quant::kGroupRows;
 
-// Row r's quant i (0..31) of the group-block at p.
-inline float quant_of(const uint8_t* p, int64_t r, int64_t i) {
+using quant::kSuperBlocks;
+using quant::kSuperGroupBytes;
+
+// Where block b (32 weights) of a group's 8 rows keeps its 128 bytes of quant
+// words, and its scale d and offset m per row (w = d q + m), for each layout.
+struct Q4x8Layout {
+  static constexpr int64_t kType = quant::kQ4x8;
+  static int64_t group_bytes(int64_t k) { return k / kBlock * kGroupBlockBytes; }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) {
+    return w + b * kGroupBlockBytes + 32;
+  }
+  static float d(const uint8_t* w, int64_t b, int64_t r) {
+    return half_at(w + b * kGroupBlockBytes + 2 * r);
+  }
+  static float m(const uint8_t* w, int64_t b, int64_t r) {
+    return half_at(w + b * kGroupBlockBytes + 16 + 2 * r);
+  }
+};
+
+// Q4_K: d = d_super * scale, m = -(dmin_super * min), each a float16 times a
+// 6-bit integer, so exact in float32, as GGML computes them.
+struct Q4Kx8Layout {
+  static constexpr int64_t kType = quant::kQ4Kx8;
+  static int64_t group_bytes(int64_t k) { return k / (kBlock * kSuperBlocks) * kSuperGroupBytes; }
+  static const uint8_t* super(const uint8_t* w, int64_t b) {
+    return w + b / kSuperBlocks * kSuperGroupBytes;
+  }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) {
+    return super(w, b) + 160 + 128 * (b % kSuperBlocks);
+  }
+  static float d(const uint8_t* w, int64_t b, int64_t r) {
+    const uint8_t* h = super(w, b);
+    return half_at(h + 2 * r) * static_cast<float>(h[32 + 8 * (b % kSuperBlocks) + r]);
+  }
+  static float m(const uint8_t* w, int64_t b, int64_t r) {
+    const uint8_t* h = super(w, b);
+    return -(half_at(h + 16 + 2 * r) * static_cast<float>(h[96 + 8 * (b % kSuperBlocks) + r]));
+  }
+};
+
+// Row r's quant i (0..31) of block b.
+template <class L>
+inline float quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   uint32_t word;
-  std::memcpy(&word, p + 32 + 4 * (8 * (i / 8) + r), sizeof word);
+  std::memcpy(&word, L::quants(w, b) + 4 * (8 * (i / 8) + r), sizeof word);
   return static_cast<float>((word >> (4 * (i % 8))) & 0x0f);
 }
 
+template <class L>
 void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs, int64_t k) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < kGroupRows; ++r) acc[r] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = w + b * kGroupBlockBytes;
     const float* xb = x + b * kBlock;
     for (int64_t r = 0; r < kGroupRows; ++r) {
       float part = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) part += quant_of(p, r, i) * xb[i];
-      acc[r] += half_at(p + 2 * r) * part + half_at(p + 16 + 2 * r) * xs[b];
+      for (int64_t i = 0; i < kBlock; ++i) part += quant_of<L>(w, b, r, i) * xb[i];
+      acc[r] += L::d(w, b, r) * part + L::m(w, b, r) * xs[b];
     }
   }
 }
@@ -57,16 +103,50 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs,
 constexpr float kScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
 
 #if SHARDLM_HAVE_AVX2
+SHARDLM_AVX2 inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+SHARDLM_AVX2 inline __m256 bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's 8 scales and 8 offsets, one row a lane.
+template <class L>
+SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m256& m) {
+  if constexpr (L::kType == quant::kQ4x8) {
+    d = halves8(w + b * kGroupBlockBytes);
+    m = halves8(w + b * kGroupBlockBytes + 16);
+  } else {
+    const uint8_t* h = L::super(w, b);
+    const int64_t s = b % kSuperBlocks;
+    d = _mm256_mul_ps(halves8(h), bytes8(h + 32 + 8 * s));
+    m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(h + 16), bytes8(h + 96 + 8 * s)));
+  }
+}
+
+// The lines of block b ahead of the one read: its quant words, and with the
+// first block of a Q4_K super-block that super-block's header.
+template <class L>
+SHARDLM_AVX2 inline void prefetch_block(const uint8_t* w, int64_t b, int64_t next = 0) {
+  const uint8_t* q = L::quants(w, b);
+  for (const uint8_t* line : {q - 32, q + 32, q + 96}) {
+    cpu::avx2::prefetch_ahead(line);
+    if (next) cpu::avx2::prefetch_ahead(line + next);
+  }
+}
+
 // One group-block: d * sum(q x) into `sum`, m * sum(x) into `offsets`; four
 // chains of FMAs, so consecutive quants do not wait on one accumulator.
-SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t* p,
+template <class L>
+SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t* w, int64_t b,
                                     const float* xb, float xsum) {
-  cpu::avx2::prefetch_ahead(p);
-  cpu::avx2::prefetch_ahead(p + 64);
-  cpu::avx2::prefetch_ahead(p + 128);
+  prefetch_block<L>(w, b);
+  const uint8_t* qw = L::quants(w, b);
   __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
   for (int s = 0; s < 4; ++s) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
     const float* x8 = xb + 8 * s;
 #define SHARDLM_Q4X8_STEP(acc_, j_)                                                       \
   acc_ = _mm256_fmadd_ps(                                                                  \
@@ -83,44 +163,43 @@ SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t*
     c3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)),
                          _mm256_broadcast_ss(x8 + 7), c3);
   }
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  __m256 d, m;
+  scales_avx2<L>(w, b, d, m);
   sum = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)), sum);
   offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), offsets);
 }
 
 // Two chains of blocks, so consecutive blocks do not wait on one accumulator.
+template <class L>
 SHARDLM_AVX2 void group_avx2(float* acc, const uint8_t* w, const float* xp, const float* xs,
                              int64_t k) {
   const int64_t blocks = k / kBlock;
   __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0, off0 = sum0, off1 = sum0;
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
-    block_avx2(sum0, off0, w + b * kGroupBlockBytes, xp + b * kBlock, xs[b]);
-    block_avx2(sum1, off1, w + (b + 1) * kGroupBlockBytes, xp + (b + 1) * kBlock, xs[b + 1]);
+    block_avx2<L>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
+    block_avx2<L>(sum1, off1, w, b + 1, xp + (b + 1) * kBlock, xs[b + 1]);
   }
-  if (b < blocks) block_avx2(sum0, off0, w + b * kGroupBlockBytes, xp + b * kBlock, xs[b]);
+  if (b < blocks) block_avx2<L>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
   _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(sum0, sum1), _mm256_add_ps(off0, off1)));
 }
 
 // R input rows against one group: each unpacked vector of quants feeds R FMAs,
 // so the unpacking is paid once per R rows (decode batches). Two chains per
 // row (even and odd quants) keep 2R FMAs in flight.
-template <int R>
+template <class L, int R>
 SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64_t x_stride,
                             const float* xs, int64_t xs_stride, int64_t k) {
   const int64_t blocks = k / kBlock;
   __m256 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = w + b * kGroupBlockBytes;
-    cpu::avx2::prefetch_ahead(p);
-    cpu::avx2::prefetch_ahead(p + 64);
-    cpu::avx2::prefetch_ahead(p + 128);
+    prefetch_block<L>(w, b);
+    const uint8_t* qw = L::quants(w, b);
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int s = 0; s < 4; ++s) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -133,8 +212,8 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
         }
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    __m256 d, m;
+    scales_avx2<L>(w, b, d, m);
     for (int r = 0; r < R; ++r) {
       sum[r] = _mm256_fmadd_ps(d, _mm256_add_ps(even[r], odd[r]),
                                _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * xs_stride + b]), sum[r]));
@@ -144,18 +223,20 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
 }
 
 // Quant j, masked in place (q * 2^4j), times d * 2^-4j is q * d exactly (d is a
-// float16, far from float32's subnormals), so one FMA gives d * q + m rounded
-// once, as the reference's float32 d * q + m.
+// float16, or for Q4_K a float16 times a 6-bit integer, far from float32's
+// subnormals), so one FMA gives d * q + m rounded once, as the reference's
+// float32 d * q + m (q * d needs at most 4 + 17 bits: exact).
+template <class L>
 SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* p = w + b * kGroupBlockBytes;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    __m256 d, m;
+    scales_avx2<L>(w, b, d, m);
+    const uint8_t* qw = L::quants(w, b);
     __m256 scale[8];
     for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kScale[j]));
     float* o = panel + b * kBlock * stride;
     for (int s = 0; s < 4; ++s) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * s));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m256 q = _mm256_cvtepi32_ps(
@@ -193,12 +274,35 @@ SHARDLM_AVX512 inline __m512 halves_pair(const uint8_t* p, int64_t next) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + next)), 1));
 }
 
+// The 8 bytes at p and the 8 at p + next as 16 floats.
+SHARDLM_AVX512 inline __m512 bytes_pair(const uint8_t* p, int64_t next) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + next));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+}
+
+// scales_avx2 for block b of the groups at w and w + next.
+template <class L>
+SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
+                                       __m512& m) {
+  if constexpr (L::kType == quant::kQ4x8) {
+    d = halves_pair(w + b * kGroupBlockBytes, next);
+    m = halves_pair(w + b * kGroupBlockBytes + 16, next);
+  } else {
+    const uint8_t* h = L::super(w, b);
+    const int64_t s = b % kSuperBlocks;
+    d = _mm512_mul_ps(halves_pair(h, next), bytes_pair(h + 32 + 8 * s, next));
+    m = _mm512_sub_ps(_mm512_setzero_ps(),
+                      _mm512_mul_ps(halves_pair(h + 16, next), bytes_pair(h + 96 + 8 * s, next)));
+  }
+}
+
 // rows_avx2 for the groups at w and w + next at once: acc[16 i + l] for input
 // row i and lane l (g's 8 rows, then g + 1's). The quants are masked in place
 // against the pre-scaled input as in the AVX2 kernels, each unpacked vector
 // feeding R FMAs; 8 / R chains per row keep about 8 FMAs in flight, what two
 // 512-bit FMA units with a latency of 4 need.
-template <int R>
+template <class L, int R>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const float* xp,
                                 int64_t x_stride, const float* xs, int64_t xs_stride, int64_t k) {
   constexpr int kChains = R == 1 ? 8 : R == 2 ? 4 : 2;
@@ -206,17 +310,14 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = w + b * kGroupBlockBytes;
-    for (int64_t line = 0; line < kGroupBlockBytes; line += 64) {
-      cpu::avx2::prefetch_ahead(p + line);
-      cpu::avx2::prefetch_ahead(p + next + line);
-    }
+    prefetch_block<L>(w, b, next);
+    const uint8_t* qw = L::quants(w, b);
     __m512 c[R][kChains];
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < kChains; ++h) c[r][h] = _mm512_setzero_ps();
     }
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = load_pair(p + 32 + 32 * s, next);
+      const __m512i v = load_pair(qw + 32 * s, next);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -229,8 +330,8 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
         }
       }
     }
-    const __m512 d = halves_pair(p, next);
-    const __m512 m = halves_pair(p + 16, next);
+    __m512 d, m;
+    scales_pair<L>(w, next, b, d, m);
     for (int r = 0; r < R; ++r) {
       for (int width = kChains / 2; width > 0; width /= 2) {
         for (int h = 0; h < width; ++h) c[r][h] = _mm512_add_ps(c[r][h], c[r][h + width]);
@@ -242,50 +343,39 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 2 * kGroupRows * r, sum[r]);
 }
 
+template <class L>
 void pair_dot(float* acc, const uint8_t* w, int64_t next, const float* xp, int64_t x_stride,
               const float* xs, int64_t xs_stride, int64_t rows, int64_t k) {
   switch (rows) {
-    case 1: return pair_avx512<1>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 2: return pair_avx512<2>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 3: return pair_avx512<3>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    default: return pair_avx512<4>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 1: return pair_avx512<L, 1>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 2: return pair_avx512<L, 2>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 3: return pair_avx512<L, 3>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    default: return pair_avx512<L, 4>(acc, w, next, xp, x_stride, xs, xs_stride, k);
   }
 }
 #endif
 
-}  // namespace
-
-const float* prepare(const float* x, int64_t count, bool avx2) {
-  if (!avx2) return x;
-  thread_local std::vector<float> scaled;
-  if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
-  // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
-  for (int64_t i = 0; i < count; i += 8) {  // count is a multiple of 32
-    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kScale[j];
-  }
-  return scaled.data();
-}
-
+template <class L>
 void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, const float* xs,
               int64_t xs_stride, int64_t rows, int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
     switch (rows) {
-      case 1: return group_avx2(acc, w, xp, xs, k);
-      case 2: return rows_avx2<2>(acc, w, xp, x_stride, xs, xs_stride, k);
-      case 3: return rows_avx2<3>(acc, w, xp, x_stride, xs, xs_stride, k);
-      default: return rows_avx2<4>(acc, w, xp, x_stride, xs, xs_stride, k);
+      case 1: return group_avx2<L>(acc, w, xp, xs, k);
+      case 2: return rows_avx2<L, 2>(acc, w, xp, x_stride, xs, xs_stride, k);
+      case 3: return rows_avx2<L, 3>(acc, w, xp, x_stride, xs, xs_stride, k);
+      default: return rows_avx2<L, 4>(acc, w, xp, x_stride, xs, xs_stride, k);
     }
   }
 #endif
   (void)avx2;
   for (int64_t r = 0; r < rows; ++r) {
-    group_scalar(acc + kGroupRows * r, w, xp + r * x_stride, xs + r * xs_stride, k);
+    group_scalar<L>(acc + kGroupRows * r, w, xp + r * x_stride, xs + r * xs_stride, k);
   }
 }
 
 // rows[r * k + i] = panel[8 i + r]: a panel back into 8 row-major rows.
-static void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2) {
+void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) return panel_to_rows_avx2(rows, panel, k);
 #endif
@@ -295,11 +385,27 @@ static void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2)
   }
 }
 
-template <typename T>
-void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
-          int64_t n, int64_t k) {
+template <class L>
+void unpack_panel_of(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) return unpack_panel_avx2<L>(panel, w, k, stride);
+#endif
+  (void)avx2;
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const float d = L::d(w, b, r), m = L::m(w, b, r);
+      for (int64_t i = 0; i < kBlock; ++i) {
+        panel[(b * kBlock + i) * stride + r] = d * quant_of<L>(w, b, r, i) + m;
+      }
+    }
+  }
+}
+
+template <class L, typename T>
+void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
+             int64_t n, int64_t k) {
+  const int64_t group_bytes = L::group_bytes(k);
   const int64_t blocks = k / kBlock;
-  const int64_t group_bytes = blocks * kGroupBlockBytes;
   const int64_t groups = n / kGroupRows;
   const bool avx2 = cpu::use_avx2();
   // AVX-512 takes the groups in pairs (pair_dot); an odd last one takes rows_dot.
@@ -316,13 +422,13 @@ void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bi
         const int64_t rows = std::min(kMaxRows, m - m0);
 #if SHARDLM_HAVE_AVX2
         if (width == 2 * kGroupRows) {
-          pair_dot(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k, xs + m0 * blocks,
-                   blocks, rows, k);
+          pair_dot<L>(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k, xs + m0 * blocks,
+                      blocks, rows, k);
         } else
 #endif
         {
-          rows_dot(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows, k,
-                   avx2);
+          rows_dot<L>(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows,
+                      k, avx2);
         }
         for (int64_t i = 0; i < rows; ++i) {
           for (int64_t l = 0; l < width; ++l) {
@@ -336,40 +442,57 @@ void gemv(T* out, const uint8_t* w, const float* x, const float* xs, const T* bi
   });
 }
 
-template void gemv<float>(float*, const uint8_t*, const float*, const float*, const float*,
-                          int64_t, int64_t, int64_t);
-template void gemv<c10::BFloat16>(c10::BFloat16*, const uint8_t*, const float*, const float*,
-                                  const c10::BFloat16*, int64_t, int64_t, int64_t);
-template void gemv<c10::Half>(c10::Half*, const uint8_t*, const float*, const float*,
-                              const c10::Half*, int64_t, int64_t, int64_t);
-
-void unpack_panel(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
-#if SHARDLM_HAVE_AVX2
-  if (avx2) return unpack_panel_avx2(panel, w, k, stride);
-#endif
-  (void)avx2;
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* p = w + b * kGroupBlockBytes;
-    for (int64_t r = 0; r < kGroupRows; ++r) {
-      const float d = half_at(p + 2 * r), m = half_at(p + 16 + 2 * r);
-      for (int64_t i = 0; i < kBlock; ++i) {
-        panel[(b * kBlock + i) * stride + r] = d * quant_of(p, r, i) + m;
-      }
-    }
-  }
-}
-
-void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  const int64_t group_bytes = k / kBlock * kGroupBlockBytes;
+template <class L>
+void dequantize_rows_of(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+  const int64_t group_bytes = L::group_bytes(k);
   const bool avx2 = cpu::use_avx2();
   at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> panel;
     if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
     for (int64_t g = begin; g < end; ++g) {
-      unpack_panel(panel.data(), w + g * group_bytes, k, kGroupRows, avx2);
+      unpack_panel_of<L>(panel.data(), w + g * group_bytes, k, kGroupRows, avx2);
       panel_to_rows(dst + (g * kGroupRows - n0) * k, panel.data(), k, avx2);
     }
   });
+}
+
+}  // namespace
+
+const float* prepare(const float* x, int64_t count, bool avx2) {
+  if (!avx2) return x;
+  thread_local std::vector<float> scaled;
+  if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
+  // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
+  for (int64_t i = 0; i < count; i += 8) {  // count is a multiple of 32
+    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kScale[j];
+  }
+  return scaled.data();
+}
+
+template <typename T>
+void gemv(T* out, int64_t qtype, const uint8_t* w, const float* x, const float* xs,
+          const T* bias, int64_t m, int64_t n, int64_t k) {
+  if (qtype == quant::kQ4Kx8) return gemv_of<Q4Kx8Layout>(out, w, x, xs, bias, m, n, k);
+  gemv_of<Q4x8Layout>(out, w, x, xs, bias, m, n, k);
+}
+
+template void gemv<float>(float*, int64_t, const uint8_t*, const float*, const float*,
+                          const float*, int64_t, int64_t, int64_t);
+template void gemv<c10::BFloat16>(c10::BFloat16*, int64_t, const uint8_t*, const float*,
+                                  const float*, const c10::BFloat16*, int64_t, int64_t, int64_t);
+template void gemv<c10::Half>(c10::Half*, int64_t, const uint8_t*, const float*, const float*,
+                              const c10::Half*, int64_t, int64_t, int64_t);
+
+void unpack_panel(float* panel, int64_t qtype, const uint8_t* w, int64_t k, int64_t stride,
+                  bool avx2) {
+  if (qtype == quant::kQ4Kx8) return unpack_panel_of<Q4Kx8Layout>(panel, w, k, stride, avx2);
+  unpack_panel_of<Q4x8Layout>(panel, w, k, stride, avx2);
+}
+
+void dequantize_rows(float* dst, int64_t qtype, const uint8_t* w, int64_t n0, int64_t n1,
+                     int64_t k) {
+  if (qtype == quant::kQ4Kx8) return dequantize_rows_of<Q4Kx8Layout>(dst, w, n0, n1, k);
+  dequantize_rows_of<Q4x8Layout>(dst, w, n0, n1, k);
 }
 
 }  // namespace shardlm::cpu::q4x8

@@ -30,25 +30,44 @@ constexpr int64_t kBlock = 32;  // weights per block
 //               in bits 4j .. 4j+3
 // so w[8g + r][32b + 8s + j] = d[r] * q + m[r]. The tensor is uint8
 // [N / 8, K / 32 * 160]; worker/quant.py converts to and from it.
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100 };
+//
+// Q4Kx8 (id 101, ShardLM's own) holds GGML's Q4_K weights regrouped the same
+// way. Q4_K keeps 256 weights as 8 sub-blocks of 32 with 6-bit scales and
+// mins under a float16 d and dmin: w = d * sc[s] * q - dmin * mn[s]. Per group
+// of 8 rows and super-block of 256 weights, 1184 bytes:
+//   d[8], dmin[8]   float16, row r's super-block scales
+//   sc[8][8]        uint8: sc[s][r], row r's scale of sub-block s
+//   mn[8][8]        uint8: mn[s][r], row r's min of sub-block s
+//   q[8][4][8]      uint32: sub-block s's quant words, as a Q4x8 block's
+// so sub-block s reads as a Q4x8 block with d = d[r] * sc[s][r] and
+// m = -(dmin[r] * mn[s][r]), float16 times a 6-bit integer: exact in float32,
+// as GGML computes them. The tensor is uint8 [N / 8, K / 256 * 1184].
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101 };
 
-constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 group
+constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
 constexpr int64_t kGroupBlockBytes = 160;  // one Q4x8 group-block
+constexpr int64_t kSuperBlocks = 8;        // 32-weight blocks of a Q4_K super-block
+constexpr int64_t kSuperGroupBytes = 1184;  // one Q4Kx8 group's super-block
 
-// Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows), or 0
-// when the kernel does not read that type.
+// Whether `qtype` is one of the 8-row grouped layouts (q4x8.h).
+constexpr bool grouped(int64_t qtype) { return qtype == kQ4x8 || qtype == kQ4Kx8; }
+
+// Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
+// Q4Kx8 the same per 32 weights, an eighth of a super-block), or 0 when the
+// kernel does not read that type.
 inline int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
     case kQ4x8: return kGroupBlockBytes;
+    case kQ4Kx8: return kSuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
 }
 
 // Weight rows per row of the blocks tensor.
-inline int64_t rows_per_blocks_row(int64_t qtype) { return qtype == kQ4x8 ? kGroupRows : 1; }
+inline int64_t rows_per_blocks_row(int64_t qtype) { return grouped(qtype) ? kGroupRows : 1; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;

@@ -27,6 +27,7 @@ from shardlm_server.worker.quant import (
     quantize,
     to_q4x8,
 )
+from tests.worker.ops.test_kquant import q4_k_weight
 
 if ops.USE_REFERENCE:
     pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
@@ -231,15 +232,18 @@ def _run(tmp_path, inputs_file, level: str):
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
     # Q4x8 in 5 and 7 groups of 8 rows: AVX-512 takes groups in pairs for decode and in fours
-    # (then twos, then ones) for the panel, so odd counts leave every remainder.
-    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q8_0 in groups"):
+    # (then twos, then ones) for the panel, so odd counts leave every remainder. Q4Kx8 (Q4_K,
+    # test_kquant.py) runs the same kernels with its own scales.
+    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q8_0 in groups", "Q4Kx8"):
         for m in (1, 2, 3, 4, 5, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
-            if qtype.startswith("Q4x8"):
+            if qtype == "Q4Kx8":
+                w = q4_k_weight(56, 512, seed=m)
+            elif qtype.startswith("Q4x8"):
                 rows = 56 if "7 groups" in qtype else 40
                 w = to_q4x8(ggml_weight(rows, 288, "Q4_1", seed=m))
             else:
                 w = ggml_weight(40 if qtype == "Q8_0 in groups" else 37, 288, qtype[:4], seed=m)
-            inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, 288), "qtype": w.qtype,
+            inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, w.shape[1]), "qtype": w.qtype,
                                         "blocks": w.blocks, "shape": w.shape,
                                         "b": torch.randn(w.shape[0])}
     inputs_file = tmp_path / "inputs.pt"
