@@ -1,0 +1,108 @@
+"""GGML's Q4_K and Q5_0 blocks, and the layouts the CPU kernels read them in (tensors only).
+
+Q4_K (144 bytes per 256 weights): float16 d and dmin, 12 bytes of 6-bit scales and mins for the
+8 sub-blocks of 32 weights, then 128 bytes of nibbles: bytes 32c .. 32c+31 hold sub-block 2c in
+their low nibbles and 2c+1 in their high ones. A weight is d * sc[s] * q - dmin * mn[s].
+`to_q4kx8` regroups it into Q4Kx8 (csrc/cpu/quant_blocks.h: 8 rows side by side, each sub-block's
+quants as a Q4x8 block's words), which the Q4x8 kernels read with per-sub-block scales; the
+dequantizers here are the kernels' reference and compute as GGML does: (d * sc) * q - dmin * mn
+in float32, where both products are exact.
+
+Q5_0 (22 bytes per 32 weights): float16 d, 32 high bits, 16 bytes of nibbles (weight i in the
+low nibble of byte i, i + 16 in its high one); w = d * (q - 16) with q in 0..31. `q5_0_to_q8_0`
+stores the same weights as Q8_0 (the signed quant q - 16 fits an int8, d unchanged): exact, and
+read by the Q8_0 kernels, at 34 bytes a block instead of 22.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q4_K_BLOCK_BYTES = 144
+SUPER = 256  # weights per Q4_K block
+SUB_BLOCKS = 8
+Q4KX8_SUPER_BYTES = 1184  # one group of 8 rows, one super-block (quant_blocks.h)
+ROWS = 8  # rows of a Q4Kx8 group
+Q5_0_BLOCK_BYTES = 22
+
+
+def _halves(raw: torch.Tensor) -> torch.Tensor:
+    """Byte pairs [..., 2] as float32 [..., 1]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The raw fields of Q4_K blocks [n, K / 256 * 144]: d and dmin as float16 bytes
+    [n, nb, 2], the scales and mins [n, nb, 8] (uint8, 0..63) and the quants [n, nb, 8, 32]
+    (uint8, 0..15) in weight order."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q4_K_BLOCK_BYTES)
+    q = b[..., 4:16].to(torch.int32)  # GGML's get_scale_min_k4
+    low = torch.cat((q[..., 0:4] & 63, (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)), -1)
+    mins = torch.cat((q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)), -1)
+    qs = b[..., 16:].reshape(n, b.shape[1], 4, 1, 32)
+    quants = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, b.shape[1], SUB_BLOCKS, 32)
+    return b[..., 0:2], b[..., 2:4], low.to(torch.uint8), mins.to(torch.uint8), quants
+
+
+def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q4_K blocks, as GGML computes them."""
+    d, dmin, sc, mn, q = q4_k_parts(blocks)
+    scale = (_halves(d) * sc.float()).unsqueeze(-1)  # [n, nb, 8, 1], exact
+    offset = (_halves(dmin) * mn.float()).unsqueeze(-1)
+    return (scale * q.float() - offset).reshape(blocks.shape[0], -1)
+
+
+def to_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [n, K / 256 * 144] (n a multiple of 8) as Q4Kx8 [n / 8, K / 256 * 1184]."""
+    n = blocks.shape[0]
+    d, dmin, sc, mn, q = q4_k_parts(blocks)
+    groups, supers = n // ROWS, d.shape[1]
+
+    def by_group(field: torch.Tensor) -> torch.Tensor:  # [n, nb, w] -> [g, nb, 8 w], row-minor
+        width = field.shape[-1]
+        return (field.reshape(groups, ROWS, supers, width).permute(0, 2, 1, 3)
+                .reshape(groups, supers, ROWS * width))
+
+    def by_sub(field: torch.Tensor) -> torch.Tensor:  # [n, nb, 8] -> [g, nb, 64]: [s][r]
+        return (field.reshape(groups, ROWS, supers, SUB_BLOCKS).permute(0, 2, 3, 1)
+                .reshape(groups, supers, SUB_BLOCKS * ROWS))
+
+    quants = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 4, 8)  # [g, r, nb, sub, s, j]
+    words = (quants[..., 0::2] | (quants[..., 1::2] << 4)).permute(0, 2, 3, 4, 1, 5)
+    packed = torch.cat((by_group(d), by_group(dmin), by_sub(sc), by_sub(mn),
+                        words.reshape(groups, supers, SUB_BLOCKS * 128)), dim=-1)
+    return packed.reshape(groups, -1).contiguous()
+
+
+def dequantize_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q4Kx8 blocks [N / 8, K / 256 * 1184], as GGML computes the Q4_K ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q4KX8_SUPER_BYTES)
+    supers = b.shape[1]
+
+    def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 16] -> [g, r, nb, 1, 1]
+        return _halves(raw.reshape(groups, supers, ROWS, 2)).permute(0, 2, 1, 3).unsqueeze(-1)
+
+    def by_sub(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 64] -> [g, r, nb, sub, 1]
+        return raw.reshape(groups, supers, SUB_BLOCKS, ROWS).permute(0, 3, 1, 2).unsqueeze(-1)
+
+    words = b[..., 160:].reshape(groups, supers, SUB_BLOCKS, 4, ROWS, 4)  # [g, nb, sub, s, r, byte]
+    q = torch.stack((words & 0x0F, words >> 4), dim=-1)  # [..., byte, 2]: quant 2 byte + h
+    q = q.reshape(groups, supers, SUB_BLOCKS, 4, ROWS, 8).permute(0, 4, 1, 2, 3, 5)
+    q = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32).float()
+    scale = by_row(b[..., 0:16]) * by_sub(b[..., 32:96]).float()
+    offset = by_row(b[..., 16:32]) * by_sub(b[..., 96:160]).float()
+    return (scale * q - offset).reshape(groups * ROWS, supers * SUPER)
+
+
+def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [n, K / 32 * 22] as Q8_0 [n, K / 32 * 34]: the same weights exactly."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q5_0_BLOCK_BYTES)
+    high = b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 1], little-endian as GGML's
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32], weight order
+    qs = b[..., 6:]
+    low = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
+    quants = (low | (bits << 4)) - 16
+    return torch.cat((b[..., 0:2], quants.to(torch.int8).view(torch.uint8)), -1).reshape(n, -1)
