@@ -198,11 +198,12 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
     case 8: block_bytes = 34; break;  // Q8_0
     case 100: block_bytes = 160; break;  // Q4x8: a block of 8 rows (cpu/quant_blocks.h)
     case 101: block_bytes = 1184; break;  // Q4Kx8: a super-block of 8 rows and 256 weights
+    case 102: block_bytes = 1680; break;  // Q6Kx8: likewise
     default: TORCH_CHECK(false, op, ": block type ", qtype, " is not supported (Q4_0 = 2, "
-                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101)");
+                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101, Q6Kx8 = 102)");
   }
   const int64_t rows_per_row = qtype >= 100 ? 8 : 1;
-  const int64_t weights_per_block = qtype == 101 ? 256 : 32;
+  const int64_t weights_per_block = qtype > 100 ? 256 : 32;
   check_float(input, "input", op);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
               ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),

@@ -8,6 +8,11 @@ quants as a Q4x8 block's words), which the Q4x8 kernels read with per-sub-block 
 dequantizers here are the kernels' reference and compute as GGML does: (d * sc) * q - dmin * mn
 in float32, where both products are exact.
 
+Q6_K (210 bytes per 256 weights): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+scales (one per 16 weights), then a float16 d; w = d * sc[i / 16] * (q - 32) with q in 0..63.
+`to_q6kx8` regroups it into Q6Kx8 (quant_blocks.h), read by csrc/cpu/q6kx8.cpp; the reference
+computes (d * sc) * (q - 32) in float32, the first product exact, as GGML does.
+
 Q5_0 (22 bytes per 32 weights): float16 d, 32 high bits, 16 bytes of nibbles (weight i in the
 low nibble of byte i, i + 16 in its high one); w = d * (q - 16) with q in 0..31. `q5_0_to_q8_0`
 stores the same weights as Q8_0 (the signed quant q - 16 fits an int8, d unchanged): exact, and
@@ -24,6 +29,8 @@ SUB_BLOCKS = 8
 Q4KX8_SUPER_BYTES = 1184  # one group of 8 rows, one super-block (quant_blocks.h)
 ROWS = 8  # rows of a Q4Kx8 group
 Q5_0_BLOCK_BYTES = 22
+Q6_K_BLOCK_BYTES = 210
+Q6KX8_SUPER_BYTES = 1680  # one group of 8 rows, one super-block (quant_blocks.h)
 
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
@@ -106,3 +113,69 @@ def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     low = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
     quants = (low | (bits << 4)) - 16
     return torch.cat((b[..., 0:2], quants.to(torch.int8).view(torch.uint8)), -1).reshape(n, -1)
+
+
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fields of Q6_K blocks [n, K / 256 * 210]: d as float16 bytes [n, nb, 2], the int8
+    scales [n, nb, 16] and the quants [n, nb, 256] (uint8, 0..63) in weight order."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q6_K_BLOCK_BYTES)
+    supers = b.shape[1]
+    low = b[..., 0:128].reshape(n, supers, 2, 64)  # per half of 128 weights
+    high = b[..., 128:192].reshape(n, supers, 2, 32)
+    nibbles = torch.cat((low & 0x0F, low >> 4), dim=-1)  # weights 0..63, then 64..127
+    pairs = torch.cat([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    quants = (nibbles | (pairs << 4)).reshape(n, supers, SUPER)
+    return b[..., 208:210], b[..., 192:208].contiguous().view(torch.int8), quants
+
+
+def _q6_values(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
+    """(d * sc) * (q - 32) per weight: d [..., 1] float32, scales [..., 16], quants [..., 256]."""
+    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
+    return scale * (quants.float() - 32)
+
+
+def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q6_K blocks, as GGML computes them."""
+    d, scales, quants = q6_k_parts(blocks)
+    return _q6_values(_halves(d), scales, quants).reshape(blocks.shape[0], -1)
+
+
+def to_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [n, K / 256 * 210] (n a multiple of 8) as Q6Kx8 [n / 8, K / 256 * 1680]."""
+    n = blocks.shape[0]
+    d, scales, quants = q6_k_parts(blocks)
+    groups, supers = n // ROWS, d.shape[1]
+    d_bytes = d.reshape(groups, ROWS, supers, 2).permute(0, 2, 1, 3).reshape(groups, supers, 16)
+    sc = (scales.view(torch.uint8).reshape(groups, ROWS, supers, 16).permute(0, 2, 3, 1)
+          .reshape(groups, supers, 128))
+    q = quants.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)  # [g, r, nb, block, i]
+    nibbles = (q & 0x0F).reshape(groups, ROWS, supers, SUB_BLOCKS, 4, 4, 2)  # [.., s, byte, h]
+    low = (nibbles[..., 0] | (nibbles[..., 1] << 4)).permute(0, 2, 3, 4, 1, 5)  # [g,nb,b,s,r,4]
+    pairs = (q >> 4).reshape(groups, ROWS, supers, SUB_BLOCKS, 2, 4, 4)  # [.., t, byte, field]
+    high = (pairs[..., 0] | (pairs[..., 1] << 2) | (pairs[..., 2] << 4) | (pairs[..., 3] << 6))
+    high = high.permute(0, 2, 3, 4, 1, 5)  # [g, nb, block, t, r, 4]
+    words = torch.cat((low.reshape(groups, supers, SUB_BLOCKS, 128),
+                       high.reshape(groups, supers, SUB_BLOCKS, 64)), dim=-1)
+    packed = torch.cat((d_bytes, sc, words.reshape(groups, supers, SUB_BLOCKS * 192)), dim=-1)
+    return packed.reshape(groups, -1).contiguous()
+
+
+def dequantize_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q6Kx8 blocks [N / 8, K / 256 * 1680], as GGML computes the Q6_K ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q6KX8_SUPER_BYTES)
+    supers = b.shape[1]
+    d = _halves(b[..., 0:16].reshape(groups, supers, ROWS, 2)).permute(0, 2, 1, 3)  # [g,r,nb,1]
+    scales = b[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
+    words = b[..., 144:].reshape(groups, supers, SUB_BLOCKS, 192)
+    low = words[..., 0:128].reshape(groups, supers, SUB_BLOCKS, 4, ROWS, 4)  # [.., s, r, byte]
+    nibbles = torch.stack((low & 0x0F, low >> 4), dim=-1).reshape(
+        groups, supers, SUB_BLOCKS, 4, ROWS, 8).permute(0, 4, 1, 2, 3, 5)  # [g,r,nb,b,s,j]
+    high = words[..., 128:].reshape(groups, supers, SUB_BLOCKS, 2, ROWS, 4)  # [.., t, r, byte]
+    pairs = torch.stack([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1).reshape(
+        groups, supers, SUB_BLOCKS, 2, ROWS, 16).permute(0, 4, 1, 2, 3, 5)  # [g,r,nb,b,t,j]
+    quants = (nibbles.reshape(groups, ROWS, supers, SUPER)
+              | (pairs.reshape(groups, ROWS, supers, SUPER) << 4))
+    values = _q6_values(d, scales.permute(0, 3, 1, 2), quants)  # [g, r, nb, 256]
+    return values.reshape(groups * ROWS, supers * SUPER)

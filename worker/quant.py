@@ -28,7 +28,9 @@ from shardlm_server.worker.errors import InvalidRequestError
 
 #: Type ids of the block formats `ops.quant_linear` reads: GGML's, and Q4x8 and Q4Kx8 (ShardLM's
 #: own, see `regrouped`).
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101}
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102}
+#: GGML's K-quant types kept packed, each regrouped into its 8-row layout (`regrouped`).
+K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6kx8)}
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GROUP_ROWS = 8  # rows of a Q4x8 group
@@ -97,10 +99,12 @@ def to_q4x8(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def regrouped(weight: QuantizedWeight) -> QuantizedWeight:
-    """The layout the CPU kernels read `weight` in: Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8 for
-    Q4_K (whose rows `read_blocks` keeps to whole groups of 8), the weight itself otherwise."""
-    if weight.qtype == "Q4_K":
-        return QuantizedWeight("Q4Kx8", kquant.to_q4kx8(weight.blocks), weight.shape)
+    """The layout the CPU kernels read `weight` in: Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8 and
+    Q6Kx8 for Q4_K and Q6_K (whose rows `read_blocks` keeps to whole groups of 8), the weight
+    itself otherwise."""
+    if weight.qtype in K_LAYOUTS:
+        layout, convert = K_LAYOUTS[weight.qtype]
+        return QuantizedWeight(layout, convert(weight.blocks), weight.shape)
     return to_q4x8(weight)
 
 
@@ -119,14 +123,16 @@ def _dequantize_q4x8(blocks: torch.Tensor) -> torch.Tensor:
     return w.reshape(groups * GROUP_ROWS, nblocks * BLOCK)
 
 
+_K_DEQUANTIZERS = {"Q4_K": kquant.dequantize_q4_k, "Q4Kx8": kquant.dequantize_q4kx8,
+                   "Q6_K": kquant.dequantize_q6_k, "Q6Kx8": kquant.dequantize_q6kx8}
+
+
 def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [N, K] of GGML blocks, computed as GGML does (the reference of quant_linear)."""
     if qtype == "Q4x8":
         return _dequantize_q4x8(blocks)
-    if qtype == "Q4Kx8":
-        return kquant.dequantize_q4kx8(blocks)
-    if qtype == "Q4_K":
-        return kquant.dequantize_q4_k(blocks)
+    if qtype in _K_DEQUANTIZERS:
+        return _K_DEQUANTIZERS[qtype](blocks)
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).float()
@@ -167,8 +173,8 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     a few rows, so the table stays packed)."""
     if weight.qtype == "Q4x8":
         return _q4x8_rows(weight.blocks, rows)
-    if weight.qtype == "Q4Kx8":  # the rows' groups whole, then each row out of its group
-        groups = kquant.dequantize_q4kx8(weight.blocks.index_select(0, rows // GROUP_ROWS))
+    if weight.qtype in ("Q4Kx8", "Q6Kx8"):  # the rows' groups whole, then each row of its group
+        groups = dequantize_blocks(weight.blocks.index_select(0, rows // GROUP_ROWS), weight.qtype)
         picked = torch.arange(len(rows), device=rows.device) * GROUP_ROWS + rows % GROUP_ROWS
         return groups.index_select(0, picked)
     return dequantize_blocks(weight.blocks.index_select(0, rows), weight.qtype)
@@ -225,8 +231,8 @@ def read_blocks(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
         return None
     if packed.qtype == "Q5_0":
         return QuantizedWeight("Q8_0", kquant.q5_0_to_q8_0(packed.blocks), packed.shape)
-    if packed.qtype == "Q4_K" and packed.shape[0] % GROUP_ROWS == 0:
-        return QuantizedWeight("Q4_K", packed.blocks.contiguous(), packed.shape)
+    if packed.qtype in K_LAYOUTS and packed.shape[0] % GROUP_ROWS == 0:
+        return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
     if packed.qtype not in BLOCK_BYTES:
         return None
     return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)

@@ -42,15 +42,31 @@ constexpr int64_t kBlock = 32;  // weights per block
 // so sub-block s reads as a Q4x8 block with d = d[r] * sc[s][r] and
 // m = -(dmin[r] * mn[s][r]), float16 times a 6-bit integer: exact in float32,
 // as GGML computes them. The tensor is uint8 [N / 8, K / 256 * 1184].
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101 };
+//
+// Q6Kx8 (id 102) holds GGML's Q6_K: 256 weights as 16 halves of 16 with int8
+// scales under a float16 d, 6-bit quants: w = d * sc[h] * (q - 32). Per group
+// of 8 rows and super-block, 1680 bytes (Q6_K's 6.5625 bits a weight):
+//   d[8]            float16
+//   sc[16][8]       int8: sc[h][r], row r's scale of weights 16h .. 16h+15
+//   per block b of 32 weights (8 of them), 192 bytes:
+//     q[4][8]       uint32: the quants' low nibbles, as a Q4x8 block's words
+//     hq[2][8]      uint32: hq[t][r] holds the high two bits of row r's quant
+//                   16t + j in bits 2j .. 2j+1
+// (q6kx8.cpp). The tensor is uint8 [N / 8, K / 256 * 1680].
+enum QType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102
+};
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
 constexpr int64_t kGroupBlockBytes = 160;  // one Q4x8 group-block
 constexpr int64_t kSuperBlocks = 8;        // 32-weight blocks of a Q4_K super-block
 constexpr int64_t kSuperGroupBytes = 1184;  // one Q4Kx8 group's super-block
+constexpr int64_t kQ6SuperGroupBytes = 1680;  // one Q6Kx8 group's super-block
 
-// Whether `qtype` is one of the 8-row grouped layouts (q4x8.h).
-constexpr bool grouped(int64_t qtype) { return qtype == kQ4x8 || qtype == kQ4Kx8; }
+// Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
+constexpr bool grouped(int64_t qtype) {
+  return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8;
+}
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
 // Q4Kx8 the same per 32 weights, an eighth of a super-block), or 0 when the
@@ -62,6 +78,7 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ8_0: return 34;
     case kQ4x8: return kGroupBlockBytes;
     case kQ4Kx8: return kSuperGroupBytes / kSuperBlocks;
+    case kQ6Kx8: return kQ6SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
 }

@@ -34,6 +34,7 @@
 #include "quant_blocks.h"
 #include "panel_linear.h"
 #include "q4x8.h"
+#include "q6kx8.h"
 
 namespace shardlm {
 namespace {
@@ -329,6 +330,7 @@ void gemv(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t
 // W rows [n0, n1) as float32 into `dst` ([n1 - n0, K]), the reference's values exactly.
 template <int64_t kType>
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+  if constexpr (kType == kQ6Kx8) return cpu::q6kx8::dequantize_rows(dst, w, n0, n1, k);
   if constexpr (grouped(kType)) return cpu::q4x8::dequantize_rows(dst, kType, w, n0, n1, k);
   const int64_t blocks = k / kBlock;
   const int64_t row_bytes = blocks * block_bytes(kType);
@@ -382,7 +384,9 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
     } else if (m > gemv_max_rows(kType)) {
       tiled_gemm<kType>(out, a, w, bias, m, n, k);
     } else {
-      if constexpr (grouped(kType)) {
+      if constexpr (kType == kQ6Kx8) {
+        cpu::q6kx8::gemv(o, w, a.x, b, m, n, k);
+      } else if constexpr (grouped(kType)) {
         cpu::q4x8::gemv(o, kType, w, a.x, a.xs, b, m, n, k);
       } else {
         gemv<kType>(o, w, a, b, m, n, k);
@@ -404,6 +408,7 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kQ4_1: return quant_linear_typed<kQ4_1>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ4x8: return quant_linear_typed<kQ4x8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ4Kx8: return quant_linear_typed<kQ4Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kQ6Kx8: return quant_linear_typed<kQ6Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }
 }

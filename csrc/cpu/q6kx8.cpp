@@ -1,0 +1,420 @@
+// Q6Kx8 (quant_blocks.h): GGML's Q6_K, 8 weight rows side by side. A 6-bit
+// quant is its low nibble, in a Q4x8 block's words, plus two high bits in
+// words of 16 two-bit fields; each half of a 32-weight block has its own
+// scale d * sc (float16 times int8: exact in float32, as GGML computes it).
+//
+// The dot product of a half is d * sc * (sum(lo x) + 16 sum(hi x) - 32 sum(x)).
+// As in q4x8.cpp, fields are masked in place rather than shifted down, against
+// inputs pre-scaled to match by powers of two (exact): the nibble of quant 8s+j
+// by 2^-4j, the two bits of quant 16t+j by 16 * 2^-2j, which also folds in the
+// high bits' weight of 16. Each top field is shifted down instead (masked in
+// place it would read as negative).
+#include "q6kx8.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_utils.h"
+#include "quant_blocks.h"
+#include "simd.h"
+
+namespace shardlm::cpu::q6kx8 {
+namespace {
+
+using cpu::from_f;
+using cpu::to_f;
+using quant::half_at;
+using quant::kBlock;
+using quant::kGroupRows;
+using quant::kQ6SuperGroupBytes;
+using quant::kSuperBlocks;
+
+constexpr int64_t kHalf = 16;          // weights per scale
+constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
+constexpr int64_t kBlockBytes = 192;   // nibble words (128), high-bit words (64)
+constexpr int64_t kMaxRows = 4;        // input rows per pass over a group
+
+inline const uint8_t* super_of(const uint8_t* w, int64_t b) {
+  return w + b / kSuperBlocks * kQ6SuperGroupBytes;
+}
+
+// Block b's nibble words; its high-bit words follow 128 bytes on.
+inline const uint8_t* words_of(const uint8_t* w, int64_t b) {
+  return super_of(w, b) + kHeaderBytes + kBlockBytes * (b % kSuperBlocks);
+}
+
+// Byte offset, in the super-block, of the 8 rows' int8 scales of half h of block b.
+inline int64_t scales_at(int64_t b, int64_t h) { return 16 + 8 * (2 * (b % kSuperBlocks) + h); }
+
+inline float scale_of(const uint8_t* w, int64_t b, int64_t h, int64_t r) {
+  const uint8_t* s = super_of(w, b);
+  return half_at(s + 2 * r) * static_cast<float>(static_cast<int8_t>(s[scales_at(b, h) + r]));
+}
+
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+}
+
+// Row r's quant i (0..31) of block b, 0..63.
+inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
+  const uint8_t* q = words_of(w, b);
+  const uint32_t lo = (word_at(q + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
+  const uint32_t hi = (word_at(q + 128 + 4 * (8 * (i / kHalf) + r)) >> (2 * (i % kHalf))) & 3;
+  return static_cast<int>(lo | (hi << 4));
+}
+
+// acc[r] = dot(row r, x) for one input row; xs16 holds x's 16-element sums.
+void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs16, int64_t k) {
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      for (int64_t h = 0; h < 2; ++h) {
+        float part = 0.f;
+        for (int64_t i = kHalf * h; i < kHalf * (h + 1); ++i) {
+          part += static_cast<float>(quant_of(w, b, r, i)) * x[b * kBlock + i];
+        }
+        total += scale_of(w, b, h, r) * (part - 32.f * xs16[2 * b + h]);
+      }
+    }
+    acc[r] = total;
+  }
+}
+
+// 2^-4j for nibble j (1 for the top one, shifted down), 16 * 2^-2j for the
+// two bits j (16 for the top ones).
+constexpr float kNibbleScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
+                                   0x1p-24f, 1.f};
+constexpr float kBitsScale[16] = {0x1p4f,   0x1p2f,   1.f,      0x1p-2f,  0x1p-4f,  0x1p-6f,
+                                  0x1p-8f,  0x1p-10f, 0x1p-12f, 0x1p-14f, 0x1p-16f, 0x1p-18f,
+                                  0x1p-20f, 0x1p-22f, 0x1p-24f, 0x1p4f};
+
+// The inputs as the kernels read them, in thread-local buffers valid until the
+// next call on this thread: pre-scaled for the nibbles and for the high bits
+// (SIMD paths only), and the 16-element sums.
+struct Inputs {
+  const float* nibble_x;
+  const float* bits_x;
+  const float* sums;
+};
+
+Inputs prepare(const float* x, int64_t count, bool simd) {
+  thread_local std::vector<float> nibble, bits, sums;
+  sums.resize(count / kHalf);
+  for (int64_t i = 0; i < count / kHalf; ++i) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kHalf; ++j) s += x[kHalf * i + j];
+    sums[i] = s;
+  }
+  if (!simd) return {x, x, sums.data()};
+  nibble.resize(count);
+  bits.resize(count);
+  // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
+  for (int64_t i = 0; i < count; i += kHalf) {
+    for (int64_t j = 0; j < kHalf; ++j) {
+      nibble[i + j] = x[i + j] * kNibbleScale[j % 8];
+      bits[i + j] = x[i + j] * kBitsScale[j];
+    }
+  }
+  return {nibble.data(), bits.data(), sums.data()};
+}
+
+#if SHARDLM_HAVE_AVX2
+SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m256 d) {
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h))))));
+}
+
+// R input rows against one group; C chains per half and row keep about 8 FMAs
+// in flight.
+template <int R>
+SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int64_t stride,
+                            int64_t k) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m256 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* q = words_of(w, b);
+    cpu::avx2::prefetch_ahead(q);
+    cpu::avx2::prefetch_ahead(q + 64);
+    cpu::avx2::prefetch_ahead(q + 128);
+    __m256 c[R][2][C];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < C; ++i) c[r][h][i] = _mm256_setzero_ps();
+      }
+    }
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+      const float* x8 = in.nibble_x + b * kBlock + 8 * s;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256 f = _mm256_cvtepi32_ps(
+            j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
+                  : _mm256_srli_epi32(v, 28));
+        for (int r = 0; r < R; ++r) {
+          __m256& chain = c[r][s / 2][j % C];
+          chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x8 + r * stride + j), chain);
+        }
+      }
+    }
+    for (int t = 0; t < 2; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * t));
+      const float* x16 = in.bits_x + b * kBlock + kHalf * t;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const __m256 f = _mm256_cvtepi32_ps(
+            j < 15 ? _mm256_and_si256(v, _mm256_set1_epi32(3 << (2 * j)))
+                   : _mm256_srli_epi32(v, 30));
+        for (int r = 0; r < R; ++r) {
+          __m256& chain = c[r][t][(j + 1) % C];
+          chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x16 + r * stride + j), chain);
+        }
+      }
+    }
+    const uint8_t* sp = super_of(w, b);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 part = c[r][h][0];
+        for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][h][i]);
+        const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
+        part = _mm256_fnmadd_ps(_mm256_set1_ps(32.f), _mm256_set1_ps(xsum), part);
+        sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + kGroupRows * r, sum[r]);
+}
+
+// ---- AVX-512F: the groups at w and w + next side by side, 16 rows a vector ---------
+
+SHARDLM_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t next) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + next)), 1);
+}
+
+SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h,
+                                         __m512 d) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h)));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + scales_at(b, h)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
+}
+
+template <int R>
+SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const Inputs& in,
+                                int64_t stride, int64_t k) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* q = words_of(w, b);
+    for (int64_t line = 0; line < kBlockBytes; line += 64) {
+      cpu::avx2::prefetch_ahead(q + line);
+      cpu::avx2::prefetch_ahead(q + next + line);
+    }
+    __m512 c[R][2][C];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < C; ++i) c[r][h][i] = _mm512_setzero_ps();
+      }
+    }
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = load_pair(q + 32 * s, next);
+      const float* x8 = in.nibble_x + b * kBlock + 8 * s;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512 f = _mm512_cvtepi32_ps(
+            j < 7 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0f << (4 * j)))
+                  : _mm512_srli_epi32(v, 28));
+        for (int r = 0; r < R; ++r) {
+          __m512& chain = c[r][s / 2][j % C];
+          chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x8[r * stride + j]), chain);
+        }
+      }
+    }
+    for (int t = 0; t < 2; ++t) {
+      const __m512i v = load_pair(q + 128 + 32 * t, next);
+      const float* x16 = in.bits_x + b * kBlock + kHalf * t;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const __m512 f = _mm512_cvtepi32_ps(
+            j < 15 ? _mm512_and_si512(v, _mm512_set1_epi32(3 << (2 * j)))
+                   : _mm512_srli_epi32(v, 30));
+        for (int r = 0; r < R; ++r) {
+          __m512& chain = c[r][t][(j + 1) % C];
+          chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x16[r * stride + j]), chain);
+        }
+      }
+    }
+    const uint8_t* sp = super_of(w, b);
+    const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + next)), 1));
+    const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        __m512 part = c[r][h][0];
+        for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][h][i]);
+        const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
+        part = _mm512_fnmadd_ps(_mm512_set1_ps(32.f), _mm512_set1_ps(xsum), part);
+        sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 2 * kGroupRows * r, sum[r]);
+}
+
+// The quants 8s .. 8s+7 of block b as integers 0..63 minus 32, one row a lane.
+SHARDLM_AVX2 inline void signed_quants(const uint8_t* q, int s, __m256i out[8]) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+  const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2)));
+  const __m256i hv8 = _mm256_srlv_epi32(hv, _mm256_set1_epi32(16 * (s % 2)));
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(v, 4 * j), _mm256_set1_epi32(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(hv8, 2 * j), _mm256_set1_epi32(3));
+    out[j] = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                              _mm256_set1_epi32(32));
+  }
+}
+
+// (d * sc) * (q - 32), one rounding, as the reference computes it.
+SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* sp = super_of(w, b);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
+    const uint8_t* q = words_of(w, b);
+    for (int s = 0; s < 4; ++s) {
+      __m256i quants[8];
+      signed_quants(q, s, quants);
+      float* o = panel + (b * kBlock + 8 * s) * stride;
+      for (int j = 0; j < 8; ++j) {
+        _mm256_storeu_ps(o + j * stride,
+                         _mm256_mul_ps(scale[s / 2], _mm256_cvtepi32_ps(quants[j])));
+      }
+    }
+  }
+}
+#endif
+
+void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, int64_t rows,
+              int64_t k, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) {
+    switch (rows) {
+      case 1: return rows_avx2<1>(acc, w, in, stride, k);
+      case 2: return rows_avx2<2>(acc, w, in, stride, k);
+      case 3: return rows_avx2<3>(acc, w, in, stride, k);
+      default: return rows_avx2<4>(acc, w, in, stride, k);
+    }
+  }
+#endif
+  (void)avx2;
+  for (int64_t r = 0; r < rows; ++r) {
+    group_scalar(acc + kGroupRows * r, w, in.nibble_x + r * stride,
+                 in.sums + r * stride / kHalf, k);
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+void pair_dot(float* acc, const uint8_t* w, int64_t next, const Inputs& in, int64_t stride,
+              int64_t rows, int64_t k) {
+  switch (rows) {
+    case 1: return pair_avx512<1>(acc, w, next, in, stride, k);
+    case 2: return pair_avx512<2>(acc, w, next, in, stride, k);
+    case 3: return pair_avx512<3>(acc, w, next, in, stride, k);
+    default: return pair_avx512<4>(acc, w, next, in, stride, k);
+  }
+}
+#endif
+
+// Input rows `m0` on, as rows_dot and pair_dot read them.
+Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
+  return {in.nibble_x + m0 * k, in.bits_x + m0 * k, in.sums + m0 * k / kHalf};
+}
+
+}  // namespace
+
+template <typename T>
+void gemv(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, int64_t n,
+          int64_t k) {
+  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
+  const int64_t groups = n / kGroupRows;
+  const bool avx2 = cpu::use_avx2();
+  const int64_t span = cpu::use_avx512() ? 2 : 1;  // AVX-512 takes groups in pairs
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (span * group_bytes));
+  const Inputs in = prepare(x, m * k, avx2);
+  at::parallel_for(0, (groups + span - 1) / span, grain, [&](int64_t begin, int64_t end) {
+    float acc[kMaxRows * 2 * kGroupRows];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t g = unit * span;
+      const int64_t width = std::min(span, groups - g) * kGroupRows;
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - m0);
+#if SHARDLM_HAVE_AVX2
+        if (width == 2 * kGroupRows) {
+          pair_dot(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows, k);
+        } else
+#endif
+        {
+          rows_dot(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t l = 0; l < width; ++l) {
+            const int64_t j = g * kGroupRows + l;
+            out[(m0 + i) * n + j] =
+                from_f<T>(acc[i * width + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
+          }
+        }
+      }
+    }
+  });
+}
+
+template void gemv<float>(float*, const uint8_t*, const float*, const float*, int64_t, int64_t,
+                          int64_t);
+template void gemv<c10::BFloat16>(c10::BFloat16*, const uint8_t*, const float*,
+                                  const c10::BFloat16*, int64_t, int64_t, int64_t);
+template void gemv<c10::Half>(c10::Half*, const uint8_t*, const float*, const c10::Half*, int64_t,
+                              int64_t, int64_t);
+
+void unpack_panel(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) return unpack_panel_avx2(panel, w, k, stride);
+#endif
+  (void)avx2;
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      for (int64_t i = 0; i < kBlock; ++i) {
+        panel[(b * kBlock + i) * stride + r] =
+            scale_of(w, b, i / kHalf, r) * static_cast<float>(quant_of(w, b, r, i) - 32);
+      }
+    }
+  }
+}
+
+void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
+  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
+  const bool avx2 = cpu::use_avx2();
+  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> panel;
+    panel.resize(k * kGroupRows);
+    for (int64_t g = begin; g < end; ++g) {
+      unpack_panel(panel.data(), w + g * group_bytes, k, kGroupRows, avx2);
+      float* rows = dst + (g * kGroupRows - n0) * k;
+      for (int64_t i = 0; i < k; ++i) {
+        for (int64_t r = 0; r < kGroupRows; ++r) rows[r * k + i] = panel[i * kGroupRows + r];
+      }
+    }
+  });
+}
+
+}  // namespace shardlm::cpu::q6kx8
