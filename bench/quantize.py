@@ -1,0 +1,90 @@
+"""The GGUF files users download, made from one with llama.cpp's own `llama-quantize`.
+
+    python -m bench.quantize                          # the default model as Q4_K_M, Q6_K, Q8_0
+    python -m bench.quantize --model F.gguf --types Q4_K_M,Q5_K_M
+    python -m bench.run --model .bench/models/SmolLM2-135M-Instruct.Q4_K_M.gguf
+
+`make llama-quantize` builds the tool from the same llama.cpp source as `make llama-server`
+(scripts/build_llama_server.sh). A file that is not float already is re-quantized with
+`--allow-requantize` (the default model ships as Q4_1), as a user re-quantizing a download
+would. Files land in .bench/models (git-ignored) and are made once; the tool's log says which
+tensors fell back to another type (rows that are no whole number of 256-weight blocks take
+Q5_0 for Q4_K and Q8_0 for Q6_K). Prints each file's path and its tensor types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import gguf
+
+from bench.serve_process import REPO
+
+BUILD_HINT = "make llama-quantize"
+OUT = REPO / ".bench" / "models"
+DEFAULT_TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
+
+
+def binary() -> Path | None:
+    """$LLAMA_QUANTIZE, else the one `make llama-quantize` built, else PATH."""
+    named = os.environ.get("LLAMA_QUANTIZE")
+    if named:
+        return Path(named) if Path(named).is_file() else None
+    built = REPO / ".bench" / "bin" / "llama-quantize"
+    if built.is_file():
+        return built
+    found = shutil.which("llama-quantize")
+    return Path(found) if found else None
+
+
+def quantized(model: Path, qtype: str, exe: Path, threads: int) -> Path:
+    """`model` as `qtype` (a llama-quantize type name), made unless already there."""
+    stem = model.name.removesuffix(".gguf").rsplit(".", 1)[0]
+    out = OUT / f"{stem}.{qtype}.gguf"
+    if out.is_file():
+        return out
+    OUT.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    done = subprocess.run([str(exe), "--allow-requantize", str(model), str(partial), qtype,
+                           str(threads)], capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize {qtype} failed:\n{done.stderr[-2000:]}")
+    partial.rename(out)
+    return out
+
+
+def tensor_types(path: Path) -> str:
+    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1)
+    return ", ".join(f"{n} x {name}" for name, n in counts.most_common())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="GGUF file; default: SmolLM2")
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES),
+                        help="llama-quantize type names, comma-separated")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    exe = binary()
+    if exe is None:
+        print(f"no llama-quantize (build it: {BUILD_HINT})", file=sys.stderr)
+        return 1
+    if args.model is None:
+        from shardlm_server.gateway.serve.default_model import default_model_path
+
+        args.model = default_model_path()
+    for qtype in args.types.split(","):
+        path = quantized(args.model, qtype.strip(), exe, args.threads)
+        print(f"{path}  ({path.stat().st_size / 1e6:,.0f} MB; matrices: {tensor_types(path)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
