@@ -24,16 +24,22 @@ from bench.serve_process import REPO, ServerProcess, free_port
 BUILD_HINT = "make llama-server"
 
 
-def binary() -> Path | None:
-    """The llama-server to run: $LLAMA_SERVER, else the one `make llama-server` built, else PATH."""
-    named = os.environ.get("LLAMA_SERVER")
+def built_tool(name: str, variable: str) -> Path | None:
+    """The llama.cpp tool `name` to run: the one $`variable` names, else the one
+    scripts/build_llama_server.sh built into .bench/bin, else one on PATH."""
+    named = os.environ.get(variable)
     if named:
         return Path(named) if Path(named).is_file() else None
-    built = REPO / ".bench" / "bin" / "llama-server"
+    built = REPO / ".bench" / "bin" / name
     if built.is_file():
         return built
-    found = shutil.which("llama-server")
+    found = shutil.which(name)
     return Path(found) if found else None
+
+
+def binary() -> Path | None:
+    """The llama-server to run: $LLAMA_SERVER, else the one `make llama-server` built, else PATH."""
+    return built_tool("llama-server", "LLAMA_SERVER")
 
 
 class LlamaServer(ServerProcess):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import gguf
 
+from bench import llama_server
 from bench.serve_process import REPO
 
 BUILD_HINT = "make llama-quantize"
@@ -33,14 +33,7 @@ DEFAULT_TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
 
 def binary() -> Path | None:
     """$LLAMA_QUANTIZE, else the one `make llama-quantize` built, else PATH."""
-    named = os.environ.get("LLAMA_QUANTIZE")
-    if named:
-        return Path(named) if Path(named).is_file() else None
-    built = REPO / ".bench" / "bin" / "llama-quantize"
-    if built.is_file():
-        return built
-    found = shutil.which("llama-quantize")
-    return Path(found) if found else None
+    return llama_server.built_tool("llama-quantize", "LLAMA_QUANTIZE")
 
 
 def quantized(model: Path, qtype: str, exe: Path, threads: int) -> Path:
