@@ -97,8 +97,14 @@ def _encode(values: np.ndarray, qtype: gguf.GGMLQuantizationType,
         return values.astype(np.float16)
     if qtype in QUANTIZABLE:
         return gguf.quants.quantize(values.astype(np.float32), qtype)
+    return random_k_blocks(*values.shape, qtype, rng)
+
+
+def random_k_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType,
+                    rng: np.random.Generator) -> np.ndarray:
+    """K-quant blocks [rows, cols / 256 * bytes] the `gguf` package cannot make: random bytes,
+    float16 scales of a quantizer's size (every field takes every value)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = values.shape
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     for offset in K_SCALE_OFFSETS[qtype]:
         scale = rng.uniform(2e-4, 1e-3, blocks.shape[0]).astype(np.float16)

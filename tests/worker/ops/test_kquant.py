@@ -23,23 +23,15 @@ from shardlm_server.worker.quant import (
     dequantize_rows,
     regrouped,
 )
+from tests.gguf_files import random_k_blocks
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32: summation order only
 
 
-# Bytes per 256-weight block, and where its float16 scales sit.
-K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
-
-
 def k_blocks(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> torch.Tensor:
     """Random `qtype` blocks [n, K / 256 * bytes] with scales like a quantizer's."""
-    size, offsets = K_BLOCKS[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    for at in offsets:
-        scale = (rng.uniform(0.5, 2.0, size=(n, k // 256)) / 64 / np.sqrt(k)).astype(np.float16)
-        raw[..., at:at + 2] = scale.view(np.uint8).reshape(n, k // 256, 2)
-    return torch.from_numpy(raw.reshape(n, -1))
+    return torch.from_numpy(random_k_blocks(n, k, gguf.GGMLQuantizationType[qtype], rng))
 
 
 def k_weight(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> QuantizedWeight:
