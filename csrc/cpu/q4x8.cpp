@@ -16,24 +16,25 @@
 // and the arithmetic after the scales is the same.
 #include "q4x8.h"
 
-#include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "cpu_utils.h"
+#include "grouped.h"
 #include "quant_blocks.h"
 #include "simd.h"
 
 namespace shardlm::cpu::q4x8 {
 namespace {
 
-using cpu::from_f;
-using cpu::to_f;
 using quant::half_at;
 using quant::kBlock;
 using quant::kGroupBlockBytes;
+using grouped::halves_pair;
+using grouped::kMaxRows;
+using grouped::kNibbleScale;
+using grouped::load_pair;
 using quant::kGroupRows;
 
 using quant::kSuperBlocks;
@@ -97,10 +98,6 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs,
     }
   }
 }
-
-// 2^-4j, the factor that undoes quant j's place in its lane (1 for the top
-// quant, which the AVX2 kernels shift down instead).
-constexpr float kScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
 
 #if SHARDLM_HAVE_AVX2
 SHARDLM_AVX2 inline __m256 halves8(const uint8_t* p) {
@@ -233,7 +230,7 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
     scales_avx2<L>(w, b, d, m);
     const uint8_t* qw = L::quants(w, b);
     __m256 scale[8];
-    for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kScale[j]));
+    for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kNibbleScale[j]));
     float* o = panel + b * kBlock * stride;
     for (int s = 0; s < 4; ++s) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
@@ -248,31 +245,7 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
   }
 }
 
-SHARDLM_AVX2 void panel_to_rows_avx2(float* rows, const float* panel, int64_t k) {
-  for (int64_t i = 0; i < k; i += 8) {  // k is a multiple of 32
-    __m256 v[8];
-    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(panel + (i + j) * kGroupRows);
-    cpu::avx2::transpose8(v);
-    for (int r = 0; r < kGroupRows; ++r) _mm256_storeu_ps(rows + r * k + i, v[r]);
-  }
-}
-
 // ---- AVX-512F: two neighbouring groups side by side, one of 16 features a lane ------
-
-// 32 bytes at p (group g) in the low half, the same 32 bytes of group g + 1
-// (`next` bytes on) in the high half.
-SHARDLM_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t next) {
-  return _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + next)), 1);
-}
-
-// The 8 float16 at p and the 8 at p + next as 16 floats.
-SHARDLM_AVX512 inline __m512 halves_pair(const uint8_t* p, int64_t next) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + next)), 1));
-}
 
 // The 8 bytes at p and the 8 at p + next as 16 floats.
 SHARDLM_AVX512 inline __m512 bytes_pair(const uint8_t* p, int64_t next) {
@@ -374,17 +347,6 @@ void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, c
   }
 }
 
-// rows[r * k + i] = panel[8 i + r]: a panel back into 8 row-major rows.
-void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2) {
-#if SHARDLM_HAVE_AVX2
-  if (avx2) return panel_to_rows_avx2(rows, panel, k);
-#endif
-  (void)avx2;
-  for (int64_t i = 0; i < k; ++i) {
-    for (int64_t r = 0; r < kGroupRows; ++r) rows[r * k + i] = panel[i * kGroupRows + r];
-  }
-}
-
 template <class L>
 void unpack_panel_of(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
 #if SHARDLM_HAVE_AVX2
@@ -406,54 +368,27 @@ void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T*
              int64_t n, int64_t k) {
   const int64_t group_bytes = L::group_bytes(k);
   const int64_t blocks = k / kBlock;
-  const int64_t groups = n / kGroupRows;
   const bool avx2 = cpu::use_avx2();
-  // AVX-512 takes the groups in pairs (pair_dot); an odd last one takes rows_dot.
-  const int64_t span = cpu::use_avx512() ? 2 : 1;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (span * group_bytes));
   const float* xp = prepare(x, m * k, avx2);
-  at::parallel_for(0, (groups + span - 1) / span, grain, [&](int64_t begin, int64_t end) {
-    float acc[kMaxRows * 2 * kGroupRows];
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t g = unit * span;
-      const int64_t width = std::min(span, groups - g) * kGroupRows;  // features of this unit
-      // Later input rows find the groups' weights in cache.
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, m - m0);
+  grouped::gemv(out, bias, m, n, group_bytes,
+                [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
 #if SHARDLM_HAVE_AVX2
-        if (width == 2 * kGroupRows) {
-          pair_dot<L>(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k, xs + m0 * blocks,
-                      blocks, rows, k);
-        } else
-#endif
-        {
-          rows_dot<L>(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows,
-                      k, avx2);
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          for (int64_t l = 0; l < width; ++l) {
-            const int64_t j = g * kGroupRows + l;
-            out[(m0 + i) * n + j] =
-                from_f<T>(acc[i * width + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
-          }
-        }
-      }
+    if (width == 2 * kGroupRows) {
+      return pair_dot<L>(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k, xs + m0 * blocks,
+                         blocks, rows, k);
     }
+#endif
+    rows_dot<L>(acc, w + g * group_bytes, xp + m0 * k, k, xs + m0 * blocks, blocks, rows, k,
+                avx2);
   });
 }
 
 template <class L>
 void dequantize_rows_of(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  const int64_t group_bytes = L::group_bytes(k);
-  const bool avx2 = cpu::use_avx2();
-  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> panel;
-    if (static_cast<int64_t>(panel.size()) < k * kGroupRows) panel.resize(k * kGroupRows);
-    for (int64_t g = begin; g < end; ++g) {
-      unpack_panel_of<L>(panel.data(), w + g * group_bytes, k, kGroupRows, avx2);
-      panel_to_rows(dst + (g * kGroupRows - n0) * k, panel.data(), k, avx2);
-    }
-  });
+  grouped::dequantize_rows(dst, w, n0, n1, k, L::group_bytes(k),
+                           [k](float* panel, const uint8_t* group, bool avx2) {
+                             unpack_panel_of<L>(panel, group, k, kGroupRows, avx2);
+                           });
 }
 
 }  // namespace
@@ -464,7 +399,7 @@ const float* prepare(const float* x, int64_t count, bool avx2) {
   if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
   // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
   for (int64_t i = 0; i < count; i += 8) {  // count is a multiple of 32
-    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kScale[j];
+    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kNibbleScale[j];
   }
   return scaled.data();
 }

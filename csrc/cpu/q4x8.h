@@ -15,10 +15,6 @@ namespace shardlm::cpu::q4x8 {
 // portable one as they are.
 const float* prepare(const float* x, int64_t count, bool avx2);
 
-// The most input rows one pass of the matrix-vector kernels takes: each
-// unpacked vector of quants feeds that many input rows.
-constexpr int64_t kMaxRows = 4;
-
 // The group at `w` (8 rows of K) as float32 in `panel` (weight i of row r at
 // stride * i + r: [K][8] for a stride of 8, lanes 0..7 of [K][stride] when
 // groups are unpacked side by side), d * q + m exactly as the reference

@@ -11,31 +11,27 @@
 // place it would read as negative).
 #include "q6kx8.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "cpu_utils.h"
+#include "grouped.h"
 #include "quant_blocks.h"
 #include "simd.h"
 
 namespace shardlm::cpu::q6kx8 {
 namespace {
 
-using cpu::from_f;
-using cpu::to_f;
 using quant::half_at;
 using quant::kBlock;
 using quant::kGroupRows;
 using quant::kQ6SuperGroupBytes;
 using quant::kSuperBlocks;
+using grouped::kNibbleScale;
 
 constexpr int64_t kHalf = 16;          // weights per scale
 constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
 constexpr int64_t kBlockBytes = 192;   // nibble words (128), high-bit words (64)
-constexpr int64_t kMaxRows = 4;        // input rows per pass over a group
 
 inline const uint8_t* super_of(const uint8_t* w, int64_t b) {
   return w + b / kSuperBlocks * kQ6SuperGroupBytes;
@@ -85,10 +81,8 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
   }
 }
 
-// 2^-4j for nibble j (1 for the top one, shifted down), 16 * 2^-2j for the
-// two bits j (16 for the top ones).
-constexpr float kNibbleScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
-                                   0x1p-24f, 1.f};
+// 16 * 2^-2j for the two bits j (16 for the top ones, shifted down); the
+// nibbles take grouped::kNibbleScale.
 constexpr float kBitsScale[16] = {0x1p4f,   0x1p2f,   1.f,      0x1p-2f,  0x1p-4f,  0x1p-6f,
                                   0x1p-8f,  0x1p-10f, 0x1p-12f, 0x1p-14f, 0x1p-16f, 0x1p-18f,
                                   0x1p-20f, 0x1p-22f, 0x1p-24f, 0x1p4f};
@@ -194,12 +188,6 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
 
 // ---- AVX-512F: the groups at w and w + next side by side, 16 rows a vector ---------
 
-SHARDLM_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t next) {
-  return _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + next)), 1);
-}
-
 SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h,
                                          __m512 d) {
   const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h)));
@@ -226,7 +214,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = load_pair(q + 32 * s, next);
+      const __m512i v = grouped::load_pair(q + 32 * s, next);
       const float* x8 = in.nibble_x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -240,7 +228,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     for (int t = 0; t < 2; ++t) {
-      const __m512i v = load_pair(q + 128 + 32 * t, next);
+      const __m512i v = grouped::load_pair(q + 128 + 32 * t, next);
       const float* x16 = in.bits_x + b * kBlock + kHalf * t;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
@@ -254,9 +242,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     const uint8_t* sp = super_of(w, b);
-    const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + next)), 1));
+    const __m512 d = grouped::halves_pair(sp, next);
     const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
@@ -347,35 +333,16 @@ template <typename T>
 void gemv(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, int64_t n,
           int64_t k) {
   const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
-  const int64_t groups = n / kGroupRows;
   const bool avx2 = cpu::use_avx2();
-  const int64_t span = cpu::use_avx512() ? 2 : 1;  // AVX-512 takes groups in pairs
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (span * group_bytes));
   const Inputs in = prepare(x, m * k, avx2);
-  at::parallel_for(0, (groups + span - 1) / span, grain, [&](int64_t begin, int64_t end) {
-    float acc[kMaxRows * 2 * kGroupRows];
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t g = unit * span;
-      const int64_t width = std::min(span, groups - g) * kGroupRows;
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, m - m0);
+  grouped::gemv(out, bias, m, n, group_bytes,
+                [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
 #if SHARDLM_HAVE_AVX2
-        if (width == 2 * kGroupRows) {
-          pair_dot(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows, k);
-        } else
-#endif
-        {
-          rows_dot(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          for (int64_t l = 0; l < width; ++l) {
-            const int64_t j = g * kGroupRows + l;
-            out[(m0 + i) * n + j] =
-                from_f<T>(acc[i * width + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
-          }
-        }
-      }
+    if (width == 2 * kGroupRows) {
+      return pair_dot(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows, k);
     }
+#endif
+    rows_dot(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
   });
 }
 
@@ -402,19 +369,10 @@ void unpack_panel(float* panel, const uint8_t* w, int64_t k, int64_t stride, boo
 }
 
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
-  const bool avx2 = cpu::use_avx2();
-  at::parallel_for(n0 / kGroupRows, n1 / kGroupRows, 2, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> panel;
-    panel.resize(k * kGroupRows);
-    for (int64_t g = begin; g < end; ++g) {
-      unpack_panel(panel.data(), w + g * group_bytes, k, kGroupRows, avx2);
-      float* rows = dst + (g * kGroupRows - n0) * k;
-      for (int64_t i = 0; i < k; ++i) {
-        for (int64_t r = 0; r < kGroupRows; ++r) rows[r * k + i] = panel[i * kGroupRows + r];
-      }
-    }
-  });
+  grouped::dequantize_rows(dst, w, n0, n1, k, k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes,
+                           [k](float* panel, const uint8_t* group, bool avx2) {
+                             unpack_panel(panel, group, k, kGroupRows, avx2);
+                           });
 }
 
 }  // namespace shardlm::cpu::q6kx8
