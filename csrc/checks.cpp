@@ -191,19 +191,23 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
                               const at::Tensor& blocks, int64_t qtype,
                               const std::optional<at::Tensor>& bias) {
   const char* op = "quant_linear";
-  int64_t block_bytes = 0;
+  // Bytes of a block, and its weights; the grouped layouts' blocks span 8 rows
+  // (cpu/quant_blocks.h).
+  int64_t block_bytes = 0, weights_per_block = 32;
   switch (qtype) {
     case 2: block_bytes = 18; break;  // Q4_0
     case 3: block_bytes = 20; break;  // Q4_1
     case 8: block_bytes = 34; break;  // Q8_0
-    case 100: block_bytes = 160; break;  // Q4x8: a block of 8 rows (cpu/quant_blocks.h)
-    case 101: block_bytes = 1184; break;  // Q4Kx8: a super-block of 8 rows and 256 weights
-    case 102: block_bytes = 1680; break;  // Q6Kx8: likewise
+    case 100: block_bytes = 160; break;  // Q4x8
+    case 101: block_bytes = 1184, weights_per_block = 256; break;  // Q4Kx8
+    case 102: block_bytes = 1680, weights_per_block = 256; break;  // Q6Kx8
+    case 103: block_bytes = 176; break;  // Q5x8
+    case 104: block_bytes = 1440, weights_per_block = 256; break;  // Q5Kx8
     default: TORCH_CHECK(false, op, ": block type ", qtype, " is not supported (Q4_0 = 2, "
-                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101, Q6Kx8 = 102)");
+                         "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101, Q6Kx8 = 102, "
+                         "Q5x8 = 103, Q5Kx8 = 104)");
   }
   const int64_t rows_per_row = qtype >= 100 ? 8 : 1;
-  const int64_t weights_per_block = qtype > 100 ? 256 : 32;
   check_float(input, "input", op);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
               ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),

@@ -29,6 +29,9 @@ SUB_BLOCKS = 8
 Q4KX8_SUPER_BYTES = 1184  # one group of 8 rows, one super-block (quant_blocks.h)
 ROWS = 8  # rows of a Q4Kx8 group
 Q5_0_BLOCK_BYTES = 22
+Q5X8_BLOCK_BYTES = 176  # one group of 8 rows, one block of 32 (quant_blocks.h)
+Q5_K_BLOCK_BYTES = 176
+Q5KX8_SUPER_BYTES = 1440  # one group of 8 rows, one super-block (quant_blocks.h)
 Q6_K_BLOCK_BYTES = 210
 Q6KX8_SUPER_BYTES = 1680  # one group of 8 rows, one super-block (quant_blocks.h)
 
@@ -38,18 +41,29 @@ def _halves(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float()
 
 
+def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 sub-blocks' 6-bit scales and mins [..., 8] (uint8) of Q4_K / Q5_K's 12 packed
+    bytes [..., 12], as GGML's get_scale_min_k4 unpacks them."""
+    q = raw.to(torch.int32)
+    low = torch.cat((q[..., 0:4] & 63, (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)), -1)
+    mins = torch.cat((q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)), -1)
+    return low.to(torch.uint8), mins.to(torch.uint8)
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K's 128 nibble bytes [n, nb, 128] as quants [n, nb, 8, 32] in weight order:
+    bytes 32c .. 32c+31 hold sub-block 2c in their low nibbles and 2c+1 in their high ones."""
+    n, supers = qs.shape[:2]
+    q = qs.reshape(n, supers, 4, 1, 32)
+    return torch.cat((q & 0x0F, q >> 4), dim=3).reshape(n, supers, SUB_BLOCKS, 32)
+
+
 def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The raw fields of Q4_K blocks [n, K / 256 * 144]: d and dmin as float16 bytes
     [n, nb, 2], the scales and mins [n, nb, 8] (uint8, 0..63) and the quants [n, nb, 8, 32]
     (uint8, 0..15) in weight order."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, Q4_K_BLOCK_BYTES)
-    q = b[..., 4:16].to(torch.int32)  # GGML's get_scale_min_k4
-    low = torch.cat((q[..., 0:4] & 63, (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)), -1)
-    mins = torch.cat((q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)), -1)
-    qs = b[..., 16:].reshape(n, b.shape[1], 4, 1, 32)
-    quants = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, b.shape[1], SUB_BLOCKS, 32)
-    return b[..., 0:2], b[..., 2:4], low.to(torch.uint8), mins.to(torch.uint8), quants
+    b = blocks.reshape(blocks.shape[0], -1, Q4_K_BLOCK_BYTES)
+    return (b[..., 0:2], b[..., 2:4], *_k_scales(b[..., 4:16]), _k_nibbles(b[..., 16:]))
 
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -60,11 +74,11 @@ def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q.float() - offset).reshape(blocks.shape[0], -1)
 
 
-def to_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K blocks [n, K / 256 * 144] (n a multiple of 8) as Q4Kx8 [n / 8, K / 256 * 1184]."""
-    n = blocks.shape[0]
-    d, dmin, sc, mn, q = q4_k_parts(blocks)
-    groups, supers = n // ROWS, d.shape[1]
+def _k_header(d, dmin, sc, mn) -> torch.Tensor:
+    """Q4Kx8 / Q5Kx8's 160-byte header per group and super-block [g, nb, 160] from the fields
+    `q4_k_parts` gives: d[8], dmin[8] (float16 bytes, row-minor), then sc[8][8], mn[8][8]."""
+    n, supers = d.shape[:2]
+    groups = n // ROWS
 
     def by_group(field: torch.Tensor) -> torch.Tensor:  # [n, nb, w] -> [g, nb, 8 w], row-minor
         width = field.shape[-1]
@@ -75,10 +89,30 @@ def to_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
         return (field.reshape(groups, ROWS, supers, SUB_BLOCKS).permute(0, 2, 3, 1)
                 .reshape(groups, supers, SUB_BLOCKS * ROWS))
 
-    quants = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 4, 8)  # [g, r, nb, sub, s, j]
-    words = (quants[..., 0::2] | (quants[..., 1::2] << 4)).permute(0, 2, 3, 4, 1, 5)
-    packed = torch.cat((by_group(d), by_group(dmin), by_sub(sc), by_sub(mn),
-                        words.reshape(groups, supers, SUB_BLOCKS * 128)), dim=-1)
+    return torch.cat((by_group(d), by_group(dmin), by_sub(sc), by_sub(mn)), dim=-1)
+
+
+def _k_scales_of(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sub-block's scale d * sc and offset dmin * mn (float32, exact) [g, 8, nb, 8, 1] from
+    headers [g, nb, 160]."""
+    groups, supers = header.shape[:2]
+
+    def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 16] -> [g, r, nb, 1, 1]
+        return _halves(raw.reshape(groups, supers, ROWS, 2)).permute(0, 2, 1, 3).unsqueeze(-1)
+
+    def by_sub(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 64] -> [g, r, nb, sub, 1]
+        return raw.reshape(groups, supers, SUB_BLOCKS, ROWS).permute(0, 3, 1, 2).unsqueeze(-1)
+
+    return (by_row(header[..., 0:16]) * by_sub(header[..., 32:96]).float(),
+            by_row(header[..., 16:32]) * by_sub(header[..., 96:160]).float())
+
+
+def to_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [n, K / 256 * 144] (n a multiple of 8) as Q4Kx8 [n / 8, K / 256 * 1184]."""
+    d, dmin, sc, mn, q = q4_k_parts(blocks)
+    groups, supers = blocks.shape[0] // ROWS, d.shape[1]
+    words = nibble_words(q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32))
+    packed = torch.cat((_k_header(d, dmin, sc, mn), words.reshape(groups, supers, -1)), dim=-1)
     return packed.reshape(groups, -1).contiguous()
 
 
@@ -87,32 +121,138 @@ def dequantize_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, Q4KX8_SUPER_BYTES)
     supers = b.shape[1]
-
-    def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 16] -> [g, r, nb, 1, 1]
-        return _halves(raw.reshape(groups, supers, ROWS, 2)).permute(0, 2, 1, 3).unsqueeze(-1)
-
-    def by_sub(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 64] -> [g, r, nb, sub, 1]
-        return raw.reshape(groups, supers, SUB_BLOCKS, ROWS).permute(0, 3, 1, 2).unsqueeze(-1)
-
-    words = b[..., 160:].reshape(groups, supers, SUB_BLOCKS, 4, ROWS, 4)  # [g, nb, sub, s, r, byte]
-    q = torch.stack((words & 0x0F, words >> 4), dim=-1)  # [..., byte, 2]: quant 2 byte + h
-    q = q.reshape(groups, supers, SUB_BLOCKS, 4, ROWS, 8).permute(0, 4, 1, 2, 3, 5)
-    q = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32).float()
-    scale = by_row(b[..., 0:16]) * by_sub(b[..., 32:96]).float()
-    offset = by_row(b[..., 16:32]) * by_sub(b[..., 96:160]).float()
+    scale, offset = _k_scales_of(b[..., :160])
+    q = nibble_quants(b[..., 160:].reshape(groups, supers, SUB_BLOCKS, 128)).float()
     return (scale * q - offset).reshape(groups * ROWS, supers * SUPER)
 
 
-def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q5_0 blocks [n, K / 32 * 22] as Q8_0 [n, K / 32 * 34]: the same weights exactly."""
+def q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`q4_k_parts` for Q5_K blocks [n, K / 256 * 176] (d, dmin, scales, then 32 bytes of high
+    bits and Q4_K's nibbles): quants 0..31, sub-block t's high bits in bit t of bytes 0..31."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q5_K_BLOCK_BYTES)
+    high = (b[..., 16:48].unsqueeze(2) >> torch.arange(SUB_BLOCKS, dtype=torch.uint8)
+            .view(1, 1, SUB_BLOCKS, 1)) & 1  # [n, nb, sub, 32]
+    return (b[..., 0:2], b[..., 2:4], *_k_scales(b[..., 4:16]),
+            _k_nibbles(b[..., 48:]) | (high << 4))
+
+
+def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q5_K blocks, as GGML computes them."""
+    d, dmin, sc, mn, q = q5_k_parts(blocks)
+    scale = (_halves(d) * sc.float()).unsqueeze(-1)
+    offset = (_halves(dmin) * mn.float()).unsqueeze(-1)
+    return (scale * q.float() - offset).reshape(blocks.shape[0], -1)
+
+
+def to_q5kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [n, K / 256 * 176] (n a multiple of 8) as Q5Kx8 [n / 8, K / 256 * 1440]."""
+    d, dmin, sc, mn, q = q5_k_parts(blocks)
+    groups, supers = blocks.shape[0] // ROWS, d.shape[1]
+    q = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)
+    words = torch.cat((high_words(q), nibble_words(q)), dim=-1)  # [g, nb, sub, 160]
+    packed = torch.cat((_k_header(d, dmin, sc, mn), words.reshape(groups, supers, -1)), dim=-1)
+    return packed.reshape(groups, -1).contiguous()
+
+
+def dequantize_q5kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q5Kx8 blocks [N / 8, K / 256 * 1440], as GGML computes the Q5_K ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q5KX8_SUPER_BYTES)
+    supers = b.shape[1]
+    scale, offset = _k_scales_of(b[..., :160])
+    words = b[..., 160:].reshape(groups, supers, SUB_BLOCKS, 160)
+    q = (high_bits(words[..., :32]) | nibble_quants(words[..., 32:])).float()
+    return (scale * q - offset).reshape(groups * ROWS, supers * SUPER)
+
+
+def nibble_words(quants: torch.Tensor) -> torch.Tensor:
+    """Quants [g, 8, *blocks, 32] (their low 4 bits) as each block's nibble words [g, *blocks,
+    128]: word s of row r at bytes 32 s + 4 r, quant 8s + j in bits 4j .. 4j+3 (Q4x8's)."""
+    g, rows, *lead, width = quants.shape
+    q = (quants & 0x0F).reshape(g, rows, *lead, 4, 4, 2)  # [.., s, byte, low/high]
+    words = q[..., 0] | (q[..., 1] << 4)  # [g, r, *blocks, s, byte]
+    order = (0, *range(2, 2 + len(lead)), 2 + len(lead), 1, 3 + len(lead))
+    return words.permute(order).reshape(g, *lead, 128)
+
+
+def nibble_quants(words: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+    """`nibble_words` undone: words [g, *blocks, 128] as quants [g, 8, *blocks, 32] (0..15)."""
+    g, *lead, _ = words.shape
+    w = words.reshape(g, *lead, 4, rows, 4)
+    q = torch.stack((w & 0x0F, w >> 4), dim=-1).reshape(g, *lead, 4, rows, 8)
+    order = (0, 2 + len(lead), *range(1, 1 + len(lead)), 1 + len(lead), 3 + len(lead))
+    return q.permute(order).reshape(g, rows, *lead, 32)
+
+
+_HIGH_BIT = torch.tensor([4 * (i % 8) + i // 8 for i in range(32)])  # quant 8s + j at 4j + s
+
+
+def high_words(quants: torch.Tensor) -> torch.Tensor:
+    """The high bits (bit 4) of quants [g, 8, *blocks, 32] as each block's words [g, *blocks,
+    32]: row r's uint32 at bytes 4 r, quant 8s + j's bit at bit 4j + s (quant_blocks.h)."""
+    g, rows, *lead, _ = quants.shape
+    bits = ((quants.to(torch.int64) >> 4) & 1) << _HIGH_BIT
+    word = bits.sum(-1)  # [g, r, *blocks]
+    bytes_ = torch.stack([(word >> (8 * t)) & 0xFF for t in range(4)], -1).to(torch.uint8)
+    order = (0, *range(2, 2 + len(lead)), 1, 2 + len(lead))
+    return bytes_.permute(order).reshape(g, *lead, 32)
+
+
+def high_bits(words: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+    """`high_words` undone: words [g, *blocks, 32] as bit 4 of quants [g, 8, *blocks, 32]."""
+    g, *lead, _ = words.shape
+    w = words.reshape(g, *lead, rows, 4).to(torch.int64)
+    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+    bits = ((word.unsqueeze(-1) >> _HIGH_BIT) & 1) << 4  # [g, *blocks, r, 32]
+    order = (0, 1 + len(lead), *range(1, 1 + len(lead)), 2 + len(lead))
+    return bits.permute(order).to(torch.uint8)
+
+
+def q5_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fields of Q5_0 blocks [n, K / 32 * 22]: d as float16 bytes [n, nb, 2] and the quants
+    [n, nb, 32] (uint8, 0..31) in weight order."""
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, Q5_0_BLOCK_BYTES)
     high = b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 1], little-endian as GGML's
     bits = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32], weight order
     qs = b[..., 6:]
     low = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
-    quants = (low | (bits << 4)) - 16
-    return torch.cat((b[..., 0:2], quants.to(torch.int8).view(torch.uint8)), -1).reshape(n, -1)
+    return b[..., 0:2], (low | (bits << 4)).to(torch.uint8)
+
+
+def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q5_0 blocks, as GGML computes them: d * (q - 16), exact."""
+    d, q = q5_0_parts(blocks)
+    return (_halves(d) * (q.float() - 16)).reshape(blocks.shape[0], -1)
+
+
+def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [n, K / 32 * 22] as Q8_0 [n, K / 32 * 34]: the same weights exactly (for
+    rows that do not fill groups of 8)."""
+    d, q = q5_0_parts(blocks)
+    quants = (q.to(torch.int32) - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat((d, quants), -1).reshape(blocks.shape[0], -1)
+
+
+def to_q5x8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [n, K / 32 * 22] (n a multiple of 8) as Q5x8 [n / 8, K / 32 * 176]."""
+    d, q = q5_0_parts(blocks)
+    n, nb = q.shape[:2]
+    groups = n // ROWS
+    d = d.reshape(groups, ROWS, nb, 2).permute(0, 2, 1, 3).reshape(groups, nb, 2 * ROWS)
+    q = q.reshape(groups, ROWS, nb, 32)
+    return torch.cat((d, high_words(q), nibble_words(q)), -1).reshape(groups, -1).contiguous()
+
+
+def dequantize_q5x8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q5x8 blocks [N / 8, K / 32 * 176], as GGML computes the Q5_0 ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q5X8_BLOCK_BYTES)
+    nb = b.shape[1]
+    d = _halves(b[..., 0:16].reshape(groups, nb, ROWS, 2)).permute(0, 2, 1, 3)  # [g, r, nb, 1]
+    q = high_bits(b[..., 16:48]) | nibble_quants(b[..., 48:])  # [g, r, nb, 32]
+    return (d * (q.float() - 16)).reshape(groups * ROWS, nb * 32)
 
 
 def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

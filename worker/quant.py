@@ -10,7 +10,9 @@ side, the same weights), the layout the matrix-vector kernel reads fastest.
 
 Where weights come from (`read_linear`):
 - a GGUF tensor of a kernel type stays packed (a rank's row slice, or a column slice on block
-  boundaries); any other type (F16, K-quants, ...) is dequantized at load as before;
+  boundaries): Q4_0, Q4_1 and Q8_0 as stored, Q4_K, Q5_K, Q6_K and Q5_0 regrouped into their
+  8-row layouts (kquant.py) where the rows fill groups of 8 (Q5_0 otherwise as Q8_0, exact);
+  any other type (F16, Q5_1, Q2_K, Q3_K, ...) is dequantized at load;
 - `quantize="int8"` / `"int4"` quantizes the remaining dense weights at load, weight-only, per
   32-weight block: int8 symmetric into Q8_0, int4 with scale and minimum into Q4_1;
 - `quantize="none"` dequantizes everything, and on a GPU every weight is dense (dequantized at
@@ -26,11 +28,16 @@ import torch
 from shardlm_server.worker import kquant
 from shardlm_server.worker.errors import InvalidRequestError
 
-#: Type ids of the block formats `ops.quant_linear` reads: GGML's, and Q4x8 and Q4Kx8 (ShardLM's
-#: own, see `regrouped`).
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102}
-#: GGML's K-quant types kept packed, each regrouped into its 8-row layout (`regrouped`).
-K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6kx8)}
+#: Type ids of the block formats `ops.quant_linear` reads: GGML's, and the 8-row layouts
+#: (ShardLM's own, see `regrouped`).
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102,
+              "Q5x8": 103, "Q5Kx8": 104}
+#: GGML types the kernels read only regrouped into an 8-row layout (`regrouped`), so kept packed
+#: where a weight's rows fill groups of 8.
+K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6kx8),
+             "Q5_K": ("Q5Kx8", kquant.to_q5kx8), "Q5_0": ("Q5x8", kquant.to_q5x8)}
+#: The 8-row layouts whose rows `dequantize_rows` takes from whole dequantized groups.
+GROUPED_LAYOUTS = ("Q4Kx8", "Q6Kx8", "Q5x8", "Q5Kx8")
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GROUP_ROWS = 8  # rows of a Q4x8 group
@@ -99,9 +106,9 @@ def to_q4x8(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def regrouped(weight: QuantizedWeight) -> QuantizedWeight:
-    """The layout the CPU kernels read `weight` in: Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8 and
-    Q6Kx8 for Q4_K and Q6_K (whose rows `read_blocks` keeps to whole groups of 8), the weight
-    itself otherwise."""
+    """The layout the CPU kernels read `weight` in: Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8,
+    Q6Kx8, Q5Kx8 and Q5x8 for Q4_K, Q6_K, Q5_K and Q5_0 (whose rows `read_blocks` keeps to
+    whole groups of 8), the weight itself otherwise."""
     if weight.qtype in K_LAYOUTS:
         layout, convert = K_LAYOUTS[weight.qtype]
         return QuantizedWeight(layout, convert(weight.blocks), weight.shape)
@@ -124,7 +131,9 @@ def _dequantize_q4x8(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _K_DEQUANTIZERS = {"Q4_K": kquant.dequantize_q4_k, "Q4Kx8": kquant.dequantize_q4kx8,
-                   "Q6_K": kquant.dequantize_q6_k, "Q6Kx8": kquant.dequantize_q6kx8}
+                   "Q6_K": kquant.dequantize_q6_k, "Q6Kx8": kquant.dequantize_q6kx8,
+                   "Q5_K": kquant.dequantize_q5_k, "Q5Kx8": kquant.dequantize_q5kx8,
+                   "Q5_0": kquant.dequantize_q5_0, "Q5x8": kquant.dequantize_q5x8}
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -173,7 +182,7 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     a few rows, so the table stays packed)."""
     if weight.qtype == "Q4x8":
         return _q4x8_rows(weight.blocks, rows)
-    if weight.qtype in ("Q4Kx8", "Q6Kx8"):  # the rows' groups whole, then each row of its group
+    if weight.qtype in GROUPED_LAYOUTS:  # the rows' groups whole, then each row of its group
         groups = dequantize_blocks(weight.blocks.index_select(0, rows // GROUP_ROWS), weight.qtype)
         picked = torch.arange(len(rows), device=rows.device) * GROUP_ROWS + rows % GROUP_ROWS
         return groups.index_select(0, picked)
@@ -229,10 +238,10 @@ def read_blocks(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
                                 world_size=world_size)
     if packed is None:
         return None
-    if packed.qtype == "Q5_0":
-        return QuantizedWeight("Q8_0", kquant.q5_0_to_q8_0(packed.blocks), packed.shape)
     if packed.qtype in K_LAYOUTS and packed.shape[0] % GROUP_ROWS == 0:
         return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
+    if packed.qtype == "Q5_0":  # rows that do not fill groups: the same weights as Q8_0
+        return QuantizedWeight("Q8_0", kquant.q5_0_to_q8_0(packed.blocks), packed.shape)
     if packed.qtype not in BLOCK_BYTES:
         return None
     return QuantizedWeight(packed.qtype, packed.blocks.contiguous(), packed.shape)
@@ -265,8 +274,12 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
 def fuse_rows(weights: list[torch.Tensor | QuantizedWeight],
               dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
     """Row-stacked weights for one GEMM: packed when all are packed alike (4-bit ones then
-    regrouped, see `regrouped`), else dense."""
+    regrouped, see `regrouped`), or Q5_0 beside Q8_0 (llama-quantize's mixes: a Q4_K_M file's
+    attn_v) all as Q8_0, exactly; else dense."""
     if all(isinstance(w, QuantizedWeight) for w in weights):
+        if len({w.qtype for w in weights}) > 1 and {w.qtype for w in weights} <= {"Q5_0", "Q8_0"}:
+            weights = [QuantizedWeight("Q8_0", kquant.q5_0_to_q8_0(w.blocks), w.shape)
+                       if w.qtype == "Q5_0" else w for w in weights]
         fused = cat_rows(weights)
         if fused is not None:
             return regrouped(fused)

@@ -1,6 +1,6 @@
-// What the kernels of the 8-row grouped layouts (quant_blocks.h: Q4x8 and
-// Q4Kx8 in q4x8.cpp, Q6Kx8 in q6kx8.cpp) share: the loop of the matrix-vector
-// product over groups (threads split them, AVX-512 takes them in pairs), the
+// What the kernels of the 8-row grouped layouts (quant_blocks.h: Q4x8, Q5x8,
+// Q4Kx8 and Q5Kx8 in q4x8.cpp, Q6Kx8 in q6kx8.cpp) share: the loop of the
+// matrix-vector product over groups (threads split them, AVX-512 takes them in pairs), the
 // loop that dequantizes rows group by group through a panel, and the loads
 // that join two neighbouring groups in one 512-bit register.
 #pragma once

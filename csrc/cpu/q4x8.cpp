@@ -10,80 +10,34 @@
 // for one mask, one conversion and one FMA per 8 weights. The top quant
 // (j = 7) is shifted down instead: masked in place it would read as negative.
 //
-// Q4Kx8 (Q4_K regrouped, quant_blocks.h) has the same quant words per block of
-// 32 weights; only where a block's scale and offset come from differs, so
-// every kernel here is a template over the layout (Q4x8Layout, Q4Kx8Layout)
-// and the arithmetic after the scales is the same.
+// Q4Kx8, Q5x8 and Q5Kx8 (Q4_K, Q5_0 and Q5_K regrouped, quant_blocks.h) have
+// the same quant words per block of 32 weights, the 5-bit ones with a word of
+// high bits beside them that joins each quant before it is masked in place
+// (nibble_layouts.h); only where a block's scale and offset come from differs,
+// so every kernel here is a template over the layout and the arithmetic after
+// the scales is the same.
 #include "q4x8.h"
 
-
-#include <cstring>
 #include <vector>
 
 #include "cpu_utils.h"
 #include "grouped.h"
+#include "nibble_layouts.h"
 #include "quant_blocks.h"
 #include "simd.h"
 
 namespace shardlm::cpu::q4x8 {
 namespace {
 
-using quant::half_at;
-using quant::kBlock;
-using quant::kGroupBlockBytes;
 using grouped::halves_pair;
 using grouped::kMaxRows;
 using grouped::kNibbleScale;
 using grouped::load_pair;
+using quant::half_at;
+using quant::kBlock;
 using quant::kGroupRows;
-
 using quant::kSuperBlocks;
-using quant::kSuperGroupBytes;
-
-// Where block b (32 weights) of a group's 8 rows keeps its 128 bytes of quant
-// words, and its scale d and offset m per row (w = d q + m), for each layout.
-struct Q4x8Layout {
-  static constexpr int64_t kType = quant::kQ4x8;
-  static int64_t group_bytes(int64_t k) { return k / kBlock * kGroupBlockBytes; }
-  static const uint8_t* quants(const uint8_t* w, int64_t b) {
-    return w + b * kGroupBlockBytes + 32;
-  }
-  static float d(const uint8_t* w, int64_t b, int64_t r) {
-    return half_at(w + b * kGroupBlockBytes + 2 * r);
-  }
-  static float m(const uint8_t* w, int64_t b, int64_t r) {
-    return half_at(w + b * kGroupBlockBytes + 16 + 2 * r);
-  }
-};
-
-// Q4_K: d = d_super * scale, m = -(dmin_super * min), each a float16 times a
-// 6-bit integer, so exact in float32, as GGML computes them.
-struct Q4Kx8Layout {
-  static constexpr int64_t kType = quant::kQ4Kx8;
-  static int64_t group_bytes(int64_t k) { return k / (kBlock * kSuperBlocks) * kSuperGroupBytes; }
-  static const uint8_t* super(const uint8_t* w, int64_t b) {
-    return w + b / kSuperBlocks * kSuperGroupBytes;
-  }
-  static const uint8_t* quants(const uint8_t* w, int64_t b) {
-    return super(w, b) + 160 + 128 * (b % kSuperBlocks);
-  }
-  static float d(const uint8_t* w, int64_t b, int64_t r) {
-    const uint8_t* h = super(w, b);
-    return half_at(h + 2 * r) * static_cast<float>(h[32 + 8 * (b % kSuperBlocks) + r]);
-  }
-  static float m(const uint8_t* w, int64_t b, int64_t r) {
-    const uint8_t* h = super(w, b);
-    return -(half_at(h + 16 + 2 * r) * static_cast<float>(h[96 + 8 * (b % kSuperBlocks) + r]));
-  }
-};
-
-// Row r's quant i (0..31) of block b.
-template <class L>
-inline float quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
-  uint32_t word;
-  std::memcpy(&word, L::quants(w, b) + 4 * (8 * (i / 8) + r), sizeof word);
-  return static_cast<float>((word >> (4 * (i % 8))) & 0x0f);
-}
+using namespace nibble;
 
 template <class L>
 void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs, int64_t k) {
@@ -112,25 +66,28 @@ SHARDLM_AVX2 inline __m256 bytes8(const uint8_t* p) {
 // Block b's 8 scales and 8 offsets, one row a lane.
 template <class L>
 SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m256& m) {
-  if constexpr (L::kType == quant::kQ4x8) {
-    d = halves8(w + b * kGroupBlockBytes);
-    m = halves8(w + b * kGroupBlockBytes + 16);
-  } else {
+  if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);
     const int64_t s = b % kSuperBlocks;
     d = _mm256_mul_ps(halves8(h), bytes8(h + 32 + 8 * s));
     m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(h + 16), bytes8(h + 96 + 8 * s)));
+  } else if constexpr (L::kFive) {
+    d = halves8(L::header(w, b));
+    m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+  } else {
+    d = halves8(L::header(w, b));
+    m = halves8(L::header(w, b) + 16);
   }
 }
 
-// The lines of block b ahead of the one read: its quant words, and with the
-// first block of a Q4_K super-block that super-block's header.
+// The lines of block b ahead of the one read (for AVX-512 pairs also those of
+// the group `next` bytes on).
 template <class L>
 SHARDLM_AVX2 inline void prefetch_block(const uint8_t* w, int64_t b, int64_t next = 0) {
-  const uint8_t* q = L::quants(w, b);
-  for (const uint8_t* line : {q - 32, q + 32, q + 96}) {
-    cpu::avx2::prefetch_ahead(line);
-    if (next) cpu::avx2::prefetch_ahead(line + next);
+  const uint8_t* start = L::quants(w, b) - L::kLead;
+  for (int64_t line = 0; line < 3 * 64; line += 64) {
+    cpu::avx2::prefetch_ahead(start + line);
+    if (next) cpu::avx2::prefetch_ahead(start + line + next);
   }
 }
 
@@ -141,28 +98,23 @@ SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t*
                                     const float* xb, float xsum) {
   prefetch_block<L>(w, b);
   const uint8_t* qw = L::quants(w, b);
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+  const __m256i h = highs_avx2<L>(w, b);
+  __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                 _mm256_setzero_ps()};
   for (int s = 0; s < 4; ++s) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
+    const Words256 q = words_avx2<L>(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
     const float* x8 = xb + 8 * s;
-#define SHARDLM_Q4X8_STEP(acc_, j_)                                                       \
-  acc_ = _mm256_fmadd_ps(                                                                  \
-      _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * (j_))))),    \
-      _mm256_broadcast_ss(x8 + (j_)), acc_)
-    SHARDLM_Q4X8_STEP(c0, 0);
-    SHARDLM_Q4X8_STEP(c1, 1);
-    SHARDLM_Q4X8_STEP(c2, 2);
-    SHARDLM_Q4X8_STEP(c3, 3);
-    SHARDLM_Q4X8_STEP(c0, 4);
-    SHARDLM_Q4X8_STEP(c1, 5);
-    SHARDLM_Q4X8_STEP(c2, 6);
-#undef SHARDLM_Q4X8_STEP
-    c3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)),
-                         _mm256_broadcast_ss(x8 + 7), c3);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      c[j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quant_avx2<L>(q, j)),
+                                 _mm256_broadcast_ss(x8 + j), c[j % 4]);
+    }
   }
   __m256 d, m;
   scales_avx2<L>(w, b, d, m);
-  sum = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)), sum);
+  sum = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
+                        sum);
   offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), offsets);
 }
 
@@ -193,16 +145,16 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_block<L>(w, b);
     const uint8_t* qw = L::quants(w, b);
+    const __m256i h = highs_avx2<L>(w, b);
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int s = 0; s < 4; ++s) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
+      const Words256 words = words_avx2<L>(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 q = _mm256_cvtepi32_ps(
-            j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
-                  : _mm256_srli_epi32(v, 28));
+        const __m256 q = _mm256_cvtepi32_ps(quant_avx2<L>(words, j));
         for (int r = 0; r < R; ++r) {
           __m256& c = j % 2 == 0 ? even[r] : odd[r];
           c = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x8 + r * x_stride + j), c);
@@ -220,25 +172,25 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
 }
 
 // Quant j, masked in place (q * 2^4j), times d * 2^-4j is q * d exactly (d is a
-// float16, or for Q4_K a float16 times a 6-bit integer, far from float32's
-// subnormals), so one FMA gives d * q + m rounded once, as the reference's
-// float32 d * q + m (q * d needs at most 4 + 17 bits: exact).
+// float16, or for the K-quants a float16 times a 6-bit integer, far from
+// float32's subnormals), so one FMA gives d * q + m rounded once, as the
+// reference's float32 d * q + m (q * d needs at most 5 + 17 bits: exact).
 template <class L>
 SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     __m256 d, m;
     scales_avx2<L>(w, b, d, m);
     const uint8_t* qw = L::quants(w, b);
+    const __m256i h = highs_avx2<L>(w, b);
     __m256 scale[8];
     for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kNibbleScale[j]));
     float* o = panel + b * kBlock * stride;
     for (int s = 0; s < 4; ++s) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s));
+      const Words256 words = words_avx2<L>(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 q = _mm256_cvtepi32_ps(
-            j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
-                  : _mm256_srli_epi32(v, 28));
+        const __m256 q = _mm256_cvtepi32_ps(quant_avx2<L>(words, j));
         _mm256_storeu_ps(o + (8 * s + j) * stride, _mm256_fmadd_ps(q, scale[j], m));
       }
     }
@@ -258,15 +210,18 @@ SHARDLM_AVX512 inline __m512 bytes_pair(const uint8_t* p, int64_t next) {
 template <class L>
 SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
                                        __m512& m) {
-  if constexpr (L::kType == quant::kQ4x8) {
-    d = halves_pair(w + b * kGroupBlockBytes, next);
-    m = halves_pair(w + b * kGroupBlockBytes + 16, next);
-  } else {
+  if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);
     const int64_t s = b % kSuperBlocks;
     d = _mm512_mul_ps(halves_pair(h, next), bytes_pair(h + 32 + 8 * s, next));
     m = _mm512_sub_ps(_mm512_setzero_ps(),
                       _mm512_mul_ps(halves_pair(h + 16, next), bytes_pair(h + 96 + 8 * s, next)));
+  } else if constexpr (L::kFive) {
+    d = halves_pair(L::header(w, b), next);
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
+  } else {
+    d = halves_pair(L::header(w, b), next);
+    m = halves_pair(L::header(w, b) + 16, next);
   }
 }
 
@@ -285,18 +240,17 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_block<L>(w, b, next);
     const uint8_t* qw = L::quants(w, b);
+    const __m512i h = L::kFive ? load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
     __m512 c[R][kChains];
     for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < kChains; ++h) c[r][h] = _mm512_setzero_ps();
+      for (int i = 0; i < kChains; ++i) c[r][i] = _mm512_setzero_ps();
     }
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = load_pair(qw + 32 * s, next);
+      const Words512 words = words_avx512<L>(load_pair(qw + 32 * s, next), h, s);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 q = _mm512_cvtepi32_ps(
-            j < 7 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0f << (4 * j)))
-                  : _mm512_srli_epi32(v, 28));
+        const __m512 q = _mm512_cvtepi32_ps(quant_avx512<L>(words, j));
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][(8 * s + j) % kChains];
           chain = _mm512_fmadd_ps(q, _mm512_set1_ps(x8[r * x_stride + j]), chain);
@@ -307,7 +261,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     scales_pair<L>(w, next, b, d, m);
     for (int r = 0; r < R; ++r) {
       for (int width = kChains / 2; width > 0; width /= 2) {
-        for (int h = 0; h < width; ++h) c[r][h] = _mm512_add_ps(c[r][h], c[r][h + width]);
+        for (int i = 0; i < width; ++i) c[r][i] = _mm512_add_ps(c[r][i], c[r][i + width]);
       }
       sum[r] = _mm512_fmadd_ps(d, c[r][0],
                                _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * xs_stride + b]), sum[r]));
@@ -404,11 +358,23 @@ const float* prepare(const float* x, int64_t count, bool avx2) {
   return scaled.data();
 }
 
+// Calls f with the layout of `qtype` (a value of that layout's type).
+template <class F>
+decltype(auto) with_layout(int64_t qtype, const F& f) {
+  switch (qtype) {
+    case quant::kQ4Kx8: return f(Q4Kx8Layout{});
+    case quant::kQ5x8: return f(Q5x8Layout{});
+    case quant::kQ5Kx8: return f(Q5Kx8Layout{});
+    default: return f(Q4x8Layout{});
+  }
+}
+
 template <typename T>
 void gemv(T* out, int64_t qtype, const uint8_t* w, const float* x, const float* xs,
           const T* bias, int64_t m, int64_t n, int64_t k) {
-  if (qtype == quant::kQ4Kx8) return gemv_of<Q4Kx8Layout>(out, w, x, xs, bias, m, n, k);
-  gemv_of<Q4x8Layout>(out, w, x, xs, bias, m, n, k);
+  with_layout(qtype, [&](auto layout) {
+    gemv_of<decltype(layout)>(out, w, x, xs, bias, m, n, k);
+  });
 }
 
 template void gemv<float>(float*, int64_t, const uint8_t*, const float*, const float*,
@@ -420,14 +386,16 @@ template void gemv<c10::Half>(c10::Half*, int64_t, const uint8_t*, const float*,
 
 void unpack_panel(float* panel, int64_t qtype, const uint8_t* w, int64_t k, int64_t stride,
                   bool avx2) {
-  if (qtype == quant::kQ4Kx8) return unpack_panel_of<Q4Kx8Layout>(panel, w, k, stride, avx2);
-  unpack_panel_of<Q4x8Layout>(panel, w, k, stride, avx2);
+  with_layout(qtype, [&](auto layout) {
+    unpack_panel_of<decltype(layout)>(panel, w, k, stride, avx2);
+  });
 }
 
 void dequantize_rows(float* dst, int64_t qtype, const uint8_t* w, int64_t n0, int64_t n1,
                      int64_t k) {
-  if (qtype == quant::kQ4Kx8) return dequantize_rows_of<Q4Kx8Layout>(dst, w, n0, n1, k);
-  dequantize_rows_of<Q4x8Layout>(dst, w, n0, n1, k);
+  with_layout(qtype, [&](auto layout) {
+    dequantize_rows_of<decltype(layout)>(dst, w, n0, n1, k);
+  });
 }
 
 }  // namespace shardlm::cpu::q4x8

@@ -53,8 +53,20 @@ constexpr int64_t kBlock = 32;  // weights per block
 //     hq[2][8]      uint32: hq[t][r] holds the high two bits of row r's quant
 //                   16t + j in bits 2j .. 2j+1
 // (q6kx8.cpp). The tensor is uint8 [N / 8, K / 256 * 1680].
+//
+// Q5x8 (id 103) holds GGML's Q5_0 (w = d * (q - 16), q in 0..31) and Q5Kx8
+// (id 104) its Q5_K (Q4_K's scales and mins over 5-bit quants): a quant is its
+// low nibble, in a Q4x8 block's words, plus a high bit. Per 32-weight block the
+// 8 rows' high bits are 8 uint32 words h[r], quant 8s + j's bit at bit 4j + s,
+// so that h << (4 - s) puts the bits of nibble word s's quants just above
+// their nibbles (q4x8.cpp). Per group of 8 rows:
+//   Q5x8, per block of 32 weights, 176 bytes (Q5_0's 5.5 bits a weight):
+//     d[8] float16, h[8] uint32, q[4][8] uint32 (m = -16 d, exact)
+//   Q5Kx8, per super-block of 256, 1440 bytes (5.625 bits, Q5_K's 5.5):
+//     a Q4Kx8 header (160 bytes), then per block h[8], q[4][8] (160 bytes)
 enum QType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
+  kQ5Kx8 = 104
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -62,10 +74,13 @@ constexpr int64_t kGroupBlockBytes = 160;  // one Q4x8 group-block
 constexpr int64_t kSuperBlocks = 8;        // 32-weight blocks of a Q4_K super-block
 constexpr int64_t kSuperGroupBytes = 1184;  // one Q4Kx8 group's super-block
 constexpr int64_t kQ6SuperGroupBytes = 1680;  // one Q6Kx8 group's super-block
+constexpr int64_t kQ5GroupBlockBytes = 176;   // one Q5x8 group-block
+constexpr int64_t kQ5SuperGroupBytes = 1440;  // one Q5Kx8 group's super-block
 
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
-  return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8;
+  return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
+         qtype == kQ5Kx8;
 }
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
@@ -79,6 +94,8 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ4x8: return kGroupBlockBytes;
     case kQ4Kx8: return kSuperGroupBytes / kSuperBlocks;
     case kQ6Kx8: return kQ6SuperGroupBytes / kSuperBlocks;
+    case kQ5x8: return kQ5GroupBlockBytes;
+    case kQ5Kx8: return kQ5SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
 }

@@ -1,11 +1,11 @@
-"""Q4_K and Q6_K kept packed (regrouped into Q4Kx8 and Q6Kx8) and Q5_0 stored as Q8_0
-(worker/kquant.py): the formats against the `gguf` package's GGML dequantizers, and quant_linear
-on the regrouped layouts against its reference on every path (decode rows, panel, tiles); the
-SIMD paths are compared in test_quant_ops.py.
+"""Q4_K, Q5_K, Q6_K and Q5_0 kept packed (regrouped into Q4Kx8, Q5Kx8, Q6Kx8 and Q5x8) and
+Q5_0 stored as Q8_0 (worker/kquant.py): the formats against the `gguf` package's GGML
+dequantizers, and quant_linear on the regrouped layouts against its reference on every path
+(decode rows, panel, tiles); the SIMD paths are compared in test_quant_ops.py.
 
 The `gguf` package cannot quantize to the K-quants, so their blocks are random bytes with
 float16 scales of a realistic size: every field takes every value, which is what a layout must
-carry.
+carry. Q5_0 blocks are quantized from random values.
 """
 
 from __future__ import annotations
@@ -28,14 +28,26 @@ from tests.gguf_files import random_k_blocks
 TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32: summation order only
 
 
+# GGML type -> (the layout the CPU kernels read it in, weights and bytes of that layout's block
+# of 8 rows).
+LAYOUTS = {"Q4_K": ("Q4Kx8", 256, kquant.Q4KX8_SUPER_BYTES),
+           "Q5_K": ("Q5Kx8", 256, kquant.Q5KX8_SUPER_BYTES),
+           "Q6_K": ("Q6Kx8", 256, kquant.Q6KX8_SUPER_BYTES),
+           "Q5_0": ("Q5x8", 32, kquant.Q5X8_BLOCK_BYTES)}
+
+
 def k_blocks(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> torch.Tensor:
-    """Random `qtype` blocks [n, K / 256 * bytes] with scales like a quantizer's."""
+    """Random `qtype` blocks [n, K / block * bytes] with scales like a quantizer's."""
     rng = np.random.default_rng(seed)
-    return torch.from_numpy(random_k_blocks(n, k, gguf.GGMLQuantizationType[qtype], rng))
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype == "Q5_0":
+        values = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        return torch.from_numpy(gguf.quants.quantize(values, kind))
+    return torch.from_numpy(random_k_blocks(n, k, kind, rng))
 
 
 def k_weight(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> QuantizedWeight:
-    """A random `qtype` weight as the CPU kernels hold it (Q4Kx8, Q6Kx8)."""
+    """A random `qtype` weight as the CPU kernels hold it (LAYOUTS)."""
     return regrouped(QuantizedWeight(qtype, k_blocks(n, k, qtype, seed), (n, k)))
 
 
@@ -44,24 +56,24 @@ def ggml_dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
 def test_k_quants_dequantize_as_ggml(qtype):
     blocks = k_blocks(5, 768, qtype)
     torch.testing.assert_close(dequantize_blocks(blocks, qtype), ggml_dequantize(blocks, qtype),
                                atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("qtype,layout,size", [("Q4_K", "Q4Kx8", kquant.Q4KX8_SUPER_BYTES),
-                                               ("Q6_K", "Q6Kx8", kquant.Q6KX8_SUPER_BYTES)])
-def test_regrouped_k_quants_hold_the_same_weights(qtype, layout, size):
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
+def test_regrouped_k_quants_hold_the_same_weights(qtype):
+    layout, weights, size = LAYOUTS[qtype]
     blocks = k_blocks(24, 512, qtype, seed=1)
     w = regrouped(QuantizedWeight(qtype, blocks, (24, 512)))
     assert w.qtype == layout and w.shape == (24, 512)
-    assert w.blocks.shape == (3, 2 * size)  # bytes per 8 rows x 256 weights
+    assert w.blocks.shape == (3, 512 // weights * size)  # bytes per 8 rows
     torch.testing.assert_close(w.dequantize(), ggml_dequantize(blocks, qtype), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
 def test_regrouped_rows_equal_the_table(qtype):
     w = k_weight(32, 256, qtype, seed=2)
     rows = torch.tensor([0, 31, 9, 9, 16, 7])
@@ -80,7 +92,7 @@ def test_q5_0_as_q8_0_holds_the_same_weights():
 
 # m: decode rows (1-4 a pass, 5 and 9 leave remainders), the panel path (16-256 rows), tiles.
 # n: 5 groups of 8 (AVX-512 pairs plus one), 4 groups; k: one and three super-blocks.
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 23, 64, 300])
 @pytest.mark.parametrize("n,k", [(40, 256), (32, 768)])
 def test_quant_linear_on_regrouped_k_quants_matches_reference(qtype, m, n, k):
@@ -94,7 +106,7 @@ def test_quant_linear_on_regrouped_k_quants_matches_reference(qtype, m, n, k):
     torch.testing.assert_close(ops.quant_linear(x, w).double(), expected, **TOL)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_quant_linear_on_regrouped_k_quants_in_half_precision(qtype, dtype):
     w = k_weight(16, 512, qtype, seed=7)

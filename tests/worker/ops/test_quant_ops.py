@@ -232,12 +232,14 @@ def _run(tmp_path, inputs_file, level: str):
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
     # Q4x8 in 5 and 7 groups of 8 rows: AVX-512 takes groups in pairs for decode and in fours
-    # (then twos, then ones) for the panel, so odd counts leave every remainder. Q4Kx8 (Q4_K,
-    # test_kquant.py) runs the same kernels with its own scales; Q6Kx8 (Q6_K) its own kernels.
-    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q8_0 in groups", "Q4Kx8", "Q6Kx8"):
+    # (then twos, then ones) for the panel, so odd counts leave every remainder. Q4Kx8, Q5Kx8 and
+    # Q5x8 (Q4_K, Q5_K, Q5_0; test_kquant.py) run the same kernels with their own scales and high
+    # bits; Q6Kx8 (Q6_K) its own kernels.
+    k_layouts = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0"}
+    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q8_0 in groups", *k_layouts):
         for m in (1, 2, 3, 4, 5, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
-            if qtype in ("Q4Kx8", "Q6Kx8"):
-                w = k_weight(56, 512, {"Q4Kx8": "Q4_K", "Q6Kx8": "Q6_K"}[qtype], seed=m)
+            if qtype in k_layouts:
+                w = k_weight(56, 512, k_layouts[qtype], seed=m)
             elif qtype.startswith("Q4x8"):
                 rows = 56 if "7 groups" in qtype else 40
                 w = to_q4x8(ggml_weight(rows, 288, "Q4_1", seed=m))

@@ -1,0 +1,164 @@
+// The layouts the Q4x8 kernels (q4x8.cpp) read, each as a type the kernels
+// are templates over: where block b (32 weights) of a group of 8 rows keeps
+// its quant words, its high bits (5-bit layouts) and its scales; and the
+// unpacking of one word of quants to 8 or 16 rows' quant j in place.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_blocks.h"
+#include "simd.h"
+
+namespace shardlm::cpu::q4x8::nibble {
+
+using quant::half_at;
+using quant::kBlock;
+using quant::kGroupBlockBytes;
+using quant::kQ5GroupBlockBytes;
+using quant::kQ5SuperGroupBytes;
+using quant::kSuperBlocks;
+using quant::kSuperGroupBytes;
+
+// Where block b (32 weights) of a group's 8 rows keeps its 128 bytes of quant
+// words (and for the 5-bit layouts its 32 bytes of high bits), and its scale d
+// and offset m per row (w = d q + m), for each layout. kLead: bytes of the
+// block ahead of its quant words, where prefetching starts.
+struct Q4x8Layout {
+  static constexpr int64_t kType = quant::kQ4x8;
+  static constexpr bool kSuper = false, kFive = false;
+  static constexpr int64_t kLead = 32;
+  static int64_t group_bytes(int64_t k) { return k / kBlock * kGroupBlockBytes; }
+  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kGroupBlockBytes; }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 32; }
+  static const uint8_t* highs(const uint8_t*, int64_t) { return nullptr; }
+  static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
+  static float m(const uint8_t* w, int64_t b, int64_t r) {
+    return half_at(header(w, b) + 16 + 2 * r);
+  }
+};
+
+// Q5_0: m = -16 d, exact in float32.
+struct Q5x8Layout {
+  static constexpr int64_t kType = quant::kQ5x8;
+  static constexpr bool kSuper = false, kFive = true;
+  static constexpr int64_t kLead = 48;
+  static int64_t group_bytes(int64_t k) { return k / kBlock * kQ5GroupBlockBytes; }
+  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kQ5GroupBlockBytes; }
+  static const uint8_t* highs(const uint8_t* w, int64_t b) { return header(w, b) + 16; }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 48; }
+  static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
+  static float m(const uint8_t* w, int64_t b, int64_t r) { return -16.f * d(w, b, r); }
+};
+
+// Q4_K and Q5_K: a 160-byte header per super-block of 256 weights (d, dmin,
+// then 6-bit scales and mins), d = d_super * scale, m = -(dmin_super * min),
+// each a float16 times a 6-bit integer, so exact in float32, as GGML computes
+// them; then per block (high bits and) quant words.
+template <int64_t kT, bool kF>
+struct SuperLayout {
+  static constexpr int64_t kType = kT;
+  static constexpr bool kSuper = true, kFive = kF;
+  static constexpr int64_t kLead = 32;
+  static constexpr int64_t kBlockBytes = kF ? 160 : 128;
+  static constexpr int64_t kBytes = 160 + kSuperBlocks * kBlockBytes;
+  static int64_t group_bytes(int64_t k) { return k / (kBlock * kSuperBlocks) * kBytes; }
+  static const uint8_t* super(const uint8_t* w, int64_t b) { return w + b / kSuperBlocks * kBytes; }
+  static const uint8_t* highs(const uint8_t* w, int64_t b) {
+    return super(w, b) + 160 + kBlockBytes * (b % kSuperBlocks);
+  }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) { return highs(w, b) + (kF ? 32 : 0); }
+  static float d(const uint8_t* w, int64_t b, int64_t r) {
+    const uint8_t* h = super(w, b);
+    return half_at(h + 2 * r) * static_cast<float>(h[32 + 8 * (b % kSuperBlocks) + r]);
+  }
+  static float m(const uint8_t* w, int64_t b, int64_t r) {
+    const uint8_t* h = super(w, b);
+    return -(half_at(h + 16 + 2 * r) * static_cast<float>(h[96 + 8 * (b % kSuperBlocks) + r]));
+  }
+};
+using Q4Kx8Layout = SuperLayout<quant::kQ4Kx8, false>;
+using Q5Kx8Layout = SuperLayout<quant::kQ5Kx8, true>;
+static_assert(Q4Kx8Layout::kBytes == kSuperGroupBytes && Q5Kx8Layout::kBytes == kQ5SuperGroupBytes);
+
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+}
+
+// Row r's quant i (0..31) of block b.
+template <class L>
+inline float quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
+  uint32_t q = (word_at(L::quants(w, b) + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
+  if constexpr (L::kFive) q |= ((word_at(L::highs(w, b) + 4 * r) >> (4 * (i % 8) + i / 8)) & 1) << 4;
+  return static_cast<float>(q);
+}
+
+#if SHARDLM_HAVE_AVX2
+// Nibble word s of a block for 8 rows (v), joined with the rows' high bits
+// (h, 5-bit layouts) so that each quant can be masked in place (quant_avx2):
+// `up` holds quant j's high bit at bit 4j + 4 (quant_blocks.h), so `even`
+// carries the even quants' nibbles with their high bits just above, `odd` the
+// odd quants', and `top` quant 7 whole, shifted down.
+struct Words256 {
+  __m256i lo, even, odd, top;
+};
+
+template <class L>
+SHARDLM_AVX2 inline Words256 words_avx2(__m256i v, __m256i h, int s) {
+  if constexpr (!L::kFive) return {v, v, v, v};
+  const __m256i up = _mm256_slli_epi32(h, 4 - s), nibbles = _mm256_set1_epi32(0x0F0F0F0F);
+  return {v,
+          _mm256_or_si256(_mm256_and_si256(nibbles, v), _mm256_andnot_si256(nibbles, up)),
+          _mm256_or_si256(_mm256_andnot_si256(nibbles, v), _mm256_and_si256(nibbles, up)),
+          _mm256_or_si256(_mm256_srli_epi32(v, 28),
+                          _mm256_and_si256(_mm256_srli_epi32(h, 24 + s), _mm256_set1_epi32(0x10)))};
+}
+
+// Quant j (0..7) of the word in place, q * 2^4j; the top one shifted down
+// (masked in place it would read as negative).
+template <class L>
+SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
+  if constexpr (L::kFive) {
+    if (j == 7) return q.top;
+    return _mm256_and_si256(j % 2 ? q.odd : q.even, _mm256_set1_epi32(0x1f << (4 * j)));
+  }
+  return j < 7 ? _mm256_and_si256(q.lo, _mm256_set1_epi32(0x0f << (4 * j)))
+               : _mm256_srli_epi32(q.lo, 28);
+}
+
+template <class L>
+SHARDLM_AVX2 inline __m256i highs_avx2(const uint8_t* w, int64_t b) {
+  if constexpr (!L::kFive) return _mm256_setzero_si256();
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::highs(w, b)));
+}
+
+// words_avx2 and quant_avx2 on 16 rows, each join one ternary-logic op:
+// 0xCA selects (a ? b : c), 0xF8 is a | (b & c).
+struct Words512 {
+  __m512i lo, even, odd, top;
+};
+
+template <class L>
+SHARDLM_AVX512 inline Words512 words_avx512(__m512i v, __m512i h, int s) {
+  if constexpr (!L::kFive) return {v, v, v, v};
+  const __m512i up = _mm512_slli_epi32(h, 4 - s), nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  return {v, _mm512_ternarylogic_epi32(nibbles, v, up, 0xCA),
+          _mm512_ternarylogic_epi32(nibbles, up, v, 0xCA),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 28), _mm512_srli_epi32(h, 24 + s),
+                                    _mm512_set1_epi32(0x10), 0xF8)};
+}
+
+template <class L>
+SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
+  if constexpr (L::kFive) {
+    if (j == 7) return q.top;
+    return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(0x1f << (4 * j)));
+  }
+  return j < 7 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))
+               : _mm512_srli_epi32(q.lo, 28);
+}
+#endif
+
+}  // namespace shardlm::cpu::q4x8::nibble
