@@ -290,15 +290,33 @@ def to_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
     sc = (scales.view(torch.uint8).reshape(groups, ROWS, supers, 16).permute(0, 2, 3, 1)
           .reshape(groups, supers, 128))
     q = quants.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)  # [g, r, nb, block, i]
-    nibbles = (q & 0x0F).reshape(groups, ROWS, supers, SUB_BLOCKS, 4, 4, 2)  # [.., s, byte, h]
-    low = (nibbles[..., 0] | (nibbles[..., 1] << 4)).permute(0, 2, 3, 4, 1, 5)  # [g,nb,b,s,r,4]
-    pairs = (q >> 4).reshape(groups, ROWS, supers, SUB_BLOCKS, 2, 4, 4)  # [.., t, byte, field]
-    high = (pairs[..., 0] | (pairs[..., 1] << 2) | (pairs[..., 2] << 4) | (pairs[..., 3] << 6))
-    high = high.permute(0, 2, 3, 4, 1, 5)  # [g, nb, block, t, r, 4]
-    words = torch.cat((low.reshape(groups, supers, SUB_BLOCKS, 128),
-                       high.reshape(groups, supers, SUB_BLOCKS, 64)), dim=-1)
+    words = torch.cat((nibble_words(q), _pair_words(q)), dim=-1)  # [g, nb, block, 192]
     packed = torch.cat((d_bytes, sc, words.reshape(groups, supers, SUB_BLOCKS * 192)), dim=-1)
     return packed.reshape(groups, -1).contiguous()
+
+
+# Within a half of 16 quants (8s + j, s = 2u + t), quant i's two high bits at 4j + 2t.
+_PAIR_SHIFT = torch.tensor([4 * (i % 8) + 2 * (i // 8) for i in range(16)])
+
+
+def _pair_words(quants: torch.Tensor) -> torch.Tensor:
+    """The high two bits (bits 4, 5) of quants [g, 8, nb, block, 32] as each block's two words
+    per row [g, nb, block, 64]: word u of row r at bytes 32 u + 4 r (quant_blocks.h)."""
+    g, rows, supers, blocks, _ = quants.shape
+    pairs = ((quants.to(torch.int64) >> 4) & 3).reshape(g, rows, supers, blocks, 2, 16)
+    word = (pairs << _PAIR_SHIFT).sum(-1)  # [g, r, nb, block, u]
+    bytes_ = torch.stack([(word >> (8 * t)) & 0xFF for t in range(4)], -1).to(torch.uint8)
+    return bytes_.permute(0, 2, 3, 4, 1, 5).reshape(g, supers, blocks, 64)
+
+
+def _pair_bits(words: torch.Tensor) -> torch.Tensor:
+    """`_pair_words` undone: words [g, nb, block, 64] as bits 4, 5 of quants [g, 8, nb, block,
+    32]."""
+    g, supers, blocks, _ = words.shape
+    w = words.reshape(g, supers, blocks, 2, ROWS, 4).to(torch.int64)
+    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)  # [.., u, r]
+    pairs = (word.unsqueeze(-1) >> _PAIR_SHIFT) & 3  # [g, nb, block, u, r, 16]
+    return (pairs.permute(0, 4, 1, 2, 3, 5).reshape(g, ROWS, supers, blocks, 32) << 4)
 
 
 def dequantize_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
@@ -309,13 +327,7 @@ def dequantize_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
     d = _halves(b[..., 0:16].reshape(groups, supers, ROWS, 2)).permute(0, 2, 1, 3)  # [g,r,nb,1]
     scales = b[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
     words = b[..., 144:].reshape(groups, supers, SUB_BLOCKS, 192)
-    low = words[..., 0:128].reshape(groups, supers, SUB_BLOCKS, 4, ROWS, 4)  # [.., s, r, byte]
-    nibbles = torch.stack((low & 0x0F, low >> 4), dim=-1).reshape(
-        groups, supers, SUB_BLOCKS, 4, ROWS, 8).permute(0, 4, 1, 2, 3, 5)  # [g,r,nb,b,s,j]
-    high = words[..., 128:].reshape(groups, supers, SUB_BLOCKS, 2, ROWS, 4)  # [.., t, r, byte]
-    pairs = torch.stack([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1).reshape(
-        groups, supers, SUB_BLOCKS, 2, ROWS, 16).permute(0, 4, 1, 2, 3, 5)  # [g,r,nb,b,t,j]
-    quants = (nibbles.reshape(groups, ROWS, supers, SUPER)
-              | (pairs.reshape(groups, ROWS, supers, SUPER) << 4))
+    quants = (nibble_quants(words[..., :128]) | _pair_bits(words[..., 128:])).reshape(
+        groups, ROWS, supers, SUPER)
     values = _q6_values(d, scales.permute(0, 3, 1, 2), quants)  # [g, r, nb, 256]
     return values.reshape(groups * ROWS, supers * SUPER)

@@ -1,14 +1,15 @@
 // Q6Kx8 (quant_blocks.h): GGML's Q6_K, 8 weight rows side by side. A 6-bit
-// quant is its low nibble, in a Q4x8 block's words, plus two high bits in
-// words of 16 two-bit fields; each half of a 32-weight block has its own
-// scale d * sc (float16 times int8: exact in float32, as GGML computes it).
+// quant is its low nibble, in a Q4x8 block's words, plus two high bits in two
+// words per block; each half of a 32-weight block has its own scale d * sc
+// (float16 times int8: exact in float32, as GGML computes it).
 //
-// The dot product of a half is d * sc * (sum(lo x) + 16 sum(hi x) - 32 sum(x)).
-// As in q4x8.cpp, fields are masked in place rather than shifted down, against
-// inputs pre-scaled to match by powers of two (exact): the nibble of quant 8s+j
-// by 2^-4j, the two bits of quant 16t+j by 16 * 2^-2j, which also folds in the
-// high bits' weight of 16. Each top field is shifted down instead (masked in
-// place it would read as negative).
+// The dot product of a half is d * sc * (sum(q x) - 32 sum(x)). As in q4x8.cpp
+// each quant is masked in place, q * 2^4j, against inputs pre-scaled by 2^-4j
+// (exact): the high bits of nibble word s's quants sit in high word s / 2 at
+// bits 4j + 2 (s % 2), so one shift puts them just above their nibbles and
+// two selects join them (as the 5-bit layouts do, nibble_layouts.h): one
+// mask, one conversion and one FMA per 8 or 16 weights. The top quant (j = 7)
+// is shifted down instead (masked in place it would read as negative).
 #include "q6kx8.h"
 
 #include <cstring>
@@ -60,7 +61,8 @@ inline uint32_t word_at(const uint8_t* p) {
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint8_t* q = words_of(w, b);
   const uint32_t lo = (word_at(q + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
-  const uint32_t hi = (word_at(q + 128 + 4 * (8 * (i / kHalf) + r)) >> (2 * (i % kHalf))) & 3;
+  const uint32_t hi =
+      (word_at(q + 128 + 4 * (8 * (i / kHalf) + r)) >> (4 * (i % 8) + 2 * ((i / 8) % 2))) & 3;
   return static_cast<int>(lo | (hi << 4));
 }
 
@@ -81,46 +83,56 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
   }
 }
 
-// 16 * 2^-2j for the two bits j (16 for the top ones, shifted down); the
-// nibbles take grouped::kNibbleScale.
-constexpr float kBitsScale[16] = {0x1p4f,   0x1p2f,   1.f,      0x1p-2f,  0x1p-4f,  0x1p-6f,
-                                  0x1p-8f,  0x1p-10f, 0x1p-12f, 0x1p-14f, 0x1p-16f, 0x1p-18f,
-                                  0x1p-20f, 0x1p-22f, 0x1p-24f, 0x1p4f};
-
 // The inputs as the kernels read them, in thread-local buffers valid until the
-// next call on this thread: pre-scaled for the nibbles and for the high bits
-// (SIMD paths only), and the 16-element sums.
+// next call on this thread: pre-scaled for the quants in place (SIMD paths
+// only), and the 16-element sums.
 struct Inputs {
-  const float* nibble_x;
-  const float* bits_x;
+  const float* x;
   const float* sums;
 };
 
 Inputs prepare(const float* x, int64_t count, bool simd) {
-  thread_local std::vector<float> nibble, bits, sums;
+  thread_local std::vector<float> scaled, sums;
   sums.resize(count / kHalf);
   for (int64_t i = 0; i < count / kHalf; ++i) {
     float s = 0.f;
     for (int64_t j = 0; j < kHalf; ++j) s += x[kHalf * i + j];
     sums[i] = s;
   }
-  if (!simd) return {x, x, sums.data()};
-  nibble.resize(count);
-  bits.resize(count);
+  if (!simd) return {x, sums.data()};
+  scaled.resize(count);
   // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
-  for (int64_t i = 0; i < count; i += kHalf) {
-    for (int64_t j = 0; j < kHalf; ++j) {
-      nibble[i + j] = x[i + j] * kNibbleScale[j % 8];
-      bits[i + j] = x[i + j] * kBitsScale[j];
-    }
+  for (int64_t i = 0; i < count; i += 8) {
+    for (int64_t j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kNibbleScale[j];
   }
-  return {nibble.data(), bits.data(), sums.data()};
+  return {scaled.data(), sums.data()};
 }
 
 #if SHARDLM_HAVE_AVX2
 SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m256 d) {
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h))))));
+}
+
+// Nibble word s of a block (v) joined with its high bits (high word hw): quant
+// j of the result masked by 0x3f << 4j (j < 7) is quant j in place; `top` is
+// quant 7 shifted down.
+struct Words256 {
+  __m256i even, odd, top;
+};
+
+SHARDLM_AVX2 inline Words256 words_avx2(__m256i v, __m256i hw, int s) {
+  const int t = 2 * (s % 2);
+  const __m256i up = _mm256_slli_epi32(hw, 4 - t), nibbles = _mm256_set1_epi32(0x0F0F0F0F);
+  return {_mm256_or_si256(_mm256_and_si256(nibbles, v), _mm256_andnot_si256(nibbles, up)),
+          _mm256_or_si256(_mm256_andnot_si256(nibbles, v), _mm256_and_si256(nibbles, up)),
+          _mm256_or_si256(_mm256_srli_epi32(v, 28),
+                          _mm256_and_si256(_mm256_srli_epi32(hw, 24 + t), _mm256_set1_epi32(0x30)))};
+}
+
+SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
+  if (j == 7) return q.top;
+  return _mm256_and_si256(j % 2 ? q.odd : q.even, _mm256_set1_epi32(0x3f << (4 * j)));
 }
 
 // R input rows against one group; C chains per half and row keep about 8 FMAs
@@ -133,9 +145,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* q = words_of(w, b);
-    cpu::avx2::prefetch_ahead(q);
-    cpu::avx2::prefetch_ahead(q + 64);
-    cpu::avx2::prefetch_ahead(q + 128);
+    for (int64_t line = 0; line < kBlockBytes; line += 64) cpu::avx2::prefetch_ahead(q + line);
     __m256 c[R][2][C];
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
@@ -143,30 +153,16 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
       }
     }
     for (int s = 0; s < 4; ++s) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
-      const float* x8 = in.nibble_x + b * kBlock + 8 * s;
+      const Words256 words = words_avx2(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))), s);
+      const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 f = _mm256_cvtepi32_ps(
-            j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f << (4 * j)))
-                  : _mm256_srli_epi32(v, 28));
+        const __m256 f = _mm256_cvtepi32_ps(quant_avx2(words, j));
         for (int r = 0; r < R; ++r) {
           __m256& chain = c[r][s / 2][j % C];
           chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x8 + r * stride + j), chain);
-        }
-      }
-    }
-    for (int t = 0; t < 2; ++t) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * t));
-      const float* x16 = in.bits_x + b * kBlock + kHalf * t;
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        const __m256 f = _mm256_cvtepi32_ps(
-            j < 15 ? _mm256_and_si256(v, _mm256_set1_epi32(3 << (2 * j)))
-                   : _mm256_srli_epi32(v, 30));
-        for (int r = 0; r < R; ++r) {
-          __m256& chain = c[r][t][(j + 1) % C];
-          chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x16 + r * stride + j), chain);
         }
       }
     }
@@ -195,6 +191,26 @@ SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
 }
 
+// words_avx2 and quant_avx2 on 16 rows, each join one ternary-logic op:
+// 0xCA selects (a ? b : c), 0xF8 is a | (b & c).
+struct Words512 {
+  __m512i even, odd, top;
+};
+
+SHARDLM_AVX512 inline Words512 words_avx512(__m512i v, __m512i hw, int s) {
+  const int t = 2 * (s % 2);
+  const __m512i up = _mm512_slli_epi32(hw, 4 - t), nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  return {_mm512_ternarylogic_epi32(nibbles, v, up, 0xCA),
+          _mm512_ternarylogic_epi32(nibbles, up, v, 0xCA),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 28), _mm512_srli_epi32(hw, 24 + t),
+                                    _mm512_set1_epi32(0x30), 0xF8)};
+}
+
+SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
+  if (j == 7) return q.top;
+  return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(0x3f << (4 * j)));
+}
+
 template <int R>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const Inputs& in,
                                 int64_t stride, int64_t k) {
@@ -214,30 +230,15 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = grouped::load_pair(q + 32 * s, next);
-      const float* x8 = in.nibble_x + b * kBlock + 8 * s;
+      const Words512 words = words_avx512(grouped::load_pair(q + 32 * s, next),
+                                          grouped::load_pair(q + 128 + 32 * (s / 2), next), s);
+      const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 f = _mm512_cvtepi32_ps(
-            j < 7 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0f << (4 * j)))
-                  : _mm512_srli_epi32(v, 28));
+        const __m512 f = _mm512_cvtepi32_ps(quant_avx512(words, j));
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][s / 2][j % C];
           chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x8[r * stride + j]), chain);
-        }
-      }
-    }
-    for (int t = 0; t < 2; ++t) {
-      const __m512i v = grouped::load_pair(q + 128 + 32 * t, next);
-      const float* x16 = in.bits_x + b * kBlock + kHalf * t;
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        const __m512 f = _mm512_cvtepi32_ps(
-            j < 15 ? _mm512_and_si512(v, _mm512_set1_epi32(3 << (2 * j)))
-                   : _mm512_srli_epi32(v, 30));
-        for (int r = 0; r < R; ++r) {
-          __m512& chain = c[r][t][(j + 1) % C];
-          chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x16[r * stride + j]), chain);
         }
       }
     }
@@ -259,14 +260,12 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
 
 // The quants 8s .. 8s+7 of block b as integers 0..63 minus 32, one row a lane.
 SHARDLM_AVX2 inline void signed_quants(const uint8_t* q, int s, __m256i out[8]) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
-  const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2)));
-  const __m256i hv8 = _mm256_srlv_epi32(hv, _mm256_set1_epi32(16 * (s % 2)));
+  const Words256 words = words_avx2(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))), s);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(v, 4 * j), _mm256_set1_epi32(0x0f));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(hv8, 2 * j), _mm256_set1_epi32(3));
-    out[j] = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+    out[j] = _mm256_sub_epi32(_mm256_srli_epi32(quant_avx2(words, j), j < 7 ? 4 * j : 0),
                               _mm256_set1_epi32(32));
   }
 }
@@ -305,7 +304,7 @@ void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, in
 #endif
   (void)avx2;
   for (int64_t r = 0; r < rows; ++r) {
-    group_scalar(acc + kGroupRows * r, w, in.nibble_x + r * stride,
+    group_scalar(acc + kGroupRows * r, w, in.x + r * stride,
                  in.sums + r * stride / kHalf, k);
   }
 }
@@ -324,7 +323,7 @@ void pair_dot(float* acc, const uint8_t* w, int64_t next, const Inputs& in, int6
 
 // Input rows `m0` on, as rows_dot and pair_dot read them.
 Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
-  return {in.nibble_x + m0 * k, in.bits_x + m0 * k, in.sums + m0 * k / kHalf};
+  return {in.x + m0 * k, in.sums + m0 * k / kHalf};
 }
 
 }  // namespace

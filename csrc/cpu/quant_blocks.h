@@ -50,8 +50,8 @@ constexpr int64_t kBlock = 32;  // weights per block
 //   sc[16][8]       int8: sc[h][r], row r's scale of weights 16h .. 16h+15
 //   per block b of 32 weights (8 of them), 192 bytes:
 //     q[4][8]       uint32: the quants' low nibbles, as a Q4x8 block's words
-//     hq[2][8]      uint32: hq[t][r] holds the high two bits of row r's quant
-//                   16t + j in bits 2j .. 2j+1
+//     hq[2][8]      uint32: hq[u][r] holds the high two bits of row r's quant
+//                   8s + j (s = 2u + t) in bits 4j + 2t .. 4j + 2t + 1
 // (q6kx8.cpp). The tensor is uint8 [N / 8, K / 256 * 1680].
 //
 // Q5x8 (id 103) holds GGML's Q5_0 (w = d * (q - 16), q in 0..31) and Q5Kx8
