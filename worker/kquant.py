@@ -107,23 +107,38 @@ def _k_scales_of(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             by_row(header[..., 16:32]) * by_sub(header[..., 96:160]).float())
 
 
-def to_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K blocks [n, K / 256 * 144] (n a multiple of 8) as Q4Kx8 [n / 8, K / 256 * 1184]."""
-    d, dmin, sc, mn, q = q4_k_parts(blocks)
-    groups, supers = blocks.shape[0] // ROWS, d.shape[1]
-    words = nibble_words(q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32))
+def _to_super_x8(parts: tuple[torch.Tensor, ...], five: bool) -> torch.Tensor:
+    """Q4Kx8 (or with `five`, Q5Kx8) bytes [n / 8, ...] of `q4_k_parts` / `q5_k_parts` fields:
+    the header, then per block (its high-bit words and) its nibble words."""
+    d, dmin, sc, mn, q = parts
+    groups, supers = d.shape[0] // ROWS, d.shape[1]
+    q = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)
+    words = torch.cat((high_words(q), nibble_words(q)), dim=-1) if five else nibble_words(q)
     packed = torch.cat((_k_header(d, dmin, sc, mn), words.reshape(groups, supers, -1)), dim=-1)
     return packed.reshape(groups, -1).contiguous()
 
 
-def dequantize_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] of Q4Kx8 blocks [N / 8, K / 256 * 1184], as GGML computes the Q4_K ones."""
+def _dequantize_super_x8(blocks: torch.Tensor, five: bool) -> torch.Tensor:
+    """float32 [N, K] of Q4Kx8 (or with `five`, Q5Kx8) blocks, as GGML computes Q4_K's / Q5_K's."""
     groups = blocks.shape[0]
-    b = blocks.reshape(groups, -1, Q4KX8_SUPER_BYTES)
+    b = blocks.reshape(groups, -1, Q5KX8_SUPER_BYTES if five else Q4KX8_SUPER_BYTES)
     supers = b.shape[1]
     scale, offset = _k_scales_of(b[..., :160])
-    q = nibble_quants(b[..., 160:].reshape(groups, supers, SUB_BLOCKS, 128)).float()
-    return (scale * q - offset).reshape(groups * ROWS, supers * SUPER)
+    words = b[..., 160:].reshape(groups, supers, SUB_BLOCKS, -1)
+    q = nibble_quants(words[..., -128:])
+    if five:
+        q = q | high_bits(words[..., :32])
+    return (scale * q.float() - offset).reshape(groups * ROWS, supers * SUPER)
+
+
+def to_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [n, K / 256 * 144] (n a multiple of 8) as Q4Kx8 [n / 8, K / 256 * 1184]."""
+    return _to_super_x8(q4_k_parts(blocks), five=False)
+
+
+def dequantize_q4kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q4Kx8 blocks [N / 8, K / 256 * 1184], as GGML computes the Q4_K ones."""
+    return _dequantize_super_x8(blocks, five=False)
 
 
 def q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -147,23 +162,12 @@ def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def to_q5kx8(blocks: torch.Tensor) -> torch.Tensor:
     """Q5_K blocks [n, K / 256 * 176] (n a multiple of 8) as Q5Kx8 [n / 8, K / 256 * 1440]."""
-    d, dmin, sc, mn, q = q5_k_parts(blocks)
-    groups, supers = blocks.shape[0] // ROWS, d.shape[1]
-    q = q.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)
-    words = torch.cat((high_words(q), nibble_words(q)), dim=-1)  # [g, nb, sub, 160]
-    packed = torch.cat((_k_header(d, dmin, sc, mn), words.reshape(groups, supers, -1)), dim=-1)
-    return packed.reshape(groups, -1).contiguous()
+    return _to_super_x8(q5_k_parts(blocks), five=True)
 
 
 def dequantize_q5kx8(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of Q5Kx8 blocks [N / 8, K / 256 * 1440], as GGML computes the Q5_K ones."""
-    groups = blocks.shape[0]
-    b = blocks.reshape(groups, -1, Q5KX8_SUPER_BYTES)
-    supers = b.shape[1]
-    scale, offset = _k_scales_of(b[..., :160])
-    words = b[..., 160:].reshape(groups, supers, SUB_BLOCKS, 160)
-    q = (high_bits(words[..., :32]) | nibble_quants(words[..., 32:])).float()
-    return (scale * q - offset).reshape(groups * ROWS, supers * SUPER)
+    return _dequantize_super_x8(blocks, five=True)
 
 
 def nibble_words(quants: torch.Tensor) -> torch.Tensor:
