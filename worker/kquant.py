@@ -180,37 +180,47 @@ def nibble_words(quants: torch.Tensor) -> torch.Tensor:
     return words.permute(order).reshape(g, *lead, 128)
 
 
-def nibble_quants(words: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+def nibble_quants(words: torch.Tensor) -> torch.Tensor:
     """`nibble_words` undone: words [g, *blocks, 128] as quants [g, 8, *blocks, 32] (0..15)."""
     g, *lead, _ = words.shape
-    w = words.reshape(g, *lead, 4, rows, 4)
-    q = torch.stack((w & 0x0F, w >> 4), dim=-1).reshape(g, *lead, 4, rows, 8)
+    w = words.reshape(g, *lead, 4, ROWS, 4)
+    q = torch.stack((w & 0x0F, w >> 4), dim=-1).reshape(g, *lead, 4, ROWS, 8)
     order = (0, 2 + len(lead), *range(1, 1 + len(lead)), 1 + len(lead), 3 + len(lead))
-    return q.permute(order).reshape(g, rows, *lead, 32)
+    return q.permute(order).reshape(g, ROWS, *lead, 32)
 
 
 _HIGH_BIT = torch.tensor([4 * (i % 8) + i // 8 for i in range(32)])  # quant 8s + j at 4j + s
 
 
+def _bit_words(fields: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Fields [g, 8, *blocks, w, f] (small integers) packed into w uint32 words per row and
+    block, field i at bit shifts[i]: [g, *blocks, w * 32] bytes, word u of row r at 32 u + 4 r."""
+    g, rows, *lead, w, _ = fields.shape
+    word = (fields.to(torch.int64) << shifts).sum(-1)  # [g, r, *blocks, w]
+    bytes_ = torch.stack([(word >> (8 * t)) & 0xFF for t in range(4)], -1).to(torch.uint8)
+    order = (0, *range(2, 2 + len(lead)), 2 + len(lead), 1, 3 + len(lead))
+    return bytes_.permute(order).reshape(g, *lead, w * rows * 4)
+
+
+def _word_fields(words: torch.Tensor, w: int, shifts: torch.Tensor, mask: int) -> torch.Tensor:
+    """`_bit_words` undone: bytes [g, *blocks, w * 32] as fields [g, 8, *blocks, w, f]."""
+    g, *lead, _ = words.shape
+    b = words.reshape(g, *lead, w, ROWS, 4).to(torch.int64)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    fields = (word.unsqueeze(-1) >> shifts) & mask  # [g, *blocks, w, r, f]
+    order = (0, 2 + len(lead), *range(1, 1 + len(lead)), 1 + len(lead), 3 + len(lead))
+    return fields.permute(order).to(torch.uint8)
+
+
 def high_words(quants: torch.Tensor) -> torch.Tensor:
     """The high bits (bit 4) of quants [g, 8, *blocks, 32] as each block's words [g, *blocks,
     32]: row r's uint32 at bytes 4 r, quant 8s + j's bit at bit 4j + s (quant_blocks.h)."""
-    g, rows, *lead, _ = quants.shape
-    bits = ((quants.to(torch.int64) >> 4) & 1) << _HIGH_BIT
-    word = bits.sum(-1)  # [g, r, *blocks]
-    bytes_ = torch.stack([(word >> (8 * t)) & 0xFF for t in range(4)], -1).to(torch.uint8)
-    order = (0, *range(2, 2 + len(lead)), 1, 2 + len(lead))
-    return bytes_.permute(order).reshape(g, *lead, 32)
+    return _bit_words(((quants >> 4) & 1).unsqueeze(-2), _HIGH_BIT)
 
 
-def high_bits(words: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+def high_bits(words: torch.Tensor) -> torch.Tensor:
     """`high_words` undone: words [g, *blocks, 32] as bit 4 of quants [g, 8, *blocks, 32]."""
-    g, *lead, _ = words.shape
-    w = words.reshape(g, *lead, rows, 4).to(torch.int64)
-    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
-    bits = ((word.unsqueeze(-1) >> _HIGH_BIT) & 1) << 4  # [g, *blocks, r, 32]
-    order = (0, 1 + len(lead), *range(1, 1 + len(lead)), 2 + len(lead))
-    return bits.permute(order).to(torch.uint8)
+    return _word_fields(words, 1, _HIGH_BIT, 1).squeeze(-2) << 4
 
 
 def q5_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,20 +317,14 @@ def _pair_words(quants: torch.Tensor) -> torch.Tensor:
     """The high two bits (bits 4, 5) of quants [g, 8, nb, block, 32] as each block's two words
     per row [g, nb, block, 64]: word u of row r at bytes 32 u + 4 r (quant_blocks.h)."""
     g, rows, supers, blocks, _ = quants.shape
-    pairs = ((quants.to(torch.int64) >> 4) & 3).reshape(g, rows, supers, blocks, 2, 16)
-    word = (pairs << _PAIR_SHIFT).sum(-1)  # [g, r, nb, block, u]
-    bytes_ = torch.stack([(word >> (8 * t)) & 0xFF for t in range(4)], -1).to(torch.uint8)
-    return bytes_.permute(0, 2, 3, 4, 1, 5).reshape(g, supers, blocks, 64)
+    return _bit_words(((quants >> 4) & 3).reshape(g, rows, supers, blocks, 2, 16), _PAIR_SHIFT)
 
 
 def _pair_bits(words: torch.Tensor) -> torch.Tensor:
     """`_pair_words` undone: words [g, nb, block, 64] as bits 4, 5 of quants [g, 8, nb, block,
     32]."""
     g, supers, blocks, _ = words.shape
-    w = words.reshape(g, supers, blocks, 2, ROWS, 4).to(torch.int64)
-    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)  # [.., u, r]
-    pairs = (word.unsqueeze(-1) >> _PAIR_SHIFT) & 3  # [g, nb, block, u, r, 16]
-    return (pairs.permute(0, 4, 1, 2, 3, 5).reshape(g, ROWS, supers, blocks, 32) << 4)
+    return _word_fields(words, 2, _PAIR_SHIFT, 3).reshape(g, ROWS, supers, blocks, 32) << 4
 
 
 def dequantize_q6kx8(blocks: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,65 @@ constexpr int64_t kMaxRows = 4;
 constexpr float kNibbleScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
                                    0x1p-24f, 1.f};
 
+// The input rows (`count` floats, a multiple of 8) as the SIMD kernels read
+// them: element 8s + j scaled by kNibbleScale[j], to meet quant j masked in
+// place (q * 2^4j); a thread-local buffer valid until the next call on this
+// thread. Multiplying by a power of two rounds exactly as ldexp does (short of
+// inputs below 2^-100 going subnormal), and vectorizes.
+inline const float* prescaled(const float* x, int64_t count) {
+  thread_local std::vector<float> scaled;
+  if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
+  for (int64_t i = 0; i < count; i += 8) {
+    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kNibbleScale[j];
+  }
+  return scaled.data();
+}
+
 #if SHARDLM_HAVE_AVX2
+// A nibble word v (quant j in bits 4j .. 4j+3) joined with its quants' high
+// bits h, laid out so that h << (4 - shift) puts quant j's high bits at 4j + 4
+// on (the 5-bit layouts: one bit, shift s; Q6Kx8: two bits, shift 2 (s % 2)).
+// `even` holds the even quants' nibbles with their high bits just above, `odd`
+// the odd quants', `top` quant 7 whole, shifted down (masked in place it would
+// read as negative); top_mask is the high bits' mask at bit 4 (0x10, 0x30).
+struct Joined256 {
+  __m256i even, odd, top;
+};
+
+SHARDLM_AVX2 inline Joined256 join_avx2(__m256i v, __m256i h, int shift, int top_mask) {
+  const __m256i up = _mm256_slli_epi32(h, 4 - shift), nibbles = _mm256_set1_epi32(0x0F0F0F0F);
+  return {_mm256_or_si256(_mm256_and_si256(nibbles, v), _mm256_andnot_si256(nibbles, up)),
+          _mm256_or_si256(_mm256_andnot_si256(nibbles, v), _mm256_and_si256(nibbles, up)),
+          _mm256_or_si256(_mm256_srli_epi32(v, 28), _mm256_and_si256(_mm256_srli_epi32(h, 24 + shift),
+                                                                     _mm256_set1_epi32(top_mask)))};
+}
+
+// Quant j (0..7) of a joined word in place, q * 2^4j (quant 7 shifted down);
+// `field` masks a whole quant (0x1f: 5 bits, 0x3f: 6).
+SHARDLM_AVX2 inline __m256i joined_quant_avx2(const Joined256& q, int j, int field) {
+  if (j == 7) return q.top;
+  return _mm256_and_si256(j % 2 ? q.odd : q.even, _mm256_set1_epi32(field << (4 * j)));
+}
+
+// The same on 16 rows, each join one ternary-logic op: 0xCA selects
+// (a ? b : c), 0xF8 is a | (b & c).
+struct Joined512 {
+  __m512i even, odd, top;
+};
+
+SHARDLM_AVX512 inline Joined512 join_avx512(__m512i v, __m512i h, int shift, int top_mask) {
+  const __m512i up = _mm512_slli_epi32(h, 4 - shift), nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  return {_mm512_ternarylogic_epi32(nibbles, v, up, 0xCA),
+          _mm512_ternarylogic_epi32(nibbles, up, v, 0xCA),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 28), _mm512_srli_epi32(h, 24 + shift),
+                                    _mm512_set1_epi32(top_mask), 0xF8)};
+}
+
+SHARDLM_AVX512 inline __m512i joined_quant_avx512(const Joined512& q, int j, int field) {
+  if (j == 7) return q.top;
+  return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(field << (4 * j)));
+}
+
 // 32 bytes at p (group g) in the low half, the same 32 bytes of group g + 1
 // (`next` bytes on) in the high half.
 SHARDLM_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t next) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "grouped.h"
 #include "quant_blocks.h"
 #include "simd.h"
 
@@ -96,34 +97,25 @@ inline float quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
 }
 
 #if SHARDLM_HAVE_AVX2
-// Nibble word s of a block for 8 rows (v), joined with the rows' high bits
-// (h, 5-bit layouts) so that each quant can be masked in place (quant_avx2):
-// `up` holds quant j's high bit at bit 4j + 4 (quant_blocks.h), so `even`
-// carries the even quants' nibbles with their high bits just above, `odd` the
-// odd quants', and `top` quant 7 whole, shifted down.
+// Nibble word s of a block for 8 rows (v), for the 5-bit layouts joined with
+// the rows' high bits (h: quant 8s + j's at bit 4j + s, quant_blocks.h) so
+// that each quant can be masked in place (quant_avx2).
 struct Words256 {
-  __m256i lo, even, odd, top;
+  __m256i lo;
+  grouped::Joined256 joined;
 };
 
 template <class L>
 SHARDLM_AVX2 inline Words256 words_avx2(__m256i v, __m256i h, int s) {
-  if constexpr (!L::kFive) return {v, v, v, v};
-  const __m256i up = _mm256_slli_epi32(h, 4 - s), nibbles = _mm256_set1_epi32(0x0F0F0F0F);
-  return {v,
-          _mm256_or_si256(_mm256_and_si256(nibbles, v), _mm256_andnot_si256(nibbles, up)),
-          _mm256_or_si256(_mm256_andnot_si256(nibbles, v), _mm256_and_si256(nibbles, up)),
-          _mm256_or_si256(_mm256_srli_epi32(v, 28),
-                          _mm256_and_si256(_mm256_srli_epi32(h, 24 + s), _mm256_set1_epi32(0x10)))};
+  if constexpr (!L::kFive) return {v, {v, v, v}};
+  return {v, grouped::join_avx2(v, h, s, 0x10)};
 }
 
 // Quant j (0..7) of the word in place, q * 2^4j; the top one shifted down
 // (masked in place it would read as negative).
 template <class L>
 SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
-  if constexpr (L::kFive) {
-    if (j == 7) return q.top;
-    return _mm256_and_si256(j % 2 ? q.odd : q.even, _mm256_set1_epi32(0x1f << (4 * j)));
-  }
+  if constexpr (L::kFive) return grouped::joined_quant_avx2(q.joined, j, 0x1f);
   return j < 7 ? _mm256_and_si256(q.lo, _mm256_set1_epi32(0x0f << (4 * j)))
                : _mm256_srli_epi32(q.lo, 28);
 }
@@ -134,28 +126,21 @@ SHARDLM_AVX2 inline __m256i highs_avx2(const uint8_t* w, int64_t b) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::highs(w, b)));
 }
 
-// words_avx2 and quant_avx2 on 16 rows, each join one ternary-logic op:
-// 0xCA selects (a ? b : c), 0xF8 is a | (b & c).
+// words_avx2 and quant_avx2 on 16 rows.
 struct Words512 {
-  __m512i lo, even, odd, top;
+  __m512i lo;
+  grouped::Joined512 joined;
 };
 
 template <class L>
 SHARDLM_AVX512 inline Words512 words_avx512(__m512i v, __m512i h, int s) {
-  if constexpr (!L::kFive) return {v, v, v, v};
-  const __m512i up = _mm512_slli_epi32(h, 4 - s), nibbles = _mm512_set1_epi32(0x0F0F0F0F);
-  return {v, _mm512_ternarylogic_epi32(nibbles, v, up, 0xCA),
-          _mm512_ternarylogic_epi32(nibbles, up, v, 0xCA),
-          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 28), _mm512_srli_epi32(h, 24 + s),
-                                    _mm512_set1_epi32(0x10), 0xF8)};
+  if constexpr (!L::kFive) return {v, {v, v, v}};
+  return {v, grouped::join_avx512(v, h, s, 0x10)};
 }
 
 template <class L>
 SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
-  if constexpr (L::kFive) {
-    if (j == 7) return q.top;
-    return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(0x1f << (4 * j)));
-  }
+  if constexpr (L::kFive) return grouped::joined_quant_avx512(q.joined, j, 0x1f);
   return j < 7 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))
                : _mm512_srli_epi32(q.lo, 28);
 }

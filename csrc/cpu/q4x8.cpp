@@ -323,7 +323,7 @@ void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T*
   const int64_t group_bytes = L::group_bytes(k);
   const int64_t blocks = k / kBlock;
   const bool avx2 = cpu::use_avx2();
-  const float* xp = prepare(x, m * k, avx2);
+  const float* xp = avx2 ? grouped::prescaled(x, m * k) : x;
   grouped::gemv(out, bias, m, n, group_bytes,
                 [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
 #if SHARDLM_HAVE_AVX2
@@ -346,17 +346,6 @@ void dequantize_rows_of(float* dst, const uint8_t* w, int64_t n0, int64_t n1, in
 }
 
 }  // namespace
-
-const float* prepare(const float* x, int64_t count, bool avx2) {
-  if (!avx2) return x;
-  thread_local std::vector<float> scaled;
-  if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
-  // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
-  for (int64_t i = 0; i < count; i += 8) {  // count is a multiple of 32
-    for (int j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kNibbleScale[j];
-  }
-  return scaled.data();
-}
 
 // Calls f with the layout of `qtype` (a value of that layout's type).
 template <class F>

@@ -10,12 +10,6 @@
 
 namespace shardlm::cpu::q4x8 {
 
-// The input rows (`count` floats, rows of K, a multiple of 32) as group_dot
-// reads them: for the AVX2 kernel pre-scaled (see q4x8.cpp) into a
-// thread-local buffer valid until the next call on this thread, for the
-// portable one as they are.
-const float* prepare(const float* x, int64_t count, bool avx2);
-
 // The group at `w` (8 rows of K) as float32 in `panel` (weight i of row r at
 // stride * i + r: [K][8] for a stride of 8, lanes 0..7 of [K][stride] when
 // groups are unpacked side by side), d * q + m exactly as the reference

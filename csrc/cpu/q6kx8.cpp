@@ -28,7 +28,6 @@ using quant::kBlock;
 using quant::kGroupRows;
 using quant::kQ6SuperGroupBytes;
 using quant::kSuperBlocks;
-using grouped::kNibbleScale;
 
 constexpr int64_t kHalf = 16;          // weights per scale
 constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
@@ -92,20 +91,14 @@ struct Inputs {
 };
 
 Inputs prepare(const float* x, int64_t count, bool simd) {
-  thread_local std::vector<float> scaled, sums;
+  thread_local std::vector<float> sums;
   sums.resize(count / kHalf);
   for (int64_t i = 0; i < count / kHalf; ++i) {
     float s = 0.f;
     for (int64_t j = 0; j < kHalf; ++j) s += x[kHalf * i + j];
     sums[i] = s;
   }
-  if (!simd) return {x, sums.data()};
-  scaled.resize(count);
-  // Multiplying by a power of two rounds exactly as ldexp does, and vectorizes.
-  for (int64_t i = 0; i < count; i += 8) {
-    for (int64_t j = 0; j < 8; ++j) scaled[i + j] = x[i + j] * kNibbleScale[j];
-  }
-  return {scaled.data(), sums.data()};
+  return {simd ? grouped::prescaled(x, count) : x, sums.data()};
 }
 
 #if SHARDLM_HAVE_AVX2
@@ -114,25 +107,14 @@ SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m25
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h))))));
 }
 
-// Nibble word s of a block (v) joined with its high bits (high word hw): quant
-// j of the result masked by 0x3f << 4j (j < 7) is quant j in place; `top` is
-// quant 7 shifted down.
-struct Words256 {
-  __m256i even, odd, top;
-};
-
-SHARDLM_AVX2 inline Words256 words_avx2(__m256i v, __m256i hw, int s) {
-  const int t = 2 * (s % 2);
-  const __m256i up = _mm256_slli_epi32(hw, 4 - t), nibbles = _mm256_set1_epi32(0x0F0F0F0F);
-  return {_mm256_or_si256(_mm256_and_si256(nibbles, v), _mm256_andnot_si256(nibbles, up)),
-          _mm256_or_si256(_mm256_andnot_si256(nibbles, v), _mm256_and_si256(nibbles, up)),
-          _mm256_or_si256(_mm256_srli_epi32(v, 28),
-                          _mm256_and_si256(_mm256_srli_epi32(hw, 24 + t), _mm256_set1_epi32(0x30)))};
-}
-
-SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
-  if (j == 7) return q.top;
-  return _mm256_and_si256(j % 2 ? q.odd : q.even, _mm256_set1_epi32(0x3f << (4 * j)));
+// Nibble word s of a block (v) joined with its high bits (high word s / 2,
+// quant 8s + j's two at 4j + 2 (s % 2)): quant j in place is
+// grouped::joined_quant_avx2(.., j, 0x3f).
+SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
+  return grouped::join_avx2(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))), 2 * (s % 2),
+      0x30);
 }
 
 // R input rows against one group; C chains per half and row keep about 8 FMAs
@@ -153,13 +135,11 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
       }
     }
     for (int s = 0; s < 4; ++s) {
-      const Words256 words = words_avx2(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))), s);
+      const grouped::Joined256 words = words_avx2(q, s);
       const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 f = _mm256_cvtepi32_ps(quant_avx2(words, j));
+        const __m256 f = _mm256_cvtepi32_ps(grouped::joined_quant_avx2(words, j, 0x3f));
         for (int r = 0; r < R; ++r) {
           __m256& chain = c[r][s / 2][j % C];
           chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x8 + r * stride + j), chain);
@@ -191,26 +171,6 @@ SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
 }
 
-// words_avx2 and quant_avx2 on 16 rows, each join one ternary-logic op:
-// 0xCA selects (a ? b : c), 0xF8 is a | (b & c).
-struct Words512 {
-  __m512i even, odd, top;
-};
-
-SHARDLM_AVX512 inline Words512 words_avx512(__m512i v, __m512i hw, int s) {
-  const int t = 2 * (s % 2);
-  const __m512i up = _mm512_slli_epi32(hw, 4 - t), nibbles = _mm512_set1_epi32(0x0F0F0F0F);
-  return {_mm512_ternarylogic_epi32(nibbles, v, up, 0xCA),
-          _mm512_ternarylogic_epi32(nibbles, up, v, 0xCA),
-          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 28), _mm512_srli_epi32(hw, 24 + t),
-                                    _mm512_set1_epi32(0x30), 0xF8)};
-}
-
-SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
-  if (j == 7) return q.top;
-  return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(0x3f << (4 * j)));
-}
-
 template <int R>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const Inputs& in,
                                 int64_t stride, int64_t k) {
@@ -230,12 +190,13 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     for (int s = 0; s < 4; ++s) {
-      const Words512 words = words_avx512(grouped::load_pair(q + 32 * s, next),
-                                          grouped::load_pair(q + 128 + 32 * (s / 2), next), s);
+      const grouped::Joined512 words = grouped::join_avx512(
+          grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),
+          2 * (s % 2), 0x30);
       const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 f = _mm512_cvtepi32_ps(quant_avx512(words, j));
+        const __m512 f = _mm512_cvtepi32_ps(grouped::joined_quant_avx512(words, j, 0x3f));
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][s / 2][j % C];
           chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x8[r * stride + j]), chain);
@@ -260,12 +221,11 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
 
 // The quants 8s .. 8s+7 of block b as integers 0..63 minus 32, one row a lane.
 SHARDLM_AVX2 inline void signed_quants(const uint8_t* q, int s, __m256i out[8]) {
-  const Words256 words = words_avx2(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))), s);
+  const grouped::Joined256 words = words_avx2(q, s);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
-    out[j] = _mm256_sub_epi32(_mm256_srli_epi32(quant_avx2(words, j), j < 7 ? 4 * j : 0),
+    out[j] = _mm256_sub_epi32(
+        _mm256_srli_epi32(grouped::joined_quant_avx2(words, j, 0x3f), j < 7 ? 4 * j : 0),
                               _mm256_set1_epi32(32));
   }
 }
