@@ -40,16 +40,24 @@ class LlamaCpp:
                          n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
                          verbose=False)
 
+    def _next_token(self) -> int:
+        """The argmax of the last evaluated position's logits. Read from the context itself:
+        without logits_all, llama-cpp-python keeps no copy in `scores`."""
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
+
     def decode_seconds(self, prompt: list[int], steps: int) -> float:
         """Seconds of `steps` greedy batch-1 decode steps after `prompt` (prefill excluded)."""
         llm = self.llm
         llm.reset()
         llm.eval(prompt)
-        token = int(llm.scores[llm.n_tokens - 1].argmax())
+        token = self._next_token()
         start = time.perf_counter()
         for _ in range(steps):
             llm.eval([token])
-            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            token = self._next_token()
         return time.perf_counter() - start
 
     def prefill_seconds(self, prompt: list[int]) -> float:

@@ -52,9 +52,113 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
   return pos + 1 - window_first_key(pos, window);
 }
 
+// Decode with few (sequence, kv head) pairs and long contexts: rather than
+// leave threads idle, or split the GQA group's heads over tasks (each task
+// then reads every key of its kv head: the cache read group times), each
+// sequence's keys are cut into slices of at least kMinSliceKeys. A task
+// attends all of the sequence's heads to one slice (whole token rows: one
+// contiguous read per token) into float partials with their log-sum-exp, and
+// merge_slices() combines a row's slices (flash-decoding). The cache is read
+// once, by every thread.
+constexpr int64_t kMinSliceKeys = 256;
+constexpr int64_t kSliceTasksPerThread = 4;
+
+// Keys per slice, or 0 where slicing does not pay (enough pairs already, or
+// one thread, or contexts that fit in one slice).
+int64_t slice_length(const AttnDims& d, const int32_t* ctx_lens) {
+  const int64_t threads = at::get_num_threads();
+  if (threads < 2 || d.num_seqs * d.num_kv_heads >= 2 * threads) return 0;
+  int64_t keys = 0;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    const int64_t n = keys_seen(ctx_lens[b] - 1, d.sliding_window);
+    keys += n;
+    longest = std::max(longest, n);
+  }
+  const int64_t tasks = kSliceTasksPerThread * threads;
+  const int64_t length = std::max(kMinSliceKeys, (keys + tasks - 1) / tasks);
+  return longest > length ? length : 0;
+}
+
+// out row = the softmax-weighted mean over all of its slices: each slice's
+// mean weighted by its share exp(lse) of the total.
+template <typename T>
+void merge_slices(T* out, const float* partial, const float* lse, int64_t slices,
+                  int64_t num_heads, int64_t D, float* acc) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < slices; ++c) top = std::max(top, lse[c * num_heads + h]);
+    std::fill(acc, acc + D, 0.f);
+    float total = 0.f;
+    if (top > -std::numeric_limits<float>::infinity()) {
+      for (int64_t c = 0; c < slices; ++c) {
+        const float w = std::exp(lse[c * num_heads + h] - top);
+        const float* p = partial + (c * num_heads + h) * D;
+        for (int64_t i = 0; i < D; ++i) acc[i] += w * p[i];
+        total += w;
+      }
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys -> zeros
+    for (int64_t i = 0; i < D; ++i) out[h * D + i] = from_f<T>(acc[i] * inv);
+  }
+}
+
+template <typename T, typename C>
+void decode_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
+                   const int32_t* ctx_lens, float scale, const AttnDims& d, int64_t length) {
+  const int64_t group = d.num_heads / d.num_kv_heads;
+  const int64_t H = d.num_heads;
+  const int64_t D = d.head_dim;
+  const bool simd = cpu::use_avx2();
+  // slice_start[b] = index of sequence b's first slice; a padding row (no
+  // keys) gets one, which writes zeros. Buffers of the calling thread, named
+  // so that the workers read this thread's copies.
+  thread_local std::vector<int64_t> slice_start_buf;
+  thread_local std::vector<float> partial_buf;
+  std::vector<int64_t>& slice_start = slice_start_buf;
+  slice_start.assign(d.num_seqs + 1, 0);
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    const int64_t n = keys_seen(ctx_lens[b] - 1, d.sliding_window);
+    slice_start[b + 1] = slice_start[b] + std::max<int64_t>(1, (n + length - 1) / length);
+  }
+  const int64_t slices = slice_start[d.num_seqs];
+  std::vector<float>& partial = partial_buf;
+  partial.resize(static_cast<size_t>(slices * H * (D + 1) + D));
+  float* lse = partial.data() + slices * H * D;
+  float* merged = lse + slices * H;  // one row's sum while merging
+  at::parallel_for(0, slices, 1, [&](int64_t begin, int64_t end) {
+    const Workspace ws(H, D);
+    Row<T, float>* rows = thread_rows<T, float>(H);
+    for (int64_t slice = begin; slice < end; ++slice) {
+      const int64_t b =
+          std::upper_bound(slice_start.begin(), slice_start.end(), slice) - slice_start.begin() - 1;
+      const int64_t pos = ctx_lens[b] - 1;
+      const int64_t first = window_first_key(pos, d.sliding_window) +
+                            (slice - slice_start[b]) * length;
+      for (int64_t h = 0; h < H; ++h) {
+        rows[h] = {q + b * d.q_row_stride + h * d.q_head_stride,
+                   partial.data() + (slice * H + h) * D, std::min(pos, first + length - 1),
+                   first, h / group, lse + slice * H + h};
+      }
+      const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
+                          d.num_kv_heads * D, D};
+      attend_rows(rows, H, kv, scale, ws, simd);
+    }
+  });
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    const int64_t s0 = slice_start[b];
+    merge_slices(out + b * H * D, partial.data() + s0 * H * D, lse + s0 * H,
+                 slice_start[b + 1] - s0, H, D, merged);
+  }
+}
+
 template <typename T, typename C>
 void decode_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
                  const int32_t* ctx_lens, float scale, const AttnDims& d) {
+  if (const int64_t length = slice_length(d, ctx_lens); length > 0) {
+    decode_sliced(out, q, kc, vc, tables, ctx_lens, scale, d, length);
+    return;
+  }
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t D = d.head_dim;
   const int64_t window = d.sliding_window;
@@ -62,8 +166,9 @@ void decode_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* ta
   int64_t keys = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) keys += keys_seen(ctx_lens[b] - 1, window);
   // Task = (sequence, kv head): the group's query heads share each key tile.
-  // With fewer of those than two per thread (one sequence, few kv heads: 3
-  // tasks split 2 to 1 over two threads) each query head is a task instead.
+  // With fewer of those than two per thread (one sequence, few kv heads, a
+  // context too short to slice: 3 tasks split 2 to 1 over two threads) each
+  // query head is a task instead.
   const int64_t per_task =
       d.num_seqs * d.num_kv_heads < 2 * at::get_num_threads() ? 1 : group;
   const int64_t tasks_per_seq = d.num_heads / per_task;
@@ -79,10 +184,10 @@ void decode_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* ta
         const int64_t h = h0 + i;
         rows[i] = {q + b * d.q_row_stride + h * d.q_head_stride,
                    out + (b * d.num_heads + h) * D, ctx_lens[b] - 1,
-                   window_first_key(ctx_lens[b] - 1, window)};
+                   window_first_key(ctx_lens[b] - 1, window), h / group};
       }
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
-                          d.num_kv_heads * D, h0 / group, D};
+                          d.num_kv_heads * D, D};
       attend_rows(rows, per_task, kv, scale, ws, simd);
     }
   });
@@ -132,11 +237,11 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
           const int64_t h = g * group + i;
           rows[n++] = {q + tok * d.q_row_stride + h * d.q_head_stride,
                        out + (tok * d.num_heads + h) * D, first_pos + t,
-                       window_first_key(first_pos + t, window)};
+                       window_first_key(first_pos + t, window), g};
         }
       }
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
-                          d.num_kv_heads * D, g, D};
+                          d.num_kv_heads * D, D};
       attend_rows(rows, n, kv, scale, ws, simd);
     }
   });

@@ -26,6 +26,16 @@ namespace shardlm::cpu::attn {
 using cpu::from_f;
 using cpu::to_f;
 
+// Asks for the cache line at p into L2 (a tile's K and V rows may not fit in
+// L1 beside the tile being read): a hint, harmless past the end of anything.
+inline void prefetch_line(const void* p) {
+#if SHARDLM_HAVE_AVX2
+  cpu::avx2::prefetch_line_l2(p);
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 constexpr int64_t kKeyTile = 32;    // keys scored per step
 constexpr int64_t kQueryTile = 16;  // prefill query tokens per task
 
@@ -36,31 +46,50 @@ struct PagedKV {
   const int32_t* block_row;  // this sequence's block table row
   int64_t block_size;
   int64_t token_stride;  // kv_heads * head_dim
-  int64_t kv_head;
   int64_t head_dim;
 
-  // off[j] = element offset of token t0 + j's head row, for j < n. Walks the
-  // block table instead of dividing per token: a 64-bit division costs about
-  // as much as converting the token's row.
+  // off[j] = element offset of token t0 + j's row (all kv heads), for j < n.
+  // Walks the block table instead of dividing per token: a 64-bit division
+  // costs about as much as converting the token's row.
   void offsets(int64_t t0, int64_t n, int64_t* off) const {
     int64_t block = t0 / block_size;
     int64_t slot = t0 % block_size;
     for (int64_t j = 0; j < n; ++j) {
-      off[j] = (block_row[block] * block_size + slot) * token_stride + kv_head * head_dim;
+      off[j] = (block_row[block] * block_size + slot) * token_stride;
       if (++slot == block_size) {
         slot = 0;
         ++block;
       }
     }
   }
+
+  // Asks for the cache lines of kv heads [g0, g1) of the K and V token rows
+  // at off[0..n).
+  void prefetch(const int64_t* off, int64_t n, int64_t g0, int64_t g1) const {
+    const int64_t bytes = (g1 - g0) * head_dim * static_cast<int64_t>(sizeof(C));
+    for (int64_t j = 0; j < n; ++j) {
+      const char* k_row = reinterpret_cast<const char*>(k + off[j] + g0 * head_dim);
+      const char* v_row = reinterpret_cast<const char*>(v + off[j] + g0 * head_dim);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        prefetch_line(k_row + b);
+        prefetch_line(v_row + b);
+      }
+    }
+  }
 };
 
-template <typename T>
+// One query row. Its output is normalized (softmax-weighted mean of the
+// values it sees) and of type O: T, or float for a partial result over a
+// slice of the keys, whose log-sum-exp of scores then goes to *lse so that
+// slices can be merged (merge_slices in attention.cpp).
+template <typename T, typename O = T>
 struct Row {
   const T* q;
-  T* out;
-  int64_t pos;    // last visible key; < 0 means no keys (zero output)
-  int64_t first;  // first visible key (0 without a sliding window)
+  O* out;
+  int64_t pos;      // last visible key; < 0 means no keys (zero output)
+  int64_t first;    // first visible key (0 without a sliding window)
+  int64_t kv_head;  // the K and V head it reads (GQA: shared by its group)
+  float* lse = nullptr;
 };
 
 // Float scratch for up to `max_rows` rows: q, acc [rows][D]; k, v [kKeyTile][D];
@@ -86,9 +115,9 @@ struct Workspace {
 };
 
 // The calling thread's row descriptors, grown like the workspace.
-template <typename T>
-Row<T>* thread_rows(int64_t n) {
-  thread_local std::vector<Row<T>> rows;
+template <typename T, typename O = T>
+Row<T, O>* thread_rows(int64_t n) {
+  thread_local std::vector<Row<T, O>> rows;
   if (rows.size() < static_cast<size_t>(n)) {
     rows.resize(n);
   }
@@ -264,14 +293,23 @@ struct Avx2 {
 // update, accumulation. Ops is Portable or Avx2; S is float or C. Row r sees
 // tile keys [lo, hi): the causal mask cuts the end, a sliding window the start
 // (rows of a prefill tile have different windows), so both are just offsets
-// into the tile's row pointers.
-template <typename Ops, typename T, typename S>
-void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S* const* kr,
-                 const S* const* vr, int64_t D, const Workspace& ws) {
-  for (int64_t r = 0; r < n; ++r) {
+// into the tile's row pointers. each_row(i, m) is called m times, i = 0..m-1,
+// spread over the rows' work: the caller's prefetches ride on it.
+template <typename Ops, typename T, typename O, typename S, typename Each>
+void attend_tile(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int64_t nk,
+                 const S* const* kr, const S* const* vr, int64_t D, const Workspace& ws,
+                 const Each& each_row) {
+  for (int64_t r = r0; r < r1; ++r) {
+    // Two calls a row (before its scores, before its accumulation).
+    const int64_t share = 2 * (r - r0);
+    const int64_t shares = 2 * (r1 - r0);
+    each_row(share, shares);
     const int64_t lo = std::max<int64_t>(0, rows[r].first - k0);
     const int64_t visible = std::min(nk, rows[r].pos - k0 + 1) - lo;
-    if (visible <= 0) continue;
+    if (visible <= 0) {
+      each_row(share + 1, shares);
+      continue;
+    }
     Ops::scores(ws.s, ws.q + r * D, kr + lo, visible, D);
     float tile_max = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, ws.s[j]);
@@ -280,20 +318,26 @@ void attend_tile(const Row<T>* rows, int64_t n, int64_t k0, int64_t nk, const S*
     const float m_new = std::max(ws.m[r], tile_max);
     const float alpha = std::exp(ws.m[r] - m_new);
     const float sum = Ops::exp(ws.s, visible, m_new);  // scores -> probabilities
+    each_row(share + 1, shares);
     Ops::accumulate(ws.acc + r * D, alpha, ws.s, vr + lo, visible, D);
     ws.l[r] = ws.l[r] * alpha + sum;
     ws.m[r] = m_new;
   }
 }
 
-// Up to this many rows, the AVX2 path reads bf16 / fp16 rows straight from
-// the cache, converting as it goes; more rows (prefill) share one float copy
-// of the tile. float32 rows are always read in place.
+// Up to this many rows of one kv head, the AVX2 path reads bf16 / fp16 rows
+// straight from the cache, converting as it goes; more rows (prefill) share
+// one float copy of the tile. float32 rows are always read in place.
 constexpr int64_t kMaxDirectRows = 8;
 
-template <typename T, typename C>
-void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<C>& kv, float scale,
-                 const Workspace& ws, bool simd) {
+
+// Rows may read different kv heads (a decode task over all of a sequence's
+// heads), in runs of equal kv_head: each tile is then read as whole token
+// rows, one contiguous stretch of memory per token, and a run's rows reuse
+// its head's part while it is in L1.
+template <typename T, typename O, typename C>
+void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float scale,
+                 const Workspace& ws, [[maybe_unused]] bool simd) {
   const int64_t D = kv.head_dim;
   int64_t last = -1;
   int64_t first = std::numeric_limits<int64_t>::max();
@@ -310,36 +354,59 @@ void attend_rows(const Row<T>* rows, int64_t n, const PagedKV<C>& kv, float scal
   // Keys before every row's window are never read: the tiles start at the
   // earliest first key (not at a multiple of kKeyTile: any start works, and
   // this one needs no masking for the row with that key).
-  [[maybe_unused]] const bool direct = std::is_same_v<C, float> || n <= kMaxDirectRows;
-  int64_t off[kKeyTile];
-  const C* kc[kKeyTile];  // the tile's rows in the cache
+  int64_t off[kKeyTile];  // the tile's token rows
+  int64_t ahead[kKeyTile];  // ... and the next tile's
+  const C* kc[kKeyTile];  // a kv head's rows of the tile in the cache
   const C* vc[kKeyTile];
   const float* kf[kKeyTile];  // ... or in the float copy
   const float* vf[kKeyTile];
-  for (int64_t k0 = last >= 0 ? first : 0; k0 <= last; k0 += kKeyTile) {
+  const int64_t k_begin = last >= 0 ? first : 0;
+  for (int64_t k0 = k_begin; k0 <= last; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, last + 1 - k0);
     kv.offsets(k0, nk, off);
-    for (int64_t j = 0; j < nk; ++j) {
-      kc[j] = kv.k + off[j];
-      vc[j] = kv.v + off[j];
+    // Blocks lie anywhere in the pool, which the hardware prefetchers cannot
+    // follow: each kv head's rows of the next tile are asked for while this
+    // tile's rows of that head are computed (spread out, not in one burst
+    // that would overflow the queue of misses in flight).
+    const bool prefetch = k0 + kKeyTile <= last;
+    int64_t na = 0;
+    if (prefetch) {
+      na = std::min(kKeyTile, last + 1 - k0 - kKeyTile);
+      kv.offsets(k0 + kKeyTile, na, ahead);
     }
+    for (int64_t r0 = 0, r1 = 0; r0 < n; r0 = r1) {
+      const int64_t g = rows[r0].kv_head;
+      while (r1 < n && rows[r1].kv_head == g) ++r1;
+      // Call i of m asks for its share of the next tile's rows of head g.
+      const auto each_row = [&](int64_t i, int64_t m) {
+        if (prefetch) kv.prefetch(ahead + i * na / m, (i + 1) * na / m - i * na / m, g, g + 1);
+      };
+      for (int64_t j = 0; j < nk; ++j) {
+        kc[j] = kv.k + off[j] + g * D;
+        vc[j] = kv.v + off[j] + g * D;
+      }
 #if SHARDLM_HAVE_AVX2
-    if (simd && direct) {
-      attend_tile<Avx2>(rows, n, k0, nk, kc, vc, D, ws);
-      continue;
-    }
-    if (simd) {
-      convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
-      attend_tile<Avx2>(rows, n, k0, nk, kf, vf, D, ws);
-      continue;
-    }
+      if (simd && (std::is_same_v<C, float> || r1 - r0 <= kMaxDirectRows)) {
+        attend_tile<Avx2>(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
+        continue;
+      }
+      if (simd) {
+        convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+        attend_tile<Avx2>(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+        continue;
+      }
 #endif
-    convert_tile(ws.k, ws.v, kc, vc, nk, D, kf, vf);
-    attend_tile<Portable>(rows, n, k0, nk, kf, vf, D, ws);
+      convert_tile(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+      attend_tile<Portable>(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+    }
   }
   for (int64_t r = 0; r < n; ++r) {
     const float inv = ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f;  // no keys -> zeros
-    for (int64_t i = 0; i < D; ++i) rows[r].out[i] = from_f<T>(ws.acc[r * D + i] * inv);
+    for (int64_t i = 0; i < D; ++i) rows[r].out[i] = from_f<O>(ws.acc[r * D + i] * inv);
+    if (rows[r].lse != nullptr) {
+      *rows[r].lse = ws.l[r] > 0.f ? ws.m[r] + std::log(ws.l[r])
+                                   : -std::numeric_limits<float>::infinity();
+    }
   }
 }
 

@@ -55,8 +55,16 @@ constexpr int64_t kPrefetchBytes = 6144;
 // the end of the weights is harmless. Written as the instruction itself: GCC
 // 12 dropped _mm_prefetch from some of the kernels it was inlined into (the
 // AVX-512 Q4x8 and Q4Kx8 ones, which then streamed at half the bandwidth).
+inline void prefetch_line(const void* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+}
+// The same into L2 only: for data read a while later, which in L1 would evict
+// what is being read now.
+inline void prefetch_line_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
 inline void prefetch_ahead(const void* p) {
-  asm volatile("prefetcht0 %0" : : "m"(*(static_cast<const char*>(p) + kPrefetchBytes)));
+  prefetch_line(static_cast<const char*>(p) + kPrefetchBytes);
 }
 
 // ---- 8 lanes of T <-> 8 floats ------------------------------------------------------

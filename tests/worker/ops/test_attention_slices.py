@@ -1,0 +1,60 @@
+"""CPU decode attention over long contexts with few (sequence, kv head) pairs: the keys are cut
+into slices attended by separate tasks and merged by their log-sum-exp (attention.cpp,
+decode_sliced). Whether a call slices depends on the thread count, so each case runs with one
+thread (never sliced), two and four, against the reference and against the one-thread result;
+with sliding windows, padding rows and every cache dtype under a float32 query.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm_server.worker import ops
+from shardlm_server.worker.ops import reference as ref
+
+from .test_ops import TOL, make_paged_cache
+
+if ops.USE_REFERENCE:
+    pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op thread count for one test, then puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# (heads, kv_heads, head_dim, block_size, context lengths); 0 = padding row.
+CASES = [
+    (9, 3, 64, 16, [4100]),  # the default model's heads at a 4k depth
+    (4, 1, 36, 3, [1500, 0]),  # one kv head, a padding row, odd block and head sizes
+    (8, 2, 80, 16, [700, 1, 2049]),  # one sequence shorter than a slice
+]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("case", CASES)
+def test_sliced_decode_matches_the_reference_at_every_thread_count(threads, case, window,
+                                                                   cache_dtype):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, ctx = case
+    k_cache, v_cache, tables = make_paged_cache(ctx, block_size, kv_heads, head_dim,
+                                                cache_dtype, "cpu")
+    q = torch.randn(len(ctx), heads, head_dim)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, lens, head_dim**-0.5, max(ctx), window)
+    expected = ref.paged_attention_decode(q, k_cache.float(), v_cache.float(), *args[3:])
+    outs = {}
+    for n in (1, 2, 4):
+        threads(n)
+        out = torch.full(q.shape, float("nan"))
+        ops.paged_attention_decode(*args, out=out)
+        torch.testing.assert_close(out, expected, **TOL[torch.float32], msg=f"{n} threads")
+        assert torch.all(out[lens == 0] == 0)
+        outs[n] = out
+    torch.testing.assert_close(outs[2], outs[1], **TOL[torch.float32])
+    torch.testing.assert_close(outs[4], outs[1], **TOL[torch.float32])
