@@ -7,6 +7,8 @@ round runs both engines back to back and the medians are reported):
   * ShardLM's decode step split into weight-streaming kernels, attention and everything else
     (torch.profiler self times over a few steps, scaled to the unprofiled step time);
   * the GB/s ShardLM streams against the measured read bandwidth (bench.roofline);
+  * with --depth N, batch-1 decode after an N-token context, KV bytes counted in the floor
+    (bench.depth_bench);
   * teacher-forced top-1 agreement of both engines with the float32 reference (bench.agreement);
   * the full stack, 1/8/32 concurrent streams: `shardlm serve` against llama.cpp's `llama-server`
     with as many parallel slots (bench.model_stack; the "stack" section).
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 from shardlm.gguf_header import find_gguf
 
-from bench import agreement, llamacpp, model_stack, roofline
+from bench import agreement, depth_bench, llamacpp, model_stack, roofline
 from bench import engine_bench as eb
 from bench.quiet_profiler import quiet_profiler
 from shardlm_server.worker.engine import Engine
@@ -159,6 +161,11 @@ def measure(args) -> dict:
                           "achieved_gb_s": nbytes / (step_ms / 1000) / 1e9,
                           "pct_of_floor": 100 * floor_ms / step_ms}
 
+    if args.depth:
+        print(f"-- decode at a {args.depth}-token depth", flush=True)
+        result["depth"] = depth_bench.measure(path, gguf, dtype, args.depth, steps,
+                                              args.repeats + 1, nbytes, bandwidth)
+
     if "stack" in args.section_list:
         print("-- full stack", flush=True)
         try:
@@ -200,6 +207,9 @@ def targets(result: dict) -> list[dict]:
             ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"], 2.0)
     if result.get("agreement"):
         add("top-1 agreement with float32 >= 99.5%", result["agreement"]["shardlm"], 0.995)
+    if "depth" in result:
+        for name, value, goal in depth_bench.targets(result["depth"]):
+            add(name, value, goal)
     if "rows" in result.get("stack", {}):
         for name, value, goal in model_stack.targets(result["stack"]):
             add(name, value, goal)
@@ -247,6 +257,8 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
         if "llama_cpp" in a:
             line += f", llama.cpp {100 * a['llama_cpp']:.1f}%"
         print(line)
+    if "depth" in result:
+        depth_bench.print_rows(result["depth"])
     if "rows" in result.get("stack", {}):
         model_stack.print_rows(result["stack"])
     print("\n== targets")

@@ -5,6 +5,7 @@
     python -m bench.run --device cpu --smoke    # tiny shape, few tokens, every section in seconds
     python -m bench.run --device cuda --shapes llama-3-8b --sections engine,baselines
     python -m bench.run --model FILE.gguf       # a real checkpoint against llama.cpp (CPU)
+    python -m bench.run --model FILE.gguf --depth 4096 --sections engine,baselines
 
 Per shape, on a random-weight checkpoint built on the device in a temp folder (nothing is
 downloaded):
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", help=f"any of {', '.join(SHAPES)} (comma or space)")
     p.add_argument("--model", help="a GGUF file or checkpoint folder: ShardLM against llama.cpp "
                    "on it (CPU), instead of the random shapes")
+    p.add_argument("--depth", type=int, default=0,
+                   help="--model: also batch-1 decode after a context of this many tokens "
+                   "(e.g. 4096), ShardLM's float32 and float16 KV caches against llama.cpp")
     p.add_argument("--agreement-tokens", type=int,
                    help="--model: teacher-forced text length for top-1 agreement (default 512)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few tokens, seconds")
@@ -87,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model:
         if gpu:
             p.error("--model compares against llama.cpp on CPU; leave out --device cuda")
+        if args.depth < 0:
+            p.error("--depth must be a token count >= 0")
         if not Path(args.model).exists():
             p.error(f"--model {args.model}: no such file or folder")
         default_agreement = 64 if args.smoke else 512

@@ -61,15 +61,15 @@ def test_smoke_run_writes_every_section(tmp_path):
 
 
 def test_smoke_run_on_a_model_file(tmp_path):
-    """`--model FILE.gguf`: ShardLM's figures, the breakdown, the roofline, the agreement, the
-    full stack and the targets land in the JSON; llama.cpp's columns are there or say why not."""
+    """`--model FILE.gguf`: ShardLM's figures, the breakdown, the roofline, the agreement, decode
+    at depth, the full stack and the targets land in the JSON; llama.cpp's columns are there or say why not."""
     from tests.gguf_files import GGUFSpec, write_gguf
 
     model = tmp_path / "tiny.gguf"
     write_gguf(model, GGUFSpec("llama"))
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "--model", str(model), "--smoke",
-         "--agreement-tokens", "32", "--out", str(tmp_path)],
+         "--agreement-tokens", "32", "--depth", "48", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
         # No llama-server even where one is built: the run must say so and go on.
         env=dict(os.environ, PYTHONUNBUFFERED="1", LLAMA_SERVER=str(tmp_path / "none")),
@@ -91,6 +91,13 @@ def test_smoke_run_on_a_model_file(tmp_path):
     llama = result["llama_cpp"]
     assert llama.startswith("not run") if isinstance(llama, str) else llama["decode_tokens_per_s"] > 0
     assert any("agreement" in t["target"] for t in report["targets"])
+    depth = result["depth"]  # decode after a 48-token context, both KV dtypes
+    assert depth["depth"] == 48
+    for kv in ("float32", "float16"):
+        row = depth[f"shardlm_kv_{kv}"]
+        assert row["decode_tokens_per_s"] > 0 and row["kv_bytes"] > 0 and row["pct_of_floor"] > 0
+    assert depth["shardlm_kv_float32"]["kv_bytes"] == 2 * depth["shardlm_kv_float16"]["kv_bytes"]
+    assert any("depth 48" in t["target"] for t in report["targets"])
     stack = result["stack"]  # `shardlm serve` on the file; llama-server beside it when built
     assert [r["streams"] for r in stack["rows"]] == report["config"]["streams"]
     assert all(r["shardlm"]["tokens_per_s"] > 0 for r in stack["rows"])

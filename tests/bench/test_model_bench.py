@@ -30,3 +30,17 @@ def test_without_llama_cpp_only_our_targets():
     names = [t["target"] for t in targets(_result(fmt="safetensors", llama=False))]
     assert not any("llama.cpp" in n for n in names)
     assert "bfloat16 batch-1 decode >= 75% of the read-bandwidth floor" in names
+
+
+def test_depth_targets_count_kv_bytes_in_the_floor():
+    result = _result()
+    result["depth"] = {
+        "depth": 4096,
+        "shardlm_kv_float16": {"decode_tokens_per_s": 90.0, "pct_of_floor": 55.0},
+        "llama_cpp": {"decode_tokens_per_s": 60.0, "pct_of_floor": 40.0},
+    }
+    got = {t["target"]: t for t in targets(result)}
+    ratio = got["decode at depth 4096 (float16 KV) vs llama.cpp >= 1.3x"]
+    assert abs(ratio["value"] - 1.5) < 1e-9 and ratio["pass"] is True
+    floor = got["decode at depth 4096: weights + KV at >= 60% of the read floor"]
+    assert abs(floor["value"] - 0.55) < 1e-9 and floor["pass"] is False
