@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from bench import llamacpp
 from bench import engine_bench as eb
+from bench import llamacpp
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
 
@@ -72,7 +72,7 @@ def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps
         llama = llamacpp.LlamaCpp(gguf, threads, n_ctx=depth + steps + 16)
     times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
     theirs: list[float] = []
-    for kv, engine in engines.items():  # warm-up: the first steps at depth allocate scratch
+    for engine in engines.values():  # warm-up: the first steps at depth allocate scratch
         _engine_step_seconds(engine, prompt[:256], 4)
     for _ in range(rounds):
         for kv, engine in engines.items():

@@ -2,6 +2,7 @@
 
     python -m bench.quantize                          # the default model as Q4_K_M, Q6_K, Q8_0
     python -m bench.quantize --model F.gguf --types Q4_K_M,Q5_K_M
+    python -m bench.quantize --shape llama-3.2-1b     # a ~1B random-weight file, Q4_0 and Q4_K_M
     python -m bench.run --model .bench/models/SmolLM2-135M-Instruct.Q4_K_M.gguf
 
 `make llama-quantize` builds the tool from the same llama.cpp source as `make llama-server`
@@ -24,11 +25,13 @@ from pathlib import Path
 import gguf
 
 from bench import llama_server
+from bench.random_gguf import RANDOM_SHAPES, write_random_llama
 from bench.serve_process import REPO
 
 BUILD_HINT = "make llama-quantize"
 OUT = REPO / ".bench" / "models"
 DEFAULT_TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
+SHAPE_TYPES = ("Q4_0", "Q4_K_M")  # --shape: the issue's ~1B figures
 
 
 def binary() -> Path | None:
@@ -60,20 +63,31 @@ def tensor_types(path: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="GGUF file; default: SmolLM2")
-    parser.add_argument("--types", default=",".join(DEFAULT_TYPES),
-                        help="llama-quantize type names, comma-separated")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="GGUF file; default: SmolLM2")
+    source.add_argument("--shape", choices=RANDOM_SHAPES,
+                        help="instead of a file: this shape with random weights and the default "
+                        "model's tokenizer (bench/random_gguf.py), written once as float16")
+    parser.add_argument("--types", help="llama-quantize type names, comma-separated (default: "
+                        f"{','.join(DEFAULT_TYPES)}; with --shape {','.join(SHAPE_TYPES)})")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     exe = binary()
     if exe is None:
         print(f"no llama-quantize (build it: {BUILD_HINT})", file=sys.stderr)
         return 1
-    if args.model is None:
-        from shardlm_server.gateway.serve.default_model import default_model_path
+    from shardlm_server.gateway.serve.default_model import default_model_path
 
+    types = args.types or ",".join(SHAPE_TYPES if args.shape else DEFAULT_TYPES)
+    if args.shape:
+        args.model = OUT / f"{args.shape}-random.F16.gguf"
+        if not args.model.is_file():
+            OUT.mkdir(parents=True, exist_ok=True)
+            print(f"writing {args.model} (random weights) ...", flush=True)
+            write_random_llama(args.model, args.shape, default_model_path())
+    elif args.model is None:
         args.model = default_model_path()
-    for qtype in args.types.split(","):
+    for qtype in types.split(","):
         path = quantized(args.model, qtype.strip(), exe, args.threads)
         print(f"{path}  ({path.stat().st_size / 1e6:,.0f} MB; matrices: {tensor_types(path)})")
     return 0

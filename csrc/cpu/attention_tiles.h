@@ -28,7 +28,7 @@ using cpu::to_f;
 
 // Asks for the cache line at p into L2 (a tile's K and V rows may not fit in
 // L1 beside the tile being read): a hint, harmless past the end of anything.
-inline void prefetch_line(const void* p) {
+inline void prefetch_to_l2(const void* p) {
 #if SHARDLM_HAVE_AVX2
   cpu::avx2::prefetch_line_l2(p);
 #else
@@ -70,10 +70,14 @@ struct PagedKV {
     for (int64_t j = 0; j < n; ++j) {
       const char* k_row = reinterpret_cast<const char*>(k + off[j] + g0 * head_dim);
       const char* v_row = reinterpret_cast<const char*>(v + off[j] + g0 * head_dim);
+      // Every 64 bytes, and the last byte: a row that starts inside a cache
+      // line ends inside one more.
       for (int64_t b = 0; b < bytes; b += 64) {
-        prefetch_line(k_row + b);
-        prefetch_line(v_row + b);
+        prefetch_to_l2(k_row + b);
+        prefetch_to_l2(v_row + b);
       }
+      prefetch_to_l2(k_row + bytes - 1);
+      prefetch_to_l2(v_row + bytes - 1);
     }
   }
 };
