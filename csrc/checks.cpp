@@ -203,9 +203,10 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
     case 102: block_bytes = 1680, weights_per_block = 256; break;  // Q6Kx8
     case 103: block_bytes = 176; break;  // Q5x8
     case 104: block_bytes = 1440, weights_per_block = 256; break;  // Q5Kx8
+    case 105: block_bytes = 144; break;  // Q40x8
     default: TORCH_CHECK(false, op, ": block type ", qtype, " is not supported (Q4_0 = 2, "
                          "Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101, Q6Kx8 = 102, "
-                         "Q5x8 = 103, Q5Kx8 = 104)");
+                         "Q5x8 = 103, Q5Kx8 = 104, Q40x8 = 105)");
   }
   const int64_t rows_per_row = qtype >= 100 ? 8 : 1;
   check_float(input, "input", op);

@@ -5,8 +5,9 @@ float16 scale, for Q4_1 a float16 offset, then the quants), exactly as a GGUF fi
 `ops.linear` multiplies it with `ops.quant_linear`, which unpacks the blocks in registers and
 accumulates in float32 against unrounded activations, so a 4-bit weight costs a sixth of the
 memory traffic of its bfloat16 form and the result equals the dequantized product up to
-summation order. On CPU, 4-bit weights are then regrouped into Q4x8 (`to_q4x8`: 8 rows side by
-side, the same weights), the layout the matrix-vector kernel reads fastest.
+summation order. On CPU, 4-bit weights are then regrouped into Q4x8 or, for Q4_0, Q40x8
+(`to_q4x8`: 8 rows side by side, the same weights at the same size), the layouts the
+matrix-vector kernel reads fastest.
 
 Where weights come from (`read_linear`):
 - a GGUF tensor of a kernel type stays packed (a rank's row slice, or a column slice on block
@@ -31,17 +32,20 @@ from shardlm_server.worker.errors import InvalidRequestError
 #: Type ids of the block formats `ops.quant_linear` reads: GGML's, and the 8-row layouts
 #: (ShardLM's own, see `regrouped`).
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102,
-              "Q5x8": 103, "Q5Kx8": 104}
+              "Q5x8": 103, "Q5Kx8": 104, "Q40x8": 105}
 #: GGML types the kernels read only regrouped into an 8-row layout (`regrouped`), so kept packed
 #: where a weight's rows fill groups of 8.
 K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6kx8),
              "Q5_K": ("Q5Kx8", kquant.to_q5kx8), "Q5_0": ("Q5x8", kquant.to_q5x8)}
 #: The 8-row layouts whose rows `dequantize_rows` takes from whole dequantized groups.
-GROUPED_LAYOUTS = ("Q4Kx8", "Q6Kx8", "Q5x8", "Q5Kx8")
+GROUPED_LAYOUTS = ("Q4Kx8", "Q6Kx8", "Q5x8", "Q5Kx8", "Q40x8")
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GROUP_ROWS = 8  # rows of a Q4x8 group
-GROUP_BLOCK_BYTES = 160  # a Q4x8 block of 8 rows: d[8], m[8] float16, 4 x 8 uint32 of nibbles
+#: Bytes ahead of a group-block's 128 bytes of nibble words: Q4x8's d[8] and m[8] float16, Q40x8's
+#: d[8] only (Q4_0: m = -8 d).
+GROUP_HEADER_BYTES = {"Q4x8": 32, "Q40x8": 16}
+GROUP_BLOCK_BYTES = GROUP_HEADER_BYTES["Q4x8"] + 128
 
 #: `--quantize` choices: "" keeps a GGUF file's kernel-type blocks packed (on CPU) and reads the
 #: rest dense, "none" reads everything dense, "int8" / "int4" also quantize dense weights.
@@ -79,10 +83,11 @@ def check_mode(quantize: str) -> str:
 
 
 def to_q4x8(weight: QuantizedWeight) -> QuantizedWeight:
-    """A Q4_0 / Q4_1 weight regrouped for the CPU matrix-vector kernel: rows side by side in
-    groups of 8, so a vector lane is an output feature (layout in csrc/cpu/quant_blocks.h). The
-    same weights exactly (Q4_0's offset is m = -8 d); `weight` itself when it is of another type
-    or its rows do not fill whole groups."""
+    """A Q4_1 weight regrouped for the CPU matrix-vector kernel as Q4x8, a Q4_0 one as Q40x8: rows
+    side by side in groups of 8, so a vector lane is an output feature (layouts in
+    csrc/cpu/quant_blocks.h). The same weights exactly, at the file's size (Q40x8 keeps no offset:
+    Q4_0's is m = -8 d); `weight` itself when it is of another type or its rows do not fill whole
+    groups."""
     n, k = weight.shape
     if weight.qtype not in ("Q4_0", "Q4_1") or n % GROUP_ROWS:
         return weight
@@ -101,12 +106,14 @@ def to_q4x8(weight: QuantizedWeight) -> QuantizedWeight:
 
     q = quants.reshape(groups, GROUP_ROWS, blocks, 4, 8)  # [g, row, block, s, j]
     words = (q[..., 0::2] | (q[..., 1::2] << 4)).permute(0, 2, 3, 1, 4)  # [g, block, s, row, 4]
-    packed = torch.cat((by_group(d), by_group(m), words.reshape(groups, blocks, 128)), dim=-1)
-    return QuantizedWeight("Q4x8", packed.reshape(groups, -1).contiguous(), weight.shape)
+    scales = (by_group(d), by_group(m)) if weight.qtype == "Q4_1" else (by_group(d),)
+    packed = torch.cat((*scales, words.reshape(groups, blocks, 128)), dim=-1)
+    layout = "Q4x8" if weight.qtype == "Q4_1" else "Q40x8"
+    return QuantizedWeight(layout, packed.reshape(groups, -1).contiguous(), weight.shape)
 
 
 def regrouped(weight: QuantizedWeight) -> QuantizedWeight:
-    """The layout the CPU kernels read `weight` in: Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8,
+    """The layout the CPU kernels read `weight` in: Q40x8 / Q4x8 for Q4_0 / Q4_1 (`to_q4x8`), Q4Kx8,
     Q6Kx8, Q5Kx8 and Q5x8 for Q4_K, Q6_K, Q5_K and Q5_0 (whose rows `read_blocks` keeps to
     whole groups of 8), the weight itself otherwise."""
     if weight.qtype in K_LAYOUTS:
@@ -115,18 +122,21 @@ def regrouped(weight: QuantizedWeight) -> QuantizedWeight:
     return to_q4x8(weight)
 
 
-def _dequantize_q4x8(blocks: torch.Tensor) -> torch.Tensor:
+def _dequantize_q4x8(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 [N, K] of Q4x8 or Q40x8 blocks [N / 8, K / 32 * group-block bytes]."""
+    header = GROUP_HEADER_BYTES[qtype]
     groups = blocks.shape[0]
-    b = blocks.reshape(groups, -1, GROUP_BLOCK_BYTES)
+    b = blocks.reshape(groups, -1, header + 128)
     nblocks = b.shape[1]
 
     def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, blocks, 16] -> [g, row, blocks, 1]
         return raw.contiguous().view(torch.float16).float().permute(0, 2, 1).unsqueeze(-1)
 
-    words = b[..., 32:].reshape(groups, nblocks, 4, GROUP_ROWS, 4)  # [g, block, s, row, byte]
+    words = b[..., header:].reshape(groups, nblocks, 4, GROUP_ROWS, 4)  # [g, block, s, row, byte]
     q = torch.stack((words & 0x0F, words >> 4), dim=-1).reshape(groups, nblocks, 4, GROUP_ROWS, 8)
     q = q.permute(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, nblocks, BLOCK).float()
-    w = by_row(b[..., 0:16]) * q + by_row(b[..., 16:32])
+    d = by_row(b[..., 0:16])
+    w = d * q + (by_row(b[..., 16:32]) if qtype == "Q4x8" else d * -8)
     return w.reshape(groups * GROUP_ROWS, nblocks * BLOCK)
 
 
@@ -138,8 +148,8 @@ _K_DEQUANTIZERS = {"Q4_K": kquant.dequantize_q4_k, "Q4Kx8": kquant.dequantize_q4
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [N, K] of GGML blocks, computed as GGML does (the reference of quant_linear)."""
-    if qtype == "Q4x8":
-        return _dequantize_q4x8(blocks)
+    if qtype in GROUP_HEADER_BYTES:
+        return _dequantize_q4x8(blocks, qtype)
     if qtype in _K_DEQUANTIZERS:
         return _K_DEQUANTIZERS[qtype](blocks)
     n = blocks.shape[0]

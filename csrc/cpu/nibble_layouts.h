@@ -16,6 +16,7 @@ namespace shardlm::cpu::q4x8::nibble {
 using quant::half_at;
 using quant::kBlock;
 using quant::kGroupBlockBytes;
+using quant::kQ40GroupBlockBytes;
 using quant::kQ5GroupBlockBytes;
 using quant::kQ5SuperGroupBytes;
 using quant::kSuperBlocks;
@@ -24,10 +25,12 @@ using quant::kSuperGroupBytes;
 // Where block b (32 weights) of a group's 8 rows keeps its 128 bytes of quant
 // words (and for the 5-bit layouts its 32 bytes of high bits), and its scale d
 // and offset m per row (w = d q + m), for each layout. kLead: bytes of the
-// block ahead of its quant words, where prefetching starts.
+// block ahead of its quant words, where prefetching starts. kImpliedOffset:
+// for layouts that store no offset, m = kImpliedOffset * d (0: m is stored).
 struct Q4x8Layout {
   static constexpr int64_t kType = quant::kQ4x8;
   static constexpr bool kSuper = false, kFive = false;
+  static constexpr float kImpliedOffset = 0.f;
   static constexpr int64_t kLead = 32;
   static int64_t group_bytes(int64_t k) { return k / kBlock * kGroupBlockBytes; }
   static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kGroupBlockBytes; }
@@ -39,17 +42,32 @@ struct Q4x8Layout {
   }
 };
 
+// Q4_0: d only, m = -8 d, exact in float32.
+struct Q40x8Layout {
+  static constexpr int64_t kType = quant::kQ40x8;
+  static constexpr bool kSuper = false, kFive = false;
+  static constexpr float kImpliedOffset = -8.f;
+  static constexpr int64_t kLead = 16;
+  static int64_t group_bytes(int64_t k) { return k / kBlock * kQ40GroupBlockBytes; }
+  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kQ40GroupBlockBytes; }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 16; }
+  static const uint8_t* highs(const uint8_t*, int64_t) { return nullptr; }
+  static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
+  static float m(const uint8_t* w, int64_t b, int64_t r) { return kImpliedOffset * d(w, b, r); }
+};
+
 // Q5_0: m = -16 d, exact in float32.
 struct Q5x8Layout {
   static constexpr int64_t kType = quant::kQ5x8;
   static constexpr bool kSuper = false, kFive = true;
+  static constexpr float kImpliedOffset = -16.f;
   static constexpr int64_t kLead = 48;
   static int64_t group_bytes(int64_t k) { return k / kBlock * kQ5GroupBlockBytes; }
   static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kQ5GroupBlockBytes; }
   static const uint8_t* highs(const uint8_t* w, int64_t b) { return header(w, b) + 16; }
   static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 48; }
   static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
-  static float m(const uint8_t* w, int64_t b, int64_t r) { return -16.f * d(w, b, r); }
+  static float m(const uint8_t* w, int64_t b, int64_t r) { return kImpliedOffset * d(w, b, r); }
 };
 
 // Q4_K and Q5_K: a 160-byte header per super-block of 256 weights (d, dmin,
@@ -60,6 +78,7 @@ template <int64_t kT, bool kF>
 struct SuperLayout {
   static constexpr int64_t kType = kT;
   static constexpr bool kSuper = true, kFive = kF;
+  static constexpr float kImpliedOffset = 0.f;
   static constexpr int64_t kLead = 32;
   static constexpr int64_t kBlockBytes = kF ? 160 : 128;
   static constexpr int64_t kBytes = 160 + kSuperBlocks * kBlockBytes;

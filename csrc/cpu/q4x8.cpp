@@ -71,9 +71,9 @@ SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m
     const int64_t s = b % kSuperBlocks;
     d = _mm256_mul_ps(halves8(h), bytes8(h + 32 + 8 * s));
     m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(h + 16), bytes8(h + 96 + 8 * s)));
-  } else if constexpr (L::kFive) {
+  } else if constexpr (L::kImpliedOffset != 0.f) {
     d = halves8(L::header(w, b));
-    m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+    m = _mm256_mul_ps(d, _mm256_set1_ps(L::kImpliedOffset));
   } else {
     d = halves8(L::header(w, b));
     m = halves8(L::header(w, b) + 16);
@@ -216,9 +216,9 @@ SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b
     d = _mm512_mul_ps(halves_pair(h, next), bytes_pair(h + 32 + 8 * s, next));
     m = _mm512_sub_ps(_mm512_setzero_ps(),
                       _mm512_mul_ps(halves_pair(h + 16, next), bytes_pair(h + 96 + 8 * s, next)));
-  } else if constexpr (L::kFive) {
+  } else if constexpr (L::kImpliedOffset != 0.f) {
     d = halves_pair(L::header(w, b), next);
-    m = _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
+    m = _mm512_mul_ps(d, _mm512_set1_ps(L::kImpliedOffset));
   } else {
     d = halves_pair(L::header(w, b), next);
     m = halves_pair(L::header(w, b) + 16, next);
@@ -353,6 +353,7 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
   switch (qtype) {
     case quant::kQ4Kx8: return f(Q4Kx8Layout{});
     case quant::kQ5x8: return f(Q5x8Layout{});
+    case quant::kQ40x8: return f(Q40x8Layout{});
     case quant::kQ5Kx8: return f(Q5Kx8Layout{});
     default: return f(Q4x8Layout{});
   }

@@ -64,9 +64,13 @@ constexpr int64_t kBlock = 32;  // weights per block
 //     d[8] float16, h[8] uint32, q[4][8] uint32 (m = -16 d, exact)
 //   Q5Kx8, per super-block of 256, 1440 bytes (5.625 bits, Q5_K's 5.5):
 //     a Q4Kx8 header (160 bytes), then per block h[8], q[4][8] (160 bytes)
+//
+// Q40x8 (id 105) holds GGML's Q4_0 (w = d * (q - 8)) at its own 4.5 bits a
+// weight: per group of 8 rows and block of 32 weights, 144 bytes:
+//     d[8] float16, q[4][8] uint32 (Q4x8's words; m = -8 d, exact)
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
-  kQ5Kx8 = 104
+  kQ5Kx8 = 104, kQ40x8 = 105
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -76,11 +80,12 @@ constexpr int64_t kSuperGroupBytes = 1184;  // one Q4Kx8 group's super-block
 constexpr int64_t kQ6SuperGroupBytes = 1680;  // one Q6Kx8 group's super-block
 constexpr int64_t kQ5GroupBlockBytes = 176;   // one Q5x8 group-block
 constexpr int64_t kQ5SuperGroupBytes = 1440;  // one Q5Kx8 group's super-block
+constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
 
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
   return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
-         qtype == kQ5Kx8;
+         qtype == kQ5Kx8 || qtype == kQ40x8;
 }
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
@@ -96,6 +101,7 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ6Kx8: return kQ6SuperGroupBytes / kSuperBlocks;
     case kQ5x8: return kQ5GroupBlockBytes;
     case kQ5Kx8: return kQ5SuperGroupBytes / kSuperBlocks;
+    case kQ40x8: return kQ40GroupBlockBytes;
     default: return 0;
   }
 }

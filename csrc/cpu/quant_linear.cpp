@@ -410,6 +410,7 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kQ4Kx8: return quant_linear_typed<kQ4Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ6Kx8: return quant_linear_typed<kQ6Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ5x8: return quant_linear_typed<kQ5x8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kQ40x8: return quant_linear_typed<kQ40x8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ5Kx8: return quant_linear_typed<kQ5Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }

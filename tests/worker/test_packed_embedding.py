@@ -32,6 +32,8 @@ class _Rank(SingleRankCommunicator):
 
 
 def _weight(qtype: str, rows: int = 64, cols: int = 96) -> QuantizedWeight:
+    if qtype == "Q40x8":
+        return to_q4x8(_weight("Q4_0", rows, cols))
     dense = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3))
     if qtype == "Q4_0":  # `quantize` makes no Q4_0: Q4_1's blocks without their offsets
         q41 = quantize(dense, "int4").blocks.reshape(rows, -1, 20)
@@ -41,7 +43,7 @@ def _weight(qtype: str, rows: int = 64, cols: int = 96) -> QuantizedWeight:
     return to_q4x8(weight) if qtype == "Q4x8" else weight
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4x8"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4x8", "Q40x8"])
 def test_rows_equal_the_dequantized_table_bit_for_bit(qtype):
     weight = _weight(qtype)
     assert weight.qtype == qtype
@@ -89,5 +91,5 @@ def test_a_tied_head_shares_the_packed_blocks(packed_file):
     engine = Engine.load(path, dtype="float32", cache_config=CACHE)
     embed, head = engine.model.embed.weight, engine.model.lm_head.weight
     assert head is embed  # one copy of the blocks, nothing dense
-    assert embed.qtype == ("Q8_0" if qtype == "Q8_0" else "Q4x8")
+    assert embed.qtype == {"Q8_0": "Q8_0", "Q4_0": "Q40x8"}.get(qtype, "Q4x8")
     assert engine.model.embed.dtype == torch.float32

@@ -51,7 +51,8 @@ def test_gguf_blocks_stay_packed_and_match_the_dequantized_model(gguf_path):
     weights = [lin.weight for lin in _linears(packed)]
 
     def held_as(name: str, rows: int) -> str:  # 4-bit rows in whole groups of 8 are regrouped
-        return "Q4x8" if name in ("Q4_0", "Q4_1") and rows % 8 == 0 else name
+        layouts = {"Q4_0": "Q40x8", "Q4_1": "Q4x8"}
+        return layouts[name] if name in layouts and rows % 8 == 0 else name
 
     head = "Q8_0" if tied else qtype.name  # a tied head is the Q8_0 embedding
     assert [w.qtype for w in weights] == [held_as(qtype.name, w.shape[0]) for w in weights[:-1]] + [

@@ -89,8 +89,9 @@ def test_q8_0_in_whole_groups_matches_reference(m, n, k):
 def test_q4x8_holds_the_same_weights(qtype):
     w = ggml_weight(24, 96, qtype, seed=3)
     grouped = to_q4x8(w)
-    assert grouped.qtype == "Q4x8" and grouped.shape == w.shape
-    assert grouped.blocks.shape == (3, 3 * 160)
+    layout, group_block = ("Q4x8", 160) if qtype == "Q4_1" else ("Q40x8", 144)  # the file's size
+    assert grouped.qtype == layout and grouped.shape == w.shape
+    assert grouped.blocks.shape == (3, 3 * group_block)
     torch.testing.assert_close(grouped.dequantize(), w.dequantize(), atol=0, rtol=0)
     assert to_q4x8(ggml_weight(12, 96, qtype)).qtype == qtype  # 12 rows: no whole groups
     assert to_q4x8(ggml_weight(8, 96, "Q8_0")).qtype == "Q8_0"
@@ -105,9 +106,9 @@ def test_q4x8_linear_matches_reference(qtype, m, n, k):
     x = torch.randn(m, k, generator=gen) * 2
     bias = torch.randn(n, generator=gen)
     torch.testing.assert_close(ops.quant_linear(x, w, bias),
-                               reference.quant_linear(x, w.blocks, "Q4x8", bias),
+                               reference.quant_linear(x, w.blocks, w.qtype, bias),
                                **TOL[torch.float32])
-    torch.testing.assert_close(ops.quant_linear(x, w), reference.quant_linear(x, w.blocks, "Q4x8"),
+    torch.testing.assert_close(ops.quant_linear(x, w), reference.quant_linear(x, w.blocks, w.qtype),
                                **TOL[torch.float32])
 
 
@@ -195,14 +196,16 @@ def test_bad_inputs_are_rejected_with_a_message():
 
 def test_opcheck():
     w = ggml_weight(7, 64, "Q4_1")
-    grouped = to_q4x8(ggml_weight(16, 64, "Q4_0"))
+    groupeds = [to_q4x8(ggml_weight(16, 64, qtype)) for qtype in ("Q4_0", "Q4_1")]
     rows8 = ggml_weight(16, 64, "Q8_0")
     for m in (1, 12, 20):
         x = torch.randn(m, 64)
         torch.library.opcheck(torch.ops.shardlm.quant_linear,
                               (torch.empty(m, 7), x, w.blocks, 3, torch.randn(7)))
-        torch.library.opcheck(torch.ops.shardlm.quant_linear,
-                              (torch.empty(m, 16), x, grouped.blocks, 100, torch.randn(16)))
+        for grouped in groupeds:  # Q40x8 (105) and Q4x8 (100)
+            torch.library.opcheck(torch.ops.shardlm.quant_linear,
+                                  (torch.empty(m, 16), x, grouped.blocks, grouped.ggml_type,
+                                   torch.randn(16)))
         torch.library.opcheck(torch.ops.shardlm.quant_linear,
                               (torch.empty(m, 16), x, rows8.blocks, 8, None))
 
@@ -232,17 +235,20 @@ def _run(tmp_path, inputs_file, level: str):
 def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
     # Q4x8 in 5 and 7 groups of 8 rows: AVX-512 takes groups in pairs for decode and in fours
-    # (then twos, then ones) for the panel, so odd counts leave every remainder. Q4Kx8, Q5Kx8 and
+    # (then twos, then ones) for the panel, so odd counts leave every remainder. Q40x8 (Q4_0)
+    # is Q4x8 with m = -8 d implied. Q4Kx8, Q5Kx8 and
     # Q5x8 (Q4_K, Q5_K, Q5_0; test_kquant.py) run the same kernels with their own scales and high
     # bits; Q6Kx8 (Q6_K) its own kernels.
     k_layouts = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0"}
-    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q8_0 in groups", *k_layouts):
+    for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q40x8 in 5 groups", "Q8_0 in groups",
+                  *k_layouts):
         for m in (1, 2, 3, 4, 5, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
             if qtype in k_layouts:
                 w = k_weight(56, 512, k_layouts[qtype], seed=m)
-            elif qtype.startswith("Q4x8"):
+            elif qtype.startswith("Q4x8") or qtype.startswith("Q40x8"):
                 rows = 56 if "7 groups" in qtype else 40
-                w = to_q4x8(ggml_weight(rows, 288, "Q4_1", seed=m))
+                source = "Q4_0" if qtype.startswith("Q40x8") else "Q4_1"
+                w = to_q4x8(ggml_weight(rows, 288, source, seed=m))
             else:
                 w = ggml_weight(40 if qtype == "Q8_0 in groups" else 37, 288, qtype[:4], seed=m)
             inputs[f"{qtype} m={m}"] = {"x": torch.randn(m, w.shape[1]), "qtype": w.qtype,
