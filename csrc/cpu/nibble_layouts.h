@@ -27,48 +27,36 @@ using quant::kSuperGroupBytes;
 // and offset m per row (w = d q + m), for each layout. kLead: bytes of the
 // block ahead of its quant words, where prefetching starts. kImpliedOffset:
 // for layouts that store no offset, m = kImpliedOffset * d (0: m is stored).
-struct Q4x8Layout {
-  static constexpr int64_t kType = quant::kQ4x8;
-  static constexpr bool kSuper = false, kFive = false;
-  static constexpr float kImpliedOffset = 0.f;
-  static constexpr int64_t kLead = 32;
-  static int64_t group_bytes(int64_t k) { return k / kBlock * kGroupBlockBytes; }
-  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kGroupBlockBytes; }
-  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 32; }
-  static const uint8_t* highs(const uint8_t*, int64_t) { return nullptr; }
+//
+// Q4x8 (Q4_1, `--quantize int4`), Q40x8 (Q4_0) and Q5x8 (Q5_0), per block of
+// 32 weights and group of 8 rows: the rows' float16 scales d[8], their offsets
+// m[8] unless implied (Q4_0's m = -8 d, Q5_0's -16 d, exact in float32), for
+// 5-bit quants the high-bit words h[8], then the quant words q[4][8].
+template <int64_t kT, bool kF, float kOff>
+struct BlockLayout {
+  static constexpr int64_t kType = kT;
+  static constexpr bool kSuper = false, kFive = kF;
+  static constexpr float kImpliedOffset = kOff;
+  static constexpr int64_t kScaleBytes = kOff != 0.f ? 16 : 32;
+  static constexpr int64_t kLead = kScaleBytes + (kF ? 32 : 0);
+  static constexpr int64_t kBytes = kLead + 128;
+  static int64_t group_bytes(int64_t k) { return k / kBlock * kBytes; }
+  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kBytes; }
+  static const uint8_t* highs(const uint8_t* w, int64_t b) {
+    return kF ? header(w, b) + kScaleBytes : nullptr;
+  }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + kLead; }
   static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
   static float m(const uint8_t* w, int64_t b, int64_t r) {
+    if constexpr (kOff != 0.f) return kOff * d(w, b, r);
     return half_at(header(w, b) + 16 + 2 * r);
   }
 };
-
-// Q4_0: d only, m = -8 d, exact in float32.
-struct Q40x8Layout {
-  static constexpr int64_t kType = quant::kQ40x8;
-  static constexpr bool kSuper = false, kFive = false;
-  static constexpr float kImpliedOffset = -8.f;
-  static constexpr int64_t kLead = 16;
-  static int64_t group_bytes(int64_t k) { return k / kBlock * kQ40GroupBlockBytes; }
-  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kQ40GroupBlockBytes; }
-  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 16; }
-  static const uint8_t* highs(const uint8_t*, int64_t) { return nullptr; }
-  static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
-  static float m(const uint8_t* w, int64_t b, int64_t r) { return kImpliedOffset * d(w, b, r); }
-};
-
-// Q5_0: m = -16 d, exact in float32.
-struct Q5x8Layout {
-  static constexpr int64_t kType = quant::kQ5x8;
-  static constexpr bool kSuper = false, kFive = true;
-  static constexpr float kImpliedOffset = -16.f;
-  static constexpr int64_t kLead = 48;
-  static int64_t group_bytes(int64_t k) { return k / kBlock * kQ5GroupBlockBytes; }
-  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kQ5GroupBlockBytes; }
-  static const uint8_t* highs(const uint8_t* w, int64_t b) { return header(w, b) + 16; }
-  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 48; }
-  static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
-  static float m(const uint8_t* w, int64_t b, int64_t r) { return kImpliedOffset * d(w, b, r); }
-};
+using Q4x8Layout = BlockLayout<quant::kQ4x8, false, 0.f>;
+using Q40x8Layout = BlockLayout<quant::kQ40x8, false, -8.f>;
+using Q5x8Layout = BlockLayout<quant::kQ5x8, true, -16.f>;
+static_assert(Q4x8Layout::kBytes == kGroupBlockBytes && Q40x8Layout::kBytes == kQ40GroupBlockBytes &&
+              Q5x8Layout::kBytes == kQ5GroupBlockBytes);
 
 // Q4_K and Q5_K: a 160-byte header per super-block of 256 weights (d, dmin,
 // then 6-bit scales and mins), d = d_super * scale, m = -(dmin_super * min),
