@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
 INSTALL_HINT = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "llama-cpp-python[server]"'
 
 
@@ -43,8 +45,6 @@ class LlamaCpp:
     def _next_token(self) -> int:
         """The argmax of the last evaluated position's logits. Read from the context itself:
         without logits_all, llama-cpp-python keeps no copy in `scores`."""
-        import numpy as np
-
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
         return int(logits.argmax())
 

@@ -32,13 +32,13 @@ def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> int:
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
             continue
-        kind = field.types[0]
+        kind, value = field.types[0], field.contents()
         if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[1])
+            writer.add_key_value(name, value, kind, sub_type=field.types[1])
         else:
-            writer.add_key_value(name, field.contents(), kind)
+            writer.add_key_value(name, value, kind)
         if name == "tokenizer.ggml.tokens":
-            vocab = len(field.contents())
+            vocab = len(value)
     if not vocab:
         raise ValueError(f"{source} has no tokenizer.ggml.tokens to copy")
     return vocab

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_utils.h"
@@ -358,16 +359,19 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
   // Keys before every row's window are never read: the tiles start at the
   // earliest first key (not at a multiple of kKeyTile: any start works, and
   // this one needs no masking for the row with that key).
-  int64_t off[kKeyTile];  // the tile's token rows
-  int64_t ahead[kKeyTile];  // ... and the next tile's
+  // Token-row offsets of the tile and of the next one, computed once each:
+  // the next tile's, found for its prefetch, are the tile's on the next pass.
+  int64_t offsets[2][kKeyTile];
+  int64_t* off = offsets[0];
+  int64_t* ahead = offsets[1];
   const C* kc[kKeyTile];  // a kv head's rows of the tile in the cache
   const C* vc[kKeyTile];
   const float* kf[kKeyTile];  // ... or in the float copy
   const float* vf[kKeyTile];
   const int64_t k_begin = last >= 0 ? first : 0;
-  for (int64_t k0 = k_begin; k0 <= last; k0 += kKeyTile) {
+  if (k_begin <= last) kv.offsets(k_begin, std::min(kKeyTile, last + 1 - k_begin), off);
+  for (int64_t k0 = k_begin; k0 <= last; k0 += kKeyTile, std::swap(off, ahead)) {
     const int64_t nk = std::min(kKeyTile, last + 1 - k0);
-    kv.offsets(k0, nk, off);
     // Blocks lie anywhere in the pool, which the hardware prefetchers cannot
     // follow: each kv head's rows of the next tile are asked for while this
     // tile's rows of that head are computed (spread out, not in one burst
