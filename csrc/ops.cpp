@@ -96,6 +96,22 @@ PyObject* set_cpu_simd(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// set_activation_precision(precision: int) -> None: how quant_linear treats its
+// input on CPU for the grouped layouts, for the whole process: 0 exact
+// (float32), 1 rounded to int8 per block of 32 (cpu_utils.h).
+PyObject* set_activation_precision(PyObject* /*self*/, PyObject* arg) {
+  const long precision = PyLong_AsLong(arg);
+  if (precision == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (precision < 0 || precision > 1) {
+    PyErr_SetString(PyExc_ValueError, "set_activation_precision: precision must be 0 or 1");
+    return nullptr;
+  }
+  shardlm::cpu::activation_precision_setting().store(static_cast<int>(precision));
+  Py_RETURN_NONE;
+}
+
 // cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths now
 // (allowed by set_cpu_simd and supported by this CPU).
 PyObject* cpu_simd_active(PyObject* /*self*/, PyObject* /*unused*/) {
@@ -126,6 +142,9 @@ PyMethodDef shardlm_methods[] = {
     {"set_cpu_simd", set_cpu_simd, METH_O,
      "set_cpu_simd(level: int) -> None: cap the CPU kernels' paths (0 portable, 1 AVX2, "
      "2 AVX-512)."},
+    {"set_activation_precision", set_activation_precision, METH_O,
+     "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
+     "grouped layouts (0 exact float32, 1 int8 per block of 32)."},
     {"cpu_simd_active", cpu_simd_active, METH_NOARGS,
      "cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths."},
     {"skinny_max_rows", skinny_max_rows, METH_O,

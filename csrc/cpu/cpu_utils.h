@@ -55,6 +55,39 @@ inline bool use_avx2() { return simd_level() >= SimdLevel::kAvx2; }
 // Whether to take the AVX-512F paths (also AVX2, FMA and F16C).
 inline bool use_avx512() { return simd_level() >= SimdLevel::kAvx512; }
 
+// Whether the CPU has AVX-512 VNNI (int8 dot products into int32), which the
+// AVX-512 kernels of int8 activations need; without it they take the AVX2
+// ones. Probed once per process.
+inline bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+#if SHARDLM_HAVE_AVX2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+#else
+    return false;
+#endif
+  }();
+  return has;
+}
+
+inline bool use_avx512_vnni() { return use_avx512() && cpu_has_avx512_vnni(); }
+
+// How quant_linear treats its input for the 8-row grouped weight layouts:
+// exact (float32, the default) or rounded to int8 per block of 32
+// (int8_linear.h). Process-wide, like simd_cap(): set_activation_precision()
+// (ops.cpp) sets it from the worker's EngineOptions; read once per call.
+enum class ActivationPrecision { kExact = 0, kInt8 = 1 };
+
+inline std::atomic<int>& activation_precision_setting() {
+  static std::atomic<int> setting{static_cast<int>(ActivationPrecision::kExact)};
+  return setting;
+}
+
+inline ActivationPrecision activation_precision() {
+  return static_cast<ActivationPrecision>(
+      activation_precision_setting().load(std::memory_order_relaxed));
+}
+
 template <typename T>
 inline float to_f(T v) {
   return static_cast<float>(v);

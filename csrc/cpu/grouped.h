@@ -87,6 +87,28 @@ SHARDLM_AVX512 inline __m512i joined_quant_avx512(const Joined512& q, int j, int
   return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(field << (4 * j)));
 }
 
+// A joined word's quants as bytes, the operands of int8 dot products
+// (int8_linear.cpp): `even` holds quant 8s + 2i in byte i of each lane, `odd`
+// quant 8s + 2i + 1; `bytes` masks a whole quant in every byte (0x1f1f1f1f:
+// 5 bits, 0x3f3f3f3f: 6). An odd quant's high bits sit just above its nibble,
+// in the next byte, so a shift by 4 brings both down; quant 7's lie past the
+// word and come from `top`.
+SHARDLM_AVX512 inline void joined_bytes_avx512(const Joined512& q, int bytes, __m512i& even,
+                                               __m512i& odd) {
+  const __m512i mask = _mm512_set1_epi32(bytes);
+  even = _mm512_and_si512(q.even, mask);
+  odd = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q.odd, 4), mask),
+                        _mm512_slli_epi32(q.top, 24));
+}
+
+SHARDLM_AVX2 inline void joined_bytes_avx2(const Joined256& q, int bytes, __m256i& even,
+                                           __m256i& odd) {
+  const __m256i mask = _mm256_set1_epi32(bytes);
+  even = _mm256_and_si256(q.even, mask);
+  odd = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(q.odd, 4), mask),
+                        _mm256_slli_epi32(q.top, 24));
+}
+
 // 32 bytes at p (group g) in the low half, the same 32 bytes of group g + 1
 // (`next` bytes on) in the high half.
 SHARDLM_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t next) {

@@ -1,7 +1,8 @@
-// The layouts the Q4x8 kernels (q4x8.cpp) read, each as a type the kernels
-// are templates over: where block b (32 weights) of a group of 8 rows keeps
-// its quant words, its high bits (5-bit layouts) and its scales; and the
-// unpacking of one word of quants to 8 or 16 rows' quant j in place.
+// The layouts the Q4x8 kernels (q4x8.cpp, and the int8-activation ones of
+// int8_linear.cpp) read, each as a type the kernels are templates over: where
+// block b (32 weights) of a group of 8 rows keeps its quant words, its high
+// bits (5-bit layouts) and its scales; the unpacking of one word of quants to
+// 8 or 16 rows' quant j in place; and the block's scales as vectors.
 #pragma once
 
 #include <cstdint>
@@ -150,6 +151,71 @@ SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
   if constexpr (L::kFive) return grouped::joined_quant_avx512(q.joined, j, 0x1f);
   return j < 7 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))
                : _mm512_srli_epi32(q.lo, 28);
+}
+
+// ---- block scales and prefetches, 8 rows (AVX2) or two groups' 16 (AVX-512) -------
+
+SHARDLM_AVX2 inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+SHARDLM_AVX2 inline __m256 bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's 8 scales and 8 offsets, one row a lane.
+template <class L>
+SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m256& m) {
+  if constexpr (L::kSuper) {
+    const uint8_t* h = L::super(w, b);
+    const int64_t s = b % kSuperBlocks;
+    d = _mm256_mul_ps(halves8(h), bytes8(h + 32 + 8 * s));
+    m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(h + 16), bytes8(h + 96 + 8 * s)));
+  } else if constexpr (L::kImpliedOffset != 0.f) {
+    d = halves8(L::header(w, b));
+    m = _mm256_mul_ps(d, _mm256_set1_ps(L::kImpliedOffset));
+  } else {
+    d = halves8(L::header(w, b));
+    m = halves8(L::header(w, b) + 16);
+  }
+}
+
+// The lines of block b ahead of the one read (for AVX-512 pairs also those of
+// the group `next` bytes on).
+template <class L>
+SHARDLM_AVX2 inline void prefetch_block(const uint8_t* w, int64_t b, int64_t next = 0) {
+  const uint8_t* start = L::quants(w, b) - L::kLead;
+  for (int64_t line = 0; line < 3 * 64; line += 64) {
+    cpu::avx2::prefetch_ahead(start + line);
+    if (next) cpu::avx2::prefetch_ahead(start + line + next);
+  }
+}
+
+// The 8 bytes at p and the 8 at p + next as 16 floats.
+SHARDLM_AVX512 inline __m512 bytes_pair(const uint8_t* p, int64_t next) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + next));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+}
+
+// scales_avx2 for block b of the groups at w and w + next.
+template <class L>
+SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
+                                       __m512& m) {
+  if constexpr (L::kSuper) {
+    const uint8_t* h = L::super(w, b);
+    const int64_t s = b % kSuperBlocks;
+    d = _mm512_mul_ps(grouped::halves_pair(h, next), bytes_pair(h + 32 + 8 * s, next));
+    m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(grouped::halves_pair(h + 16, next),
+                                                         bytes_pair(h + 96 + 8 * s, next)));
+  } else if constexpr (L::kImpliedOffset != 0.f) {
+    d = grouped::halves_pair(L::header(w, b), next);
+    m = _mm512_mul_ps(d, _mm512_set1_ps(L::kImpliedOffset));
+  } else {
+    d = grouped::halves_pair(L::header(w, b), next);
+    m = grouped::halves_pair(L::header(w, b) + 16, next);
+  }
 }
 #endif
 

@@ -15,6 +15,9 @@
 // instructions per weight than the one-row kernels, which remain for weights
 // kept as the file stores them.
 //
+// With int8 activations (the opt-in fast mode, int8_linear.h) the grouped
+// layouts take integer dot products for every number of input rows.
+//
 // Batches and prefills (many rows) are compute bound. From 16 to 256 rows,
 // Q4x8 weights and Q8_0 ones whose rows fill groups of 8 take the panel path
 // (panel_linear.h); past that, and for other weights, tiles of rows are
@@ -31,8 +34,9 @@
 #include "../dispatch.h"
 #include "../ops.h"
 #include "cpu_utils.h"
-#include "quant_blocks.h"
+#include "int8_linear.h"
 #include "panel_linear.h"
+#include "quant_blocks.h"
 #include "q4x8.h"
 #include "q6kx8.h"
 
@@ -379,7 +383,10 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
   SHARDLM_DISPATCH_FLOAT_TYPES(out.scalar_type(), "quant_linear", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
-    if (cpu::panel::takes(kType, m, n)) {
+    if (cpu::activation_precision() == cpu::ActivationPrecision::kInt8 &&
+        cpu::int8::takes(kType)) {
+      cpu::int8::linear(o, kType, w, cpu::int8::quantize_rows(a.x, m, k), b, m, n, k);
+    } else if (cpu::panel::takes(kType, m, n)) {
       cpu::panel::linear(o, kType, w, a.x, b, m, n, k);
     } else if (m > gemv_max_rows(kType)) {
       tiled_gemm<kType>(out, a, w, bias, m, n, k);

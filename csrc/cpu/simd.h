@@ -36,6 +36,9 @@
 #define SHARDLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 // AVX-512F (cpu::use_avx512()); every AVX-512F CPU also has AVX2, FMA and F16C.
 #define SHARDLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+// AVX-512 with VNNI and BW (cpu::use_avx512_vnni()): the int8 dot products.
+#define SHARDLM_AVX512_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 #else
 #define SHARDLM_HAVE_AVX2 0
 #endif

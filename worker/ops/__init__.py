@@ -19,16 +19,23 @@ import torch
 from shardlm_server.worker.quant import QuantizedWeight
 
 from . import reference
+from .activations import (
+    ACTIVATION_PRECISIONS,
+    activation_precision,
+    set_activation_precision,
+)
 from .blocks import DecoderStack, attention_block, mlp_block
 from .native import CUDA_BUILT, USE_REFERENCE
 from .native import library as _C
 from .native import torch_ops as _ops
 
 __all__ = [
+    "ACTIVATION_PRECISIONS",
     "CUDA_BUILT",
     "DecoderStack",
     "SKINNY_MAX_ROWS",
     "USE_REFERENCE",
+    "activation_precision",
     "attention_block",
     "compute_cos_sin_cache",
     "cpu_simd_active",
@@ -42,6 +49,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "set_activation_precision",
     "set_cpu_simd",
     "silu_and_mul",
     "skinny_linear",
@@ -170,8 +178,9 @@ def quant_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` on CPU with W kept in GGML blocks (see :mod:`worker.quant`): x [M, K]
     float32 / bfloat16 / float16, the result in x's dtype, accumulated in float32 against the
-    unrounded x. Few rows unpack blocks in registers; many rows dequantize tiles of W for a
-    GEMM. Equals ``x @ W.dequantize().T`` up to summation order."""
+    unrounded x (or, in the int8 fast mode, x rounded per block: ops.activations). Few rows
+    unpack blocks in registers; many rows dequantize tiles of W for a GEMM. Equals
+    ``x @ W.dequantize().T`` up to summation order."""
     if USE_REFERENCE:
         return reference.quant_linear(x, weight.blocks, weight.qtype, bias, out=out)
     if out is None:

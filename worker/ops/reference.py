@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import activations
+
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
@@ -207,12 +209,13 @@ def quant_linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ W.T + bias with W the float32 dequantized blocks, in float32, rounded once to x's
-    dtype."""
+    dtype; x rounded to int8 first where the fast mode covers W (ops.activations)."""
     from shardlm_server.worker.quant import dequantize_blocks
 
     w = dequantize_blocks(blocks, qtype)
+    inputs = activations.round_to_int8(x) if activations.rounds_input(qtype) else x.float()
     result = torch.nn.functional.linear(
-        x.float(), w, bias.float() if bias is not None else None).to(x.dtype)
+        inputs, w, bias.float() if bias is not None else None).to(x.dtype)
     if out is None:
         return result
     out.copy_(result)

@@ -1,0 +1,449 @@
+// int8-activation kernels for the grouped layouts (int8_linear.h). A nibble
+// word (quant_blocks.h) holds 8 quants of one row per 32-bit lane; masking
+// its low nibbles gives the even quants as 4 bytes and shifting it by 4 the
+// odd ones, and the input's matching 4 bytes are one broadcast word
+// (Int8Rows' order), so one int8 dot product (VNNI's vpdpbusd: unsigned
+// quants times signed inputs, summed in 4s into int32) covers 4 quants of 16
+// rows. The AVX2 kernels do the same with vpmaddubsw (pairs into int16: at
+// most 2 * 63 * 128, no saturation) and vpmaddwd. Per block the integer sum
+// is scaled once: d * dx * sum(q xq) + m * dx * sum(xq).
+#include "int8_linear.h"
+
+// First, so that its silencing of GCC 12's AVX-512 header warnings applies (simd.h).
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu_utils.h"
+#include "grouped.h"
+#include "nibble_layouts.h"
+#include "q6k_layout.h"
+#include "quant_blocks.h"
+
+namespace shardlm::cpu::int8 {
+namespace {
+
+using grouped::kGroupRows;
+using quant::kBlock;
+namespace nib = q4x8::nibble;
+namespace q6 = q6kx8::layout;
+
+constexpr int64_t kHalf = 16;
+
+// Where element i of a block sits in Int8Rows' order.
+constexpr int64_t position(int64_t i) { return 8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2; }
+
+inline int32_t word_at(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+}
+
+// ---- rounding the input ------------------------------------------------------------
+
+// The scale both paths use: 127 / max|x| (0 for an all-zero block), so the
+// scalar and the vector rounding give the same bytes.
+inline float inverse_scale(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+
+void quantize_block_scalar(const float* x, int8_t* q, float* scale, float* sum32, float* sum16) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = inverse_scale(amax), dx = amax / 127.f;
+  int32_t sums[2] = {0, 0};
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const auto v = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // to nearest even
+    q[position(i)] = static_cast<int8_t>(v);
+    sums[i / kHalf] += v;
+  }
+  *scale = dx;
+  *sum32 = dx * static_cast<float>(sums[0] + sums[1]);
+  sum16[0] = dx * static_cast<float>(sums[0]);
+  sum16[1] = dx * static_cast<float>(sums[1]);
+}
+
+#if SHARDLM_HAVE_AVX2
+SHARDLM_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* scale, float* sum32,
+                                          float* sum16) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(inverse_scale(amax));
+  const float dx = amax / 127.f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest even (MXCSR)
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
+  // Natural order to Int8Rows' order, 8 bytes at a time: 0 2 4 6 1 3 5 7.
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0,
+                                         2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m256i bytes =
+      _mm256_set_m128i(_mm512_cvtsepi32_epi8(qb), _mm512_cvtsepi32_epi8(qa));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(bytes, order));
+  *scale = dx;
+  *sum32 = dx * static_cast<float>(sa + sb);
+  sum16[0] = dx * static_cast<float>(sa);
+  sum16[1] = dx * static_cast<float>(sb);
+}
+#endif
+
+// ---- 4- and 5-bit layouts (nibble_layouts.h) ----------------------------------------
+
+template <class L>
+void nibble_scalar(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
+                   int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = (m0 + i) * blocks;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* xq = x.q + (row + b) * kBlock;
+        int32_t dot = 0;
+        for (int64_t e = 0; e < kBlock; ++e) {
+          dot += static_cast<int32_t>(nib::quant_of<L>(w, b, r, e)) * xq[position(e)];
+        }
+        total += L::d(w, b, r) * x.scale[row + b] * static_cast<float>(dot) +
+                 L::m(w, b, r) * x.sum32[row + b];
+      }
+      acc[i * stride + r] = total;
+    }
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+SHARDLM_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i quants, int32_t inputs) {
+  const __m256i pairs = _mm256_maddubs_epi16(quants, _mm256_set1_epi32(inputs));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// Nibble word s of block b as even and odd quant bytes, 8 rows.
+template <class L>
+SHARDLM_AVX2 inline void nibble_bytes_avx2(const uint8_t* w, int64_t b, int s, __m256i& even,
+                                           __m256i& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::quants(w, b) + 32 * s));
+  if constexpr (L::kFive) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::highs(w, b)));
+    return grouped::joined_bytes_avx2(grouped::join_avx2(v, h, s, 0x10), 0x1f1f1f1f, even, odd);
+  }
+  const __m256i mask = _mm256_set1_epi32(0x0f0f0f0f);
+  even = _mm256_and_si256(v, mask);
+  odd = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
+}
+
+template <class L, int R>
+SHARDLM_AVX2 void nibble_avx2(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
+                              int64_t m0, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  __m256 sum[R], off[R];
+  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    nib::prefetch_block<L>(w, b);
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int s = 0; s < 4; ++s) {
+      __m256i even, odd;
+      nibble_bytes_avx2<L>(w, b, s, even, odd);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
+        dot[r] = dot4_avx2(dot4_avx2(dot[r], even, word_at(xq)), odd, word_at(xq + 4));
+      }
+    }
+    __m256 d, m;
+    nib::scales_avx2<L>(w, b, d, m);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * blocks + b;
+      sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
+                               _mm256_cvtepi32_ps(dot[r]), sum[r]);
+      off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum32[i]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
+}
+
+// Two groups (w and w + next) at once, 16 rows a vector: acc[16 r + l].
+template <class L, int R>
+SHARDLM_AVX512_VNNI void nibble_vnni(float* acc, const uint8_t* w, int64_t next,
+                                     const Int8Rows& x, int64_t m0, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  const __m512i mask = _mm512_set1_epi32(0x0f0f0f0f);
+  __m512 sum[R], off[R];
+  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    nib::prefetch_block<L>(w, b, next);
+    const uint8_t* qw = L::quants(w, b);
+    const __m512i h = L::kFive ? grouped::load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
+    __m512i dot[R][2];  // even and odd quants: two chains
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = grouped::load_pair(qw + 32 * s, next);
+      __m512i even, odd;
+      if constexpr (L::kFive) {
+        grouped::joined_bytes_avx512(grouped::join_avx512(v, h, s, 0x10), 0x1f1f1f1f, even, odd);
+      } else {
+        even = _mm512_and_si512(v, mask);
+        odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], even, _mm512_set1_epi32(word_at(xq)));
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], odd, _mm512_set1_epi32(word_at(xq + 4)));
+      }
+    }
+    __m512 d, m;
+    nib::scales_pair<L>(w, next, b, d, m);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * blocks + b;
+      sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[i])),
+                               _mm512_cvtepi32_ps(_mm512_add_epi32(dot[r][0], dot[r][1])), sum[r]);
+      off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum32[i]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(sum[r], off[r]));
+}
+#endif
+
+// ---- Q6Kx8 (q6k_layout.h): 6-bit quants, a scale per half block ----------------------
+
+void q6k_scalar(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
+                int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = (m0 + i) * blocks;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* xq = x.q + (row + b) * kBlock;
+        for (int64_t h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int64_t e = kHalf * h; e < kHalf * (h + 1); ++e) {
+            dot += q6::quant_of(w, b, r, e) * xq[position(e)];
+          }
+          const float scale = q6::scale_of(w, b, h, r);
+          total += scale * x.scale[row + b] * static_cast<float>(dot) +
+                   scale * (-32.f * x.sum16[2 * (row + b) + h]);
+        }
+      }
+      acc[i * stride + r] = total;
+    }
+  }
+}
+
+#if SHARDLM_HAVE_AVX2
+template <int R>
+SHARDLM_AVX2 void q6k_avx2(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
+                           int64_t m0, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  __m256 sum[R], off[R];
+  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* q = q6::words_of(w, b);
+    for (int64_t line = 0; line < q6::kBlockBytes; line += 64) cpu::avx2::prefetch_ahead(q + line);
+    __m256i dot[R][2];  // per half
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 4; ++s) {
+      const grouped::Joined256 joined = grouped::join_avx2(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))),
+          2 * (s % 2), 0x30);
+      __m256i even, odd;
+      grouped::joined_bytes_avx2(joined, 0x3f3f3f3f, even, odd);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
+        dot[r][s / 2] = dot4_avx2(dot4_avx2(dot[r][s / 2], even, word_at(xq)), odd, word_at(xq + 4));
+      }
+    }
+    const uint8_t* sp = q6::super_of(w, b);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                                reinterpret_cast<const __m128i*>(sp + q6::scales_at(b, h))))));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * blocks + b;
+        sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i])),
+                                 _mm256_cvtepi32_ps(dot[r][h]), sum[r]);
+        off[r] = _mm256_fmadd_ps(scale, _mm256_set1_ps(-32.f * x.sum16[2 * i + h]), off[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
+}
+
+template <int R>
+SHARDLM_AVX512_VNNI void q6k_vnni(float* acc, const uint8_t* w, int64_t next, const Int8Rows& x,
+                                  int64_t m0, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  __m512 sum[R], off[R];
+  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* q = q6::words_of(w, b);
+    for (int64_t line = 0; line < q6::kBlockBytes; line += 64) {
+      cpu::avx2::prefetch_ahead(q + line);
+      cpu::avx2::prefetch_ahead(q + next + line);
+    }
+    __m512i dot[R][2];  // per half
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int s = 0; s < 4; ++s) {
+      const grouped::Joined512 joined = grouped::join_avx512(
+          grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),
+          2 * (s % 2), 0x30);
+      __m512i even, odd;
+      grouped::joined_bytes_avx512(joined, 0x3f3f3f3f, even, odd);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
+        __m512i& chain = dot[r][s / 2];
+        chain = _mm512_dpbusd_epi32(chain, even, _mm512_set1_epi32(word_at(xq)));
+        chain = _mm512_dpbusd_epi32(chain, odd, _mm512_set1_epi32(word_at(xq + 4)));
+      }
+    }
+    const uint8_t* sp = q6::super_of(w, b);
+    const __m512 d = grouped::halves_pair(sp, next);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + q6::scales_at(b, h)));
+      const __m128i hi =
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + next + q6::scales_at(b, h)));
+      const __m512 scale = _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * blocks + b;
+        sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(x.scale[i])),
+                                 _mm512_cvtepi32_ps(dot[r][h]), sum[r]);
+        off[r] = _mm512_fmadd_ps(scale, _mm512_set1_ps(-32.f * x.sum16[2 * i + h]), off[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(sum[r], off[r]));
+}
+#endif
+
+// ---- dispatch ----------------------------------------------------------------------
+
+struct Q6KLayout {  // stands for Q6Kx8 among the nibble layouts
+  static int64_t group_bytes(int64_t k) {
+    return k / (kBlock * quant::kSuperBlocks) * quant::kQ6SuperGroupBytes;
+  }
+};
+
+template <class F>
+decltype(auto) with_layout(int64_t qtype, const F& f) {
+  switch (qtype) {
+    case quant::kQ4Kx8: return f(nib::Q4Kx8Layout{});
+    case quant::kQ5x8: return f(nib::Q5x8Layout{});
+    case quant::kQ40x8: return f(nib::Q40x8Layout{});
+    case quant::kQ5Kx8: return f(nib::Q5Kx8Layout{});
+    case quant::kQ6Kx8: return f(Q6KLayout{});
+    default: return f(nib::Q4x8Layout{});
+  }
+}
+
+// Calls kernel(std::integral_constant<int, R>) for R = rows (1 .. kMaxRows).
+template <class K>
+void with_rows(int64_t rows, const K& kernel) {
+  static_assert(grouped::kMaxRows == 4);
+  switch (rows) {
+    case 1: return kernel(std::integral_constant<int, 1>{});
+    case 2: return kernel(std::integral_constant<int, 2>{});
+    case 3: return kernel(std::integral_constant<int, 3>{});
+    default: return kernel(std::integral_constant<int, 4>{});
+  }
+}
+
+// One group (8 rows) against `rows` input rows from m0: acc[i * stride + r].
+template <class L>
+void group_dot(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
+               int64_t rows, int64_t k, bool avx2) {
+#if SHARDLM_HAVE_AVX2
+  if (avx2) {
+    return with_rows(rows, [&](auto r) {
+      if constexpr (std::is_same_v<L, Q6KLayout>) {
+        q6k_avx2<decltype(r)::value>(acc, stride, w, x, m0, k);
+      } else {
+        nibble_avx2<L, decltype(r)::value>(acc, stride, w, x, m0, k);
+      }
+    });
+  }
+#endif
+  (void)avx2;
+  if constexpr (std::is_same_v<L, Q6KLayout>) {
+    q6k_scalar(acc, stride, w, x, m0, rows, k);
+  } else {
+    nibble_scalar<L>(acc, stride, w, x, m0, rows, k);
+  }
+}
+
+template <class L, typename T>
+void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64_t m, int64_t n,
+               int64_t k) {
+  const int64_t group_bytes = L::group_bytes(k);
+  const bool avx2 = cpu::use_avx2();
+  const bool vnni = cpu::use_avx512_vnni();
+  grouped::gemv(out, bias, m, n, group_bytes,
+                [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
+    const uint8_t* wg = w + g * group_bytes;
+#if SHARDLM_HAVE_AVX2
+    if (width == 2 * kGroupRows && vnni) {
+      return with_rows(rows, [&](auto r) {
+        if constexpr (std::is_same_v<L, Q6KLayout>) {
+          q6k_vnni<decltype(r)::value>(acc, wg, group_bytes, x, m0, k);
+        } else {
+          nibble_vnni<L, decltype(r)::value>(acc, wg, group_bytes, x, m0, k);
+        }
+      });
+    }
+#endif
+    (void)vnni;
+    for (int64_t half = 0; half < width / kGroupRows; ++half) {
+      group_dot<L>(acc + half * kGroupRows, width, wg + half * group_bytes, x, m0, rows, k, avx2);
+    }
+  });
+}
+
+}  // namespace
+
+Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scale, sum32, sum16;
+  const int64_t blocks = m * k / kBlock;
+  if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
+  if (static_cast<int64_t>(scale.size()) < blocks) {
+    scale.resize(blocks);
+    sum32.resize(blocks);
+    sum16.resize(2 * blocks);
+  }
+  const bool avx512 = cpu::use_avx512();
+  int8_t* qp = q.data();
+  float *sp = scale.data(), *s32 = sum32.data(), *s16 = sum16.data();
+  at::parallel_for(0, blocks, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+#if SHARDLM_HAVE_AVX2
+      if (avx512) {
+        quantize_block_avx512(x + b * kBlock, qp + b * kBlock, sp + b, s32 + b, s16 + 2 * b);
+        continue;
+      }
+#endif
+      quantize_block_scalar(x + b * kBlock, qp + b * kBlock, sp + b, s32 + b, s16 + 2 * b);
+    }
+  });
+  (void)avx512;
+  return {qp, sp, s32, s16};
+}
+
+bool takes(int64_t qtype) { return quant::grouped(qtype); }
+
+template <typename T>
+void linear(T* out, int64_t qtype, const uint8_t* w, const Int8Rows& x, const T* bias, int64_t m,
+            int64_t n, int64_t k) {
+  with_layout(qtype, [&](auto layout) {
+    linear_of<decltype(layout)>(out, w, x, bias, m, n, k);
+  });
+}
+
+template void linear<float>(float*, int64_t, const uint8_t*, const Int8Rows&, const float*,
+                            int64_t, int64_t, int64_t);
+template void linear<c10::BFloat16>(c10::BFloat16*, int64_t, const uint8_t*, const Int8Rows&,
+                                    const c10::BFloat16*, int64_t, int64_t, int64_t);
+template void linear<c10::Half>(c10::Half*, int64_t, const uint8_t*, const Int8Rows&,
+                                const c10::Half*, int64_t, int64_t, int64_t);
+
+}  // namespace shardlm::cpu::int8
