@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from shardlm.common.v1 import common_pb2
 from shardlm.constants import (
+    ACTIVATION_PRECISIONS,
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
     DTYPE_NAMES,
@@ -25,6 +26,7 @@ from shardlm_server.worker.engine import (
     StepOutput,
     StopParams,
 )
+from shardlm_server.worker.errors import InvalidRequestError
 from shardlm_server.worker.grammar import SequenceConstraint
 from shardlm_server.worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
 from shardlm_server.worker.sampling import SamplerSettings
@@ -77,7 +79,13 @@ def engine_options_from_proto(p: worker_pb2.EngineOptions) -> EngineOptions:
     graphs = GraphConfig(enabled=not p.disable_cuda_graphs,
                          max_batch=p.cuda_graph_max_batch or DEFAULT_CUDA_GRAPH_MAX_BATCH,
                          max_context=p.cuda_graph_max_context or DEFAULT_CUDA_GRAPH_MAX_CONTEXT)
-    return EngineOptions(graphs=graphs, cpu_simd=not p.disable_cpu_simd)
+    precision = p.activation_precision or ACTIVATION_PRECISIONS[0]
+    if precision not in ACTIVATION_PRECISIONS:
+        raise InvalidRequestError(
+            f"activation_precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, got "
+            f"{precision!r}", field="engine.activation_precision")
+    return EngineOptions(graphs=graphs, cpu_simd=not p.disable_cpu_simd,
+                         activation_precision=precision)
 
 
 def capacity_to_proto(c: CacheCapacity) -> common_pb2.KvCacheCapacity:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from shardlm.constants import DTYPE_NAMES
+from shardlm.constants import ACTIVATION_PRECISIONS, DTYPE_NAMES
 
 from shardlm_server.worker import ops
 from shardlm_server.worker.batch import build_prefill_batch, slot_of
@@ -59,11 +59,13 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 class EngineOptions:
     """How the engine runs, not what it computes: decode CUDA graphs, and whether the CPU kernels
     may take their SIMD paths, AVX2 or AVX-512, the widest this CPU has (False: the portable
-    loops; a process-wide switch, set at load). Filled from the LoadRequest's EngineOptions by
+    loops; a process-wide switch, set at load), and the CPU quantized linears' activation
+    precision (ops.activations; process-wide too). Filled from the LoadRequest's EngineOptions by
     worker/convert.py."""
 
     graphs: GraphConfig = field(default_factory=GraphConfig)
     cpu_simd: bool = True
+    activation_precision: str = ACTIVATION_PRECISIONS[0]
 
 
 class Engine:
@@ -127,6 +129,7 @@ class Engine:
         `tokenizer_json` (Hugging Face tokenizers JSON) enables constrained decoding on rank 0."""
         options = options or EngineOptions()
         ops.set_cpu_simd(options.cpu_simd)
+        ops.set_activation_precision(options.activation_precision)
         model_dir = Path(model_dir)
         check_quantize_mode(quantize)
         device = torch.device(device)

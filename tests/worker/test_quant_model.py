@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker import ops
+from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.errors import InvalidRequestError
 from shardlm_server.worker.kv_cache import CacheConfig
 from shardlm_server.worker.quant import BLOCK, QuantizedWeight, quantize
@@ -131,3 +132,20 @@ def test_a_k_quant_file_stays_packed(tmp_path, tied):
     dense_logits, dense_tokens = _logits_and_tokens(dense)
     torch.testing.assert_close(logits, dense_logits, atol=1e-4, rtol=1e-4)
     assert tokens == dense_tokens
+
+
+def test_int8_activations_stay_close_to_the_exact_model(gguf_path):
+    """The opt-in fast mode (EngineOptions.activation_precision) runs the whole model with its
+    4-bit linears on int8 inputs: logits move, by little, and the process returns to exact."""
+    path, _, _ = gguf_path
+    exact = Engine.load(path, dtype="float32", cache_config=CACHE)
+    logits, _ = _logits_and_tokens(exact)
+    try:
+        fast = Engine.load(path, dtype="float32", cache_config=CACHE,
+                           options=EngineOptions(activation_precision="int8"))
+        fast_logits, fast_tokens = _logits_and_tokens(fast)
+    finally:
+        ops.set_activation_precision("exact")
+    assert not torch.equal(fast_logits, logits)
+    assert (fast_logits - logits).norm() / logits.norm() < 0.05
+    assert len(fast_tokens) == 12

@@ -10,11 +10,12 @@ both the compiled ops and the reference (:mod:`worker.ops.reference`) read it he
 from __future__ import annotations
 
 import torch
+from shardlm.constants import ACTIVATION_PRECISIONS
 
 from .native import library as _C
 
-#: The settings, in the compiled ops' numbering.
-ACTIVATION_PRECISIONS = ("exact", "int8")
+__all__ = ["ACTIVATION_PRECISIONS", "INT8_LAYOUTS", "activation_precision", "round_to_int8",
+           "rounds_input", "set_activation_precision"]
 #: The weight layouts the int8 fast mode covers.
 INT8_LAYOUTS = ("Q4x8", "Q40x8", "Q4Kx8", "Q5x8", "Q5Kx8", "Q6Kx8")
 BLOCK = 32
@@ -23,7 +24,8 @@ _current = "exact"
 
 
 def set_activation_precision(precision: str) -> None:
-    """Set the process's activation precision (one of ACTIVATION_PRECISIONS)."""
+    """Set the process's activation precision (one of ACTIVATION_PRECISIONS, in the compiled ops'
+    numbering by position)."""
     global _current
     if precision not in ACTIVATION_PRECISIONS:
         raise ValueError(f"activation precision must be one of {', '.join(ACTIVATION_PRECISIONS)},"

@@ -38,6 +38,10 @@ DEFAULT_CPU_MEMORY_FRACTION = 0.5
 DEFAULT_COMM_TIMEOUT_S = 60.0
 # Seconds a spawned or connected worker gets to start and answer its first GetInfo.
 DEFAULT_WORKER_START_TIMEOUT_S = 120.0
+# How the CPU quantized linears treat their input (`serve --activation-precision`, EngineOptions):
+# exact float32 (the default, and what an empty EngineOptions field means), or int8, the opt-in
+# fast mode that rounds each 32-element block of the input as GGML's Q8_0 does.
+ACTIVATION_PRECISIONS = ("exact", "int8")
 # Decode CUDA graphs serve batches and contexts up to these sizes (EngineOptions' zero values).
 DEFAULT_CUDA_GRAPH_MAX_BATCH = 128
 DEFAULT_CUDA_GRAPH_MAX_CONTEXT = 16384

@@ -119,6 +119,7 @@ class EngineOptions(google.protobuf.message.Message):
     CUDA_GRAPH_MAX_BATCH_FIELD_NUMBER: builtins.int
     CUDA_GRAPH_MAX_CONTEXT_FIELD_NUMBER: builtins.int
     DISABLE_CPU_SIMD_FIELD_NUMBER: builtins.int
+    ACTIVATION_PRECISION_FIELD_NUMBER: builtins.int
     disable_cuda_graphs: builtins.bool
     """Run decode steps eagerly instead of replaying captured CUDA graphs. False
     (the default) captures graphs on CUDA for a single rank.
@@ -136,6 +137,13 @@ class EngineOptions(google.protobuf.message.Message):
     False (the default) takes the widest SIMD path the CPU supports (AVX-512,
     else AVX2). Applies to the whole worker process.
     """
+    activation_precision: builtins.str
+    """How the CPU quantized linears treat their input for weights kept in
+    4-, 5- or 6-bit blocks: "exact" (float32; also what "" means) or "int8",
+    the opt-in fast mode that rounds each 32-element block of the input to
+    int8 (as GGML's Q8_0) for integer dot products. Applies to the whole
+    worker process; another value is refused (INVALID_ARGUMENT).
+    """
     def __init__(
         self,
         *,
@@ -143,8 +151,9 @@ class EngineOptions(google.protobuf.message.Message):
         cuda_graph_max_batch: builtins.int = ...,
         cuda_graph_max_context: builtins.int = ...,
         disable_cpu_simd: builtins.bool = ...,
+        activation_precision: builtins.str = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["cuda_graph_max_batch", b"cuda_graph_max_batch", "cuda_graph_max_context", b"cuda_graph_max_context", "disable_cpu_simd", b"disable_cpu_simd", "disable_cuda_graphs", b"disable_cuda_graphs"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["activation_precision", b"activation_precision", "cuda_graph_max_batch", b"cuda_graph_max_batch", "cuda_graph_max_context", b"cuda_graph_max_context", "disable_cpu_simd", b"disable_cpu_simd", "disable_cuda_graphs", b"disable_cuda_graphs"]) -> None: ...
 
 global___EngineOptions = EngineOptions
 
