@@ -9,6 +9,8 @@ round runs both engines back to back and the medians are reported):
   * the GB/s ShardLM streams against the measured read bandwidth (bench.roofline);
   * with --depth N, batch-1 decode after an N-token context, KV bytes counted in the floor
     (bench.depth_bench);
+  * with --activation-precision int8, ShardLM's decode and prefill also with int8 activations (the
+    opt-in fast mode), timed in the same rounds, and its own top-1 agreement;
   * teacher-forced top-1 agreement of both engines with the float32 reference (bench.agreement);
   * the full stack, 1/8/32 concurrent streams: `shardlm serve` against llama.cpp's `llama-server`
     with as many parallel slots (bench.model_stack; the "stack" section).
@@ -29,6 +31,7 @@ from bench import agreement, depth_bench, llamacpp, model_stack, roofline
 from bench import engine_bench as eb
 from bench.quiet_profiler import quiet_profiler
 from shardlm_server.worker.engine import Engine
+from shardlm_server.worker.ops import activations
 
 # Profiler names: the ops, and the scopes the fused CPU blocks open around the same kernels.
 WEIGHT_OPS = ("shardlm::skinny_linear", "shardlm::quant_linear", "shardlm::linear", "aten::addmm",
@@ -118,10 +121,17 @@ def measure(args) -> dict:
     prompt = eb.random_prompts(1, args.prompt_len, vocab)
     long_prompt = eb.random_prompts(1, prefill_len, vocab, seed=1)
     ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
+    fast = args.activation_precision == "int8"
+    fast_dec, fast_pre = [], []
     eb.engine_decode_seconds(engine, prompt, 4, cpu, 1)  # warm-up
     for _ in range(args.repeats + 1):
         ours_dec.append(eb.engine_decode_seconds(engine, prompt, args.new_tokens, cpu, 1) / steps)
         ours_pre.append(eb.engine_prefill_seconds(engine, long_prompt, cpu, 1))
+        if fast:
+            with activations.using("int8"):
+                fast_dec.append(eb.engine_decode_seconds(engine, prompt, args.new_tokens, cpu, 1)
+                                / steps)
+                fast_pre.append(eb.engine_prefill_seconds(engine, long_prompt, cpu, 1))
         if llama is not None:
             theirs_dec.append(llama.decode_seconds(prompt[0].tolist(), steps) / steps)
             theirs_pre.append(llama.prefill_seconds(long_prompt[0].tolist()))
@@ -133,6 +143,13 @@ def measure(args) -> dict:
                          "prefill_tokens_per_s_spread": _spread([prefill_len / s
                                                                  for s in ours_pre]),
                          "breakdown": step_breakdown(engine, prompt, min(steps, 48), step_ms)}
+    if fast:
+        fast_ms = 1000 * _median(fast_dec)
+        result["shardlm_int8"] = {
+            "decode_tokens_per_s": 1000 / fast_ms, "decode_ms_per_step": fast_ms,
+            "decode_tokens_per_s_spread": _spread([1 / s for s in fast_dec]),
+            "prefill_tokens": prefill_len, "prefill_tokens_per_s": prefill_len / _median(fast_pre),
+            "prefill_tokens_per_s_spread": _spread([prefill_len / s for s in fast_pre])}
     # Decode batches (ShardLM alone: llama.cpp's batches are measured through its server).
     result["shardlm"]["decode_batches"] = [
         eb.decode_row(b, eb.engine_decode_seconds(
@@ -160,6 +177,10 @@ def measure(args) -> dict:
                           "floor_ms_per_token": floor_ms,
                           "achieved_gb_s": nbytes / (step_ms / 1000) / 1e9,
                           "pct_of_floor": 100 * floor_ms / step_ms}
+    if fast:
+        fast_ms = result["shardlm_int8"]["decode_ms_per_step"]
+        result["shardlm_int8"].update({"achieved_gb_s": nbytes / (fast_ms / 1000) / 1e9,
+                                       "pct_of_floor": 100 * floor_ms / fast_ms})
 
     if args.depth:
         print(f"-- decode at a {args.depth}-token depth", flush=True)
@@ -180,11 +201,16 @@ def measure(args) -> dict:
     if args.agreement_tokens:
         ids = agreement.text_ids(path, args.agreement_tokens)
         ours = agreement.engine_top1(engine, ids)
+        if fast:
+            with activations.using("int8"):
+                ours_fast = agreement.engine_top1(engine, ids)
         del engine
         reference_engine = eb.load_engine(path, torch.float32, cpu, 1, 1, len(ids))
         reference = agreement.engine_top1(reference_engine, ids)
         del reference_engine
         result["agreement"] = {"tokens": len(ids), "shardlm": agreement.agreement(ours, reference)}
+        if fast:
+            result["agreement"]["shardlm_int8"] = agreement.agreement(ours_fast, reference)
         if llama_ran:
             scorer = llamacpp.LlamaCpp(gguf, threads, n_ctx=len(ids) + 16, logits_all=True)
             result["agreement"]["llama_cpp"] = agreement.agreement(scorer.top1(ids), reference)
@@ -207,6 +233,15 @@ def targets(result: dict) -> list[dict]:
             ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"], 2.0)
     if result.get("agreement"):
         add("top-1 agreement with float32 >= 99.5%", result["agreement"]["shardlm"], 0.995)
+    fast = result.get("shardlm_int8")
+    if fast:
+        if isinstance(theirs, dict):
+            add("int8 activations: prefill vs llama.cpp >= 1.5x",
+                fast["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"], 1.5)
+            add("int8 activations: batch-1 decode vs llama.cpp >= 1.0x",
+                fast["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 1.0)
+        add("int8 activations: batch-1 decode >= 90% of the read floor",
+            fast["pct_of_floor"] / 100, 0.9)
     if "depth" in result:
         for name, value, goal in depth_bench.targets(result["depth"]):
             add(name, value, goal)
@@ -225,11 +260,11 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
           f"{result['threads']} threads)")
     print(f"{'':<28}{'ShardLM':>12}{'llama.cpp':>12}{'ratio':>8}   spread ShardLM | llama.cpp")
 
-    def row(label: str, key: str) -> None:
-        mine = ours[key]
+    def row(label: str, key: str, source: dict = ours) -> None:
+        mine = source[key]
         other = theirs.get(key) if isinstance(theirs, dict) else None
         ratio = f"{mine / other:>7.2f}x" if other else ""
-        spreads = [ours.get(f"{key}_spread"),
+        spreads = [source.get(f"{key}_spread"),
                    theirs.get(f"{key}_spread") if isinstance(theirs, dict) else None]
         spread = " | ".join(f"{lo:.1f}-{hi:.1f}" for lo, hi in filter(None, spreads))
         print(f"{label:<28}{mine:>12.1f}{other if other else float('nan'):>12.1f}{ratio:>8}   "
@@ -237,6 +272,10 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
 
     row("batch-1 decode tok/s", "decode_tokens_per_s")
     row(f"{ours['prefill_tokens']}-token prefill tok/s", "prefill_tokens_per_s")
+    fast = result.get("shardlm_int8")
+    if fast:
+        row("int8 activations: decode", "decode_tokens_per_s", fast)
+        row("int8 activations: prefill", "prefill_tokens_per_s", fast)
     batches = ours.get("decode_batches") or []
     if batches:
         print("ShardLM decode batches: " + ", ".join(
@@ -251,9 +290,14 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
     print(f"weights {r['weight_bytes'] / 1e6:.0f} MB; read bandwidth {r['bandwidth_gb_s']:.1f} GB/s "
           f"-> floor {r['floor_ms_per_token']:.2f} ms/token; ShardLM streams "
           f"{r['achieved_gb_s']:.1f} GB/s ({r['pct_of_floor']:.0f}% of the floor)")
+    if fast:
+        print(f"with int8 activations ShardLM streams {fast['achieved_gb_s']:.1f} GB/s "
+              f"({fast['pct_of_floor']:.0f}% of the floor)")
     a = result.get("agreement")
     if a:
         line = f"top-1 agreement with float32 over {a['tokens']} tokens: ShardLM {100 * a['shardlm']:.1f}%"
+        if "shardlm_int8" in a:
+            line += f", ShardLM with int8 activations {100 * a['shardlm_int8']:.1f}%"
         if "llama_cpp" in a:
             line += f", llama.cpp {100 * a['llama_cpp']:.1f}%"
         print(line)

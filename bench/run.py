@@ -39,6 +39,7 @@ from bench.report import get, print_report
 from bench.shapes import CPU_DEFAULT, GPU_DEFAULT, SHAPES, build_checkpoint, parameter_count
 from shardlm_server.worker.decode_runner import GraphConfig
 from shardlm_server.worker.engine import EngineOptions
+from shardlm_server.worker.ops.activations import ACTIVATION_PRECISIONS
 
 SECTIONS = ("engine", "baselines", "stack")
 
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=0,
                    help="--model: also batch-1 decode after a context of this many tokens "
                    "(e.g. 4096), ShardLM's float32 and float16 KV caches against llama.cpp")
+    p.add_argument("--activation-precision", choices=ACTIVATION_PRECISIONS, default="exact",
+                   help="--model: int8 also times ShardLM in process with int8 activations (the "
+                   "opt-in fast mode), in the same rounds, with its own top-1 agreement")
     p.add_argument("--agreement-tokens", type=int,
                    help="--model: teacher-forced text length for top-1 agreement (default 512)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few tokens, seconds")

@@ -61,15 +61,17 @@ def test_smoke_run_writes_every_section(tmp_path):
 
 
 def test_smoke_run_on_a_model_file(tmp_path):
-    """`--model FILE.gguf`: ShardLM's figures, the breakdown, the roofline, the agreement, decode
-    at depth, the full stack and the targets land in the JSON; llama.cpp's columns are there or say why not."""
-    from tests.gguf_files import GGUFSpec, write_gguf
+    """`--model FILE.gguf`: ShardLM's figures (exact and with int8 activations), the breakdown,
+    the roofline, the agreement, decode at depth, the full stack and the targets land in the JSON;
+    llama.cpp's columns are there or say why not."""
+    from tests.gguf_files import GGUFSpec, T, write_gguf
 
     model = tmp_path / "tiny.gguf"
-    write_gguf(model, GGUFSpec("llama"))
+    write_gguf(model, GGUFSpec("llama", default_type=T.Q4_0))  # 4-bit: the int8 mode applies
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "--model", str(model), "--smoke",
-         "--agreement-tokens", "32", "--depth", "48", "--out", str(tmp_path)],
+         "--agreement-tokens", "32", "--depth", "48", "--activation-precision", "int8",
+         "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
         # No llama-server even where one is built: the run must say so and go on.
         env=dict(os.environ, PYTHONUNBUFFERED="1", LLAMA_SERVER=str(tmp_path / "none")),
@@ -88,6 +90,10 @@ def test_smoke_run_on_a_model_file(tmp_path):
     assert result["roofline"]["weight_bytes"] > 0 and result["roofline"]["achieved_gb_s"] > 0
     assert result["agreement"]["tokens"] == 32
     assert 0.0 <= result["agreement"]["shardlm"] <= 1.0
+    fast = result["shardlm_int8"]
+    assert fast["decode_tokens_per_s"] > 0 and fast["prefill_tokens_per_s"] > 0
+    assert fast["pct_of_floor"] > 0 and 0.0 <= result["agreement"]["shardlm_int8"] <= 1.0
+    assert any("int8 activations" in t["target"] for t in report["targets"])
     llama = result["llama_cpp"]
     assert llama.startswith("not run") if isinstance(llama, str) else llama["decode_tokens_per_s"] > 0
     assert any("agreement" in t["target"] for t in report["targets"])

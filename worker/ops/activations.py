@@ -9,13 +9,16 @@ both the compiled ops and the reference (:mod:`worker.ops.reference`) read it he
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from shardlm.constants import ACTIVATION_PRECISIONS
 
 from .native import library as _C
 
 __all__ = ["ACTIVATION_PRECISIONS", "INT8_LAYOUTS", "activation_precision", "round_to_int8",
-           "rounds_input", "set_activation_precision"]
+           "rounds_input", "set_activation_precision", "using"]
 #: The weight layouts the int8 fast mode covers.
 INT8_LAYOUTS = ("Q4x8", "Q40x8", "Q4Kx8", "Q5x8", "Q5Kx8", "Q6Kx8")
 BLOCK = 32
@@ -37,6 +40,17 @@ def set_activation_precision(precision: str) -> None:
 
 def activation_precision() -> str:
     return _current
+
+
+@contextlib.contextmanager
+def using(precision: str) -> Iterator[None]:
+    """The process's activation precision set to `precision` inside the block, restored after."""
+    previous = _current
+    set_activation_precision(precision)
+    try:
+        yield
+    finally:
+        set_activation_precision(previous)
 
 
 def rounds_input(qtype: str) -> bool:
