@@ -279,8 +279,7 @@ SHARDLM_AVX512_VNNI void q6k_vnni(float* acc, const uint8_t* w, int64_t next, co
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* q = q6::words_of(w, b);
     for (int64_t line = 0; line < q6::kBlockBytes; line += 64) {
-      cpu::avx2::prefetch_ahead(q + line);
-      cpu::avx2::prefetch_ahead(q + next + line);
+      grouped::prefetch_pair(w, q + line, next);
     }
     __m512i dot[R][2];  // per half
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();

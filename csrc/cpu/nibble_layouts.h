@@ -181,14 +181,17 @@ SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m
   }
 }
 
-// The lines of block b ahead of the one read (for AVX-512 pairs also those of
-// the group `next` bytes on).
+// The lines of block b ahead of the one read (for AVX-512 pairs, next > 0,
+// those of both groups: grouped::prefetch_pair).
 template <class L>
 SHARDLM_AVX2 inline void prefetch_block(const uint8_t* w, int64_t b, int64_t next = 0) {
   const uint8_t* start = L::quants(w, b) - L::kLead;
   for (int64_t line = 0; line < 3 * 64; line += 64) {
-    cpu::avx2::prefetch_ahead(start + line);
-    if (next) cpu::avx2::prefetch_ahead(start + line + next);
+    if (next) {
+      grouped::prefetch_pair(w, start + line, next);
+    } else {
+      cpu::avx2::prefetch_ahead(start + line);
+    }
   }
 }
 

@@ -142,8 +142,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* q = words_of(w, b);
     for (int64_t line = 0; line < kBlockBytes; line += 64) {
-      cpu::avx2::prefetch_ahead(q + line);
-      cpu::avx2::prefetch_ahead(q + next + line);
+      grouped::prefetch_pair(w, q + line, next);
     }
     __m512 c[R][2][C];
     for (int r = 0; r < R; ++r) {
