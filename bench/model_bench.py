@@ -50,6 +50,14 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
+def linear_flops_per_token(engine: Engine) -> int:
+    """2 x the parameters of the linear layers and the lm_head: a token's matrix FLOPs."""
+    model = engine.model
+    linears = [model.lm_head] + [lin for layer in model.layers
+                                 for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    return sum(2 * lin.weight.shape[0] * lin.weight.shape[1] for lin in linears)
+
+
 def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: float) -> dict:
     """Per-step milliseconds in weight kernels, attention and the rest: torch.profiler self
     times of a run with `steps` more decode steps than a second run, so the prompt's prefill
@@ -182,6 +190,16 @@ def measure(args) -> dict:
         result["shardlm_int8"].update({"achieved_gb_s": nbytes / (fast_ms / 1000) / 1e9,
                                        "pct_of_floor": 100 * floor_ms / fast_ms})
 
+    flops = linear_flops_per_token(engine)
+    peak = roofline.fma_peak_flops()
+    rates = {"shardlm": result["shardlm"]["prefill_tokens_per_s"]}
+    if fast:
+        rates["shardlm_int8"] = result["shardlm_int8"]["prefill_tokens_per_s"]
+    if isinstance(result["llama_cpp"], dict):
+        rates["llama_cpp"] = result["llama_cpp"]["prefill_tokens_per_s"]
+    result["compute"] = {"fma_peak_gflops": peak / 1e9, "flops_per_token": flops,
+                         "prefill_gflops": {k: v * flops / 1e9 for k, v in rates.items()}}
+
     if args.depth:
         print(f"-- decode at a {args.depth}-token depth", flush=True)
         result["depth"] = depth_bench.measure(path, gguf, dtype, args.depth, steps,
@@ -293,6 +311,11 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
     if fast:
         print(f"with int8 activations ShardLM streams {fast['achieved_gb_s']:.1f} GB/s "
               f"({fast['pct_of_floor']:.0f}% of the floor)")
+    c = result["compute"]
+    print(f"prefill GFLOP/s (linear layers) against the float32 FMA peak of "
+          f"{c['fma_peak_gflops']:.0f}: " + ", ".join(
+              f"{name} {g:.0f} ({100 * g / c['fma_peak_gflops']:.0f}%)"
+              for name, g in c["prefill_gflops"].items()))
     a = result.get("agreement")
     if a:
         line = f"top-1 agreement with float32 over {a['tokens']} tokens: ShardLM {100 * a['shardlm']:.1f}%"

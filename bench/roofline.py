@@ -10,6 +10,9 @@ less than weight bytes / memory bandwidth per token.
   GEMV over the model's linear layers is still reported beside it, as what torch achieves.
 
 Achieved GB/s of an engine = weight bytes / its batch-1 step time; % of floor = floor / step.
+
+Prefill is compute bound instead: on CPU it is read against the float32 FMA peak of all threads,
+measured by the compiled ops (independent FMA chains on registers, the widest SIMD path).
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 8) -> float:
     buffer.sum()  # touch every page first
     seconds = best_of(lambda: buffer.sum(), torch.device("cpu"), repeats)
     return nbytes / seconds
+
+
+def fma_peak_flops(iterations: int = 20_000_000, repeats: int = 3) -> float:
+    """FLOP/s of float32 FMAs on every thread of this CPU (the best of a few runs)."""
+    from shardlm_server.worker.ops.native import library
+
+    return max(library.cpu_fma_peak(iterations) for _ in range(repeats))
 
 
 def measure(model, device: torch.device) -> dict:

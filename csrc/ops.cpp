@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cpu/cpu_utils.h"
+#include "cpu/fma_peak.h"
 #include "ops.h"
 
 #ifndef SHARDLM_WITH_CUDA
@@ -112,6 +113,22 @@ PyObject* set_activation_precision(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// cpu_fma_peak(iterations: int) -> float: the CPU's float32 FMA throughput in
+// FLOP/s over all intra-op threads (cpu/fma_peak.h), for the benchmark.
+PyObject* cpu_fma_peak(PyObject* /*self*/, PyObject* arg) {
+  const long long iterations = PyLong_AsLongLong(arg);
+  if (iterations == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (iterations < 1) {
+    PyErr_SetString(PyExc_ValueError, "cpu_fma_peak: iterations must be >= 1");
+    return nullptr;
+  }
+  double flops = 0.0;
+  Py_BEGIN_ALLOW_THREADS flops = shardlm::cpu::fma_peak_flops(iterations);
+  Py_END_ALLOW_THREADS return PyFloat_FromDouble(flops);
+}
+
 // cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths now
 // (allowed by set_cpu_simd and supported by this CPU).
 PyObject* cpu_simd_active(PyObject* /*self*/, PyObject* /*unused*/) {
@@ -145,6 +162,8 @@ PyMethodDef shardlm_methods[] = {
     {"set_activation_precision", set_activation_precision, METH_O,
      "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
      "grouped layouts (0 exact float32, 1 int8 per block of 32)."},
+    {"cpu_fma_peak", cpu_fma_peak, METH_O,
+     "cpu_fma_peak(iterations: int) -> float: measured float32 FMA FLOP/s of all threads."},
     {"cpu_simd_active", cpu_simd_active, METH_NOARGS,
      "cpu_simd_active() -> bool: whether the CPU kernels take their AVX2 paths."},
     {"skinny_max_rows", skinny_max_rows, METH_O,

@@ -93,6 +93,7 @@ def test_smoke_run_on_a_model_file(tmp_path):
     fast = result["shardlm_int8"]
     assert fast["decode_tokens_per_s"] > 0 and fast["prefill_tokens_per_s"] > 0
     assert fast["pct_of_floor"] > 0 and 0.0 <= result["agreement"]["shardlm_int8"] <= 1.0
+    assert result["compute"]["fma_peak_gflops"] > 0 and result["compute"]["prefill_gflops"]["shardlm"] > 0
     assert any("int8 activations" in t["target"] for t in report["targets"])
     llama = result["llama_cpp"]
     assert llama.startswith("not run") if isinstance(llama, str) else llama["decode_tokens_per_s"] > 0
