@@ -32,7 +32,7 @@ from shardlm_server.worker.errors import InvalidRequestError
 #: Type ids of the block formats `ops.quant_linear` reads: GGML's, and the 8-row layouts
 #: (ShardLM's own, see `regrouped`).
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102,
-              "Q5x8": 103, "Q5Kx8": 104, "Q40x8": 105}
+              "Q5x8": 103, "Q5Kx8": 104, "Q40x8": 105, "Mixed": 106}
 #: GGML types the kernels read only regrouped into an 8-row layout (`regrouped`), so kept packed
 #: where a weight's rows fill groups of 8.
 K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6kx8),
@@ -148,6 +148,8 @@ _K_DEQUANTIZERS = {"Q4_K": kquant.dequantize_q4_k, "Q4Kx8": kquant.dequantize_q4
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [N, K] of GGML blocks, computed as GGML does (the reference of quant_linear)."""
+    if qtype == "Mixed":
+        return torch.cat([part.dequantize() for part in mixed_parts(blocks)])
     if qtype in GROUP_HEADER_BYTES:
         return _dequantize_q4x8(blocks, qtype)
     if qtype in _K_DEQUANTIZERS:
@@ -281,11 +283,49 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
     return dense
 
 
+MIXED_ALIGN = 64  # bytes: the header and every part of a Mixed weight start on this boundary
+
+
+def _aligned(data: torch.Tensor) -> torch.Tensor:
+    return torch.cat((data, data.new_zeros(-data.numel() % MIXED_ALIGN)))
+
+
+def mixed_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Row-stacked weights of different block types (a Q4_K_M file's q/k/v with a Q6_K attn_v)
+    as one "Mixed" weight, each part kept in its own type: uint8 [1, bytes] holding a header of
+    int64 words (count, K, then per part its type id, rows and bytes), then each part's blocks,
+    every piece 64-byte aligned (csrc/mixed_rows.h reads it). quant_linear runs each part into its
+    columns of the output."""
+    k = parts[0].shape[1]
+    words = [len(parts), k, *(v for p in parts for v in (p.ggml_type, p.shape[0], p.nbytes))]
+    header = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    pieces = [_aligned(header), *(_aligned(p.blocks.reshape(-1)) for p in parts)]
+    return QuantizedWeight("Mixed", torch.cat(pieces).reshape(1, -1),
+                           (sum(p.shape[0] for p in parts), k))
+
+
+def mixed_parts(blocks: torch.Tensor) -> list[QuantizedWeight]:
+    """The parts of a Mixed weight's blocks (`mixed_rows`), as views."""
+    flat = blocks.reshape(-1)
+    count, k = flat[:16].clone().view(torch.int64).tolist()
+    words = flat[16:8 * (2 + 3 * count)].clone().view(torch.int64).tolist()
+    names = {v: name for name, v in GGML_TYPES.items()}
+    parts, offset = [], 8 * (2 + 3 * count) + -(8 * (2 + 3 * count)) % MIXED_ALIGN
+    for i in range(count):
+        qtype, rows, nbytes = names[words[3 * i]], words[3 * i + 1], words[3 * i + 2]
+        rows_per_row = GROUP_ROWS if GGML_TYPES[qtype] >= 100 else 1
+        part = flat[offset:offset + nbytes].view(rows // rows_per_row, -1)
+        parts.append(QuantizedWeight(qtype, part, (rows, k)))
+        offset += nbytes + -nbytes % MIXED_ALIGN
+    return parts
+
+
 def fuse_rows(weights: list[torch.Tensor | QuantizedWeight],
               dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
     """Row-stacked weights for one GEMM: packed when all are packed alike (4-bit ones then
-    regrouped, see `regrouped`), or Q5_0 beside Q8_0 (llama-quantize's mixes: a Q4_K_M file's
-    attn_v) all as Q8_0, exactly; else dense."""
+    regrouped, see `regrouped`), or Q5_0 beside Q8_0 (llama-quantize's mixes: a SmolLM2 Q4_K_M
+    file's attn_v) all as Q8_0, exactly; packed parts of other types side by side as one Mixed
+    weight (`mixed_rows`: a Q4_K_M file's Q4_K q/k and Q6_K v); else dense."""
     if all(isinstance(w, QuantizedWeight) for w in weights):
         if len({w.qtype for w in weights}) > 1 and {w.qtype for w in weights} <= {"Q5_0", "Q8_0"}:
             weights = [QuantizedWeight("Q8_0", kquant.q5_0_to_q8_0(w.blocks), w.shape)
@@ -293,5 +333,7 @@ def fuse_rows(weights: list[torch.Tensor | QuantizedWeight],
         fused = cat_rows(weights)
         if fused is not None:
             return regrouped(fused)
+        if len({w.shape[1] for w in weights}) == 1:
+            return mixed_rows([regrouped(w) for w in weights])
     dense = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
     return torch.cat(dense).contiguous()

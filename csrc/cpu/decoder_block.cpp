@@ -21,6 +21,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/record_function.h>
 
+#include "../mixed_rows.h"
 #include "../ops.h"
 #include "quant_blocks.h"
 
@@ -101,8 +102,11 @@ void mlp_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residual,
                    const std::optional<at::Tensor>& down_bias) {
   const int64_t tokens = hidden.size(0);
   fused_add_rms_norm_cpu(hidden, residual, norm_weight, eps);
-  const int64_t both =  // rows of W: a blocks row is 8 weight rows in Q4x8
-      gate_up_weight.size(0) * (gate_up_type < 0 ? 1 : cpu::quant::rows_per_blocks_row(gate_up_type));
+  const int64_t both =  // rows of W: a blocks row is 8 weight rows in the grouped layouts
+      gate_up_type == mixed::kType
+          ? mixed::total_rows(gate_up_weight.const_data_ptr<uint8_t>(), gate_up_weight.numel())
+          : gate_up_weight.size(0) *
+                (gate_up_type < 0 ? 1 : cpu::quant::rows_per_blocks_row(gate_up_type));
   at::Tensor gate_up = new_rows(hidden, tokens, both);
   linear_into(gate_up, hidden, gate_up_weight, gate_up_type, gate_up_bias);
   at::Tensor act = new_rows(hidden, tokens, both / 2);

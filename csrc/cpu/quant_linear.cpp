@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "../dispatch.h"
+#include "../mixed_rows.h"
 #include "../ops.h"
 #include "cpu_utils.h"
 #include "int8_linear.h"
@@ -402,6 +403,32 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
   });
 }
 
+// A Mixed weight (mixed_rows.h, checked by check_quant_linear): each part into
+// its columns of `out`. One input row's columns are contiguous and are written
+// in place; more rows go through a buffer of the part's width.
+void mixed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
+                  const std::optional<at::Tensor>& bias, int64_t m) {
+  std::vector<mixed::Part> parts;
+  int64_t k = 0;
+  mixed::parse(blocks.const_data_ptr<uint8_t>(), blocks.numel(), parts, k);
+  for (const mixed::Part& p : parts) {
+    const int64_t rows_per_row = rows_per_blocks_row(p.qtype);
+    const at::Tensor part = blocks.narrow(1, p.offset, p.bytes)
+                                .view({p.rows / rows_per_row, p.bytes / (p.rows / rows_per_row)});
+    const std::optional<at::Tensor> part_bias =
+        bias.has_value() ? std::optional<at::Tensor>(bias->narrow(0, p.first_row, p.rows))
+                         : std::nullopt;
+    at::Tensor columns = out.narrow(1, p.first_row, p.rows);
+    if (m == 1) {
+      quant_linear_cpu(columns, input, part, p.qtype, part_bias);
+    } else {
+      at::Tensor buffer = at::empty({m, p.rows}, out.options());
+      quant_linear_cpu(buffer, input, part, p.qtype, part_bias);
+      columns.copy_(buffer);
+    }
+  }
+}
+
 }  // namespace
 
 void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
@@ -409,6 +436,9 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
   const LinearDims d = check_quant_linear(out, input, blocks, qtype, bias);
   if (d.m == 0 || d.n == 0) {
     return;
+  }
+  if (qtype == mixed::kType) {
+    return mixed_linear(out, input, blocks, bias, d.m);
   }
   switch (qtype) {
     case kQ4_0: return quant_linear_typed<kQ4_0>(out, input, blocks, bias, d.m, d.n, d.k);

@@ -10,7 +10,7 @@ from shardlm_server.worker import ops
 from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.errors import InvalidRequestError
 from shardlm_server.worker.kv_cache import CacheConfig
-from shardlm_server.worker.quant import BLOCK, QuantizedWeight, quantize
+from shardlm_server.worker.quant import BLOCK, QuantizedWeight, mixed_parts, quantize
 from tests.gguf_files import GGUFSpec, T, write_gguf
 
 BLOCKS = list(range(16))
@@ -110,12 +110,14 @@ def test_a_k_quant_file_stays_packed(tmp_path, tied):
     """A Q4_K_M-like file, as llama-quantize writes one: Q4_K matrices regrouped into Q4Kx8, Q6_K
     ones (some ffn_down, the output or tied embedding) into Q6Kx8, Q5_0 ones (its fallback for
     rows that are no whole number of 256-blocks) into Q5x8, or fused with a Q8_0 attn_v as Q8_0,
-    and a Q5_K one (Q5_K_M's) into Q5Kx8; logits equal the dequantized model's up to summation
+    a Q6_K attn_v beside Q4_K q and k held as a Mixed q/k/v, and a Q5_K one (Q5_K_M's) into
+    Q5Kx8; logits equal the dequantized model's up to summation
     order, tokens exactly."""
     path = tmp_path / "model.gguf"
     types = {**{f"blk.0.{m}.weight": T.Q5_0 for m in ("attn_q", "attn_k", "attn_output",
                                                        "ffn_gate", "ffn_up")},
              "blk.0.attn_v.weight": T.Q8_0, "blk.0.ffn_down.weight": T.Q6_K,
+             "blk.1.attn_v.weight": T.Q6_K,
              "blk.1.ffn_down.weight": T.Q5_K,
              "token_embd.weight": T.Q6_K if tied else T.Q4_K, "output.weight": T.Q6_K}
     write_gguf(path, GGUFSpec("llama", tied=tied, default_type=T.Q4_K, types=types))
@@ -124,7 +126,9 @@ def test_a_k_quant_file_stays_packed(tmp_path, tied):
     layers = packed.model.layers
     assert layers[0].qkv.weight.qtype == "Q8_0" and layers[0].o_proj.weight.qtype == "Q5x8"
     assert layers[0].gate_up.weight.qtype == "Q5x8"
-    assert layers[1].qkv.weight.qtype == "Q4Kx8" and layers[1].gate_up.weight.qtype == "Q4Kx8"
+    assert layers[1].qkv.weight.qtype == "Mixed" and layers[1].gate_up.weight.qtype == "Q4Kx8"
+    assert [p.qtype for p in mixed_parts(layers[1].qkv.weight.blocks)] == ["Q4Kx8", "Q4Kx8",
+                                                                          "Q6Kx8"]
     assert layers[0].down.weight.qtype == "Q6Kx8" and layers[1].down.weight.qtype == "Q5Kx8"
     assert packed.model.lm_head.weight.qtype == "Q6Kx8"
     assert packed.model.embed.weight.qtype == ("Q6Kx8" if tied else "Q4_K")

@@ -210,8 +210,16 @@ def quant_linear(
 ) -> torch.Tensor:
     """x @ W.T + bias with W the float32 dequantized blocks, in float32, rounded once to x's
     dtype; x rounded to int8 first where the fast mode covers W (ops.activations)."""
-    from shardlm_server.worker.quant import dequantize_blocks
+    from shardlm_server.worker.quant import dequantize_blocks, mixed_parts
 
+    if qtype == "Mixed":  # each part as its own type (rounding the input where that type does)
+        parts, row = [], 0
+        for part in mixed_parts(blocks):
+            part_bias = bias[row:row + part.shape[0]] if bias is not None else None
+            parts.append(quant_linear(x, part.blocks, part.qtype, part_bias))
+            row += part.shape[0]
+        result = torch.cat(parts, dim=1)
+        return out.copy_(result) if out is not None else result
     w = dequantize_blocks(blocks, qtype)
     inputs = activations.round_to_int8(x) if activations.rounds_input(qtype) else x.float()
     result = torch.nn.functional.linear(
