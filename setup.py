@@ -129,7 +129,8 @@ def _extension():
             "for the GPU kernels. Install one and re-run "
             "`pip install --no-build-isolation -e .`."
         )
-    sources = ["csrc/ops.cpp", "csrc/checks.cpp", *_sources("csrc/cpu", "*.cpp")]
+    sources = ["csrc/ops.cpp", "csrc/checks.cpp", "csrc/checks_linear.cpp",
+               *_sources("csrc/cpu", "*.cpp")]
     # -fopenmp: at::parallel_for is a header template that only runs in
     # parallel when the including file is compiled with OpenMP (the .so then
     # links libgomp.so.1, which resolves to the copy torch already loaded).

@@ -40,22 +40,21 @@ ATTENTION_OPS = ("shardlm::paged_attention_decode", "shardlm::paged_attention_pr
                  "shardlm::reshape_and_cache", "shardlm::rotary_embedding", "shardlm::attention")
 
 
+def _linears(engine: Engine) -> list:
+    """Every linear layer of the model and the lm_head."""
+    model = engine.model
+    return [model.lm_head] + [linear for layer in model.layers
+                              for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+
 def weight_bytes(engine: Engine) -> int:
     """Bytes one batch-1 decode step must read: every linear layer's weights and the lm_head."""
-    model = engine.model
-    total = model.lm_head.weight.nbytes
-    for layer in model.layers:
-        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            total += linear.weight.nbytes
-    return total
+    return sum(linear.weight.nbytes for linear in _linears(engine))
 
 
 def linear_flops_per_token(engine: Engine) -> int:
     """2 x the parameters of the linear layers and the lm_head: a token's matrix FLOPs."""
-    model = engine.model
-    linears = [model.lm_head] + [lin for layer in model.layers
-                                 for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    return sum(2 * lin.weight.shape[0] * lin.weight.shape[1] for lin in linears)
+    return sum(2 * lin.weight.shape[0] * lin.weight.shape[1] for lin in _linears(engine))
 
 
 def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: float) -> dict:
@@ -94,6 +93,16 @@ def _median(values: list[float]) -> float:
 def _spread(values: list[float]) -> list[float]:
     """[lowest, highest] of the alternated rounds, printed beside each median."""
     return [min(values), max(values)]
+
+
+def _rates(decode_s: list[float], prefill_s: list[float], prefill_len: int) -> dict:
+    """One engine's decode and prefill figures from its rounds' seconds (a decode step's, a
+    prefill's): medians and their spreads."""
+    step_ms = 1000 * _median(decode_s)
+    return {"decode_tokens_per_s": 1000 / step_ms, "decode_ms_per_step": step_ms,
+            "decode_tokens_per_s_spread": _spread([1 / s for s in decode_s]),
+            "prefill_tokens": prefill_len, "prefill_tokens_per_s": prefill_len / _median(prefill_s),
+            "prefill_tokens_per_s_spread": _spread([prefill_len / s for s in prefill_s])}
 
 
 def measure(args) -> dict:
@@ -143,21 +152,11 @@ def measure(args) -> dict:
         if llama is not None:
             theirs_dec.append(llama.decode_seconds(prompt[0].tolist(), steps) / steps)
             theirs_pre.append(llama.prefill_seconds(long_prompt[0].tolist()))
-    step_ms = 1000 * _median(ours_dec)
-    result["shardlm"] = {"decode_tokens_per_s": 1000 / step_ms, "decode_ms_per_step": step_ms,
-                         "decode_tokens_per_s_spread": _spread([1 / s for s in ours_dec]),
-                         "prefill_tokens": prefill_len,
-                         "prefill_tokens_per_s": prefill_len / _median(ours_pre),
-                         "prefill_tokens_per_s_spread": _spread([prefill_len / s
-                                                                 for s in ours_pre]),
-                         "breakdown": step_breakdown(engine, prompt, min(steps, 48), step_ms)}
+    result["shardlm"] = _rates(ours_dec, ours_pre, prefill_len)
+    step_ms = result["shardlm"]["decode_ms_per_step"]
+    result["shardlm"]["breakdown"] = step_breakdown(engine, prompt, min(steps, 48), step_ms)
     if fast:
-        fast_ms = 1000 * _median(fast_dec)
-        result["shardlm_int8"] = {
-            "decode_tokens_per_s": 1000 / fast_ms, "decode_ms_per_step": fast_ms,
-            "decode_tokens_per_s_spread": _spread([1 / s for s in fast_dec]),
-            "prefill_tokens": prefill_len, "prefill_tokens_per_s": prefill_len / _median(fast_pre),
-            "prefill_tokens_per_s_spread": _spread([prefill_len / s for s in fast_pre])}
+        result["shardlm_int8"] = _rates(fast_dec, fast_pre, prefill_len)
     # Decode batches (ShardLM alone: llama.cpp's batches are measured through its server).
     result["shardlm"]["decode_batches"] = [
         eb.decode_row(b, eb.engine_decode_seconds(
@@ -165,12 +164,7 @@ def measure(args) -> dict:
             args.repeats), steps)
         for b in args.batch_list if b > 1]
     if llama is not None:
-        ms = 1000 * _median(theirs_dec)
-        result["llama_cpp"].update({
-            "decode_tokens_per_s": 1000 / ms, "decode_ms_per_step": ms,
-            "decode_tokens_per_s_spread": _spread([1 / s for s in theirs_dec]),
-            "prefill_tokens_per_s": prefill_len / _median(theirs_pre),
-            "prefill_tokens_per_s_spread": _spread([prefill_len / s for s in theirs_pre])})
+        result["llama_cpp"].update(_rates(theirs_dec, theirs_pre, prefill_len))
     # Let go of llama.cpp's in-process context (and its thread pool) before the servers run:
     # kept alive through the full stack, it slowed the ShardLM rounds of this 2-core machine
     # (one stream through the stack at half its speed), not the llama-server ones.

@@ -7,33 +7,20 @@
 // graph is being captured; see copy_indices_to_host in cuda/cuda_utils.cuh).
 // rotary_embedding's positions and reshape_and_cache's slots are checked by
 // the CPU ops only; their CUDA kernels skip out-of-range entries instead, so
-// a bad index there writes nothing rather than raising.
+// a bad index there writes nothing rather than raising. The linear ops'
+// checks are in checks_linear.cpp.
 #include "ops.h"
 
 #include <c10/util/Exception.h>
 
-#include <vector>
-
-#include "mixed_rows.h"
+#include "check_helpers.h"
 
 namespace shardlm {
+
+using checks::check_float;
+using checks::check_same_device;
+
 namespace {
-
-bool is_float_type(const at::Tensor& t) {
-  const auto s = t.scalar_type();
-  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
-}
-
-void check_float(const at::Tensor& t, const char* name, const char* op) {
-  TORCH_CHECK(is_float_type(t), op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", t.scalar_type());
-}
-
-void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name,
-                       const char* op) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(),
-              " but the other tensors are on ", ref.device());
-}
 
 void check_index(const at::Tensor& t, const char* name, at::ScalarType want, int64_t dim,
                  const char* op) {
@@ -158,132 +145,6 @@ int64_t check_act_and_mul(const at::Tensor& out, const at::Tensor& input, const 
   TORCH_CHECK(input.is_contiguous() && out.is_contiguous(), op,
               ": input and out must be contiguous");
   check_same_device(input, out, "out", op);
-  return d;
-}
-
-LinearDims check_skinny_linear(const at::Tensor& out, const at::Tensor& input,
-                               const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const char* op = "skinny_linear";
-  check_float(weight, "weight", op);
-  TORCH_CHECK(input.dim() == 2 && weight.dim() == 2, op,
-              ": input must be [M, K] and weight [N, K], got ", input.sizes(), " and ",
-              weight.sizes());
-  const LinearDims d{input.size(0), weight.size(0), weight.size(1)};
-  TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
-              " features but weight expects ", d.k);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == d.m && out.size(1) == d.n, op,
-              ": out must have shape [", d.m, ", ", d.n, "], got ", out.sizes());
-  for (const at::Tensor* t : {&input, &out}) {
-    TORCH_CHECK(t->scalar_type() == weight.scalar_type(), op, ": input, weight and out must "
-                "share a dtype, got ", t->scalar_type(), " and ", weight.scalar_type());
-  }
-  TORCH_CHECK(input.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), op,
-              ": input, weight and out must be contiguous");
-  check_same_device(weight, input, "input", op);
-  check_same_device(weight, out, "out", op);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == d.n && bias->is_contiguous(), op,
-                ": bias must be a contiguous [", d.n, "] tensor, got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), op, ": bias dtype ",
-                bias->scalar_type(), " != weight dtype ", weight.scalar_type());
-    check_same_device(weight, *bias, "bias", op);
-  }
-  return d;
-}
-
-namespace {
-// Bytes of a block of `qtype`, and its weights, in *block_bytes and
-// *weights_per_block; false for a type quant_linear does not read. The grouped
-// layouts' blocks span 8 rows (cpu/quant_blocks.h).
-bool block_geometry(int64_t qtype, int64_t* block_bytes, int64_t* weights_per_block) {
-  *weights_per_block = 32;
-  switch (qtype) {
-    case 2: *block_bytes = 18; return true;  // Q4_0
-    case 3: *block_bytes = 20; return true;  // Q4_1
-    case 8: *block_bytes = 34; return true;  // Q8_0
-    case 100: *block_bytes = 160; return true;  // Q4x8
-    case 101: *block_bytes = 1184, *weights_per_block = 256; return true;  // Q4Kx8
-    case 102: *block_bytes = 1680, *weights_per_block = 256; return true;  // Q6Kx8
-    case 103: *block_bytes = 176; return true;  // Q5x8
-    case 104: *block_bytes = 1440, *weights_per_block = 256; return true;  // Q5Kx8
-    case 105: *block_bytes = 144; return true;  // Q40x8
-    default: return false;
-  }
-}
-
-constexpr const char* kTypeNames = "Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4Kx8 = 101, "
-                                   "Q6Kx8 = 102, Q5x8 = 103, Q5Kx8 = 104, Q40x8 = 105, Mixed = 106";
-
-// N and K of a Mixed blocks tensor (mixed_rows.h), every part checked.
-std::pair<int64_t, int64_t> check_mixed(const at::Tensor& blocks, const char* op) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == 1 &&
-                  blocks.is_contiguous(), op,
-              ": Mixed blocks must be a contiguous uint8 [1, bytes] tensor, got ",
-              blocks.scalar_type(), " ", blocks.sizes());
-  std::vector<mixed::Part> parts;
-  int64_t k = 0;
-  TORCH_CHECK(mixed::parse(blocks.const_data_ptr<uint8_t>(), blocks.numel(), parts, k), op,
-              ": the Mixed blocks' header is malformed");
-  int64_t n = 0;
-  for (const mixed::Part& p : parts) {
-    int64_t block_bytes = 0, weights_per_block = 0;
-    TORCH_CHECK(block_geometry(p.qtype, &block_bytes, &weights_per_block), op,
-                ": a Mixed part has block type ", p.qtype, " (", kTypeNames, " but not Mixed)");
-    const int64_t rows_per_row = p.qtype >= 100 ? 8 : 1;
-    TORCH_CHECK(p.rows % rows_per_row == 0 && p.bytes % (p.rows / rows_per_row) == 0 &&
-                    p.bytes / (p.rows / rows_per_row) ==
-                        k / weights_per_block * block_bytes &&
-                    k % weights_per_block == 0, op,
-                ": a Mixed part of type ", p.qtype, " with ", p.rows, " rows and ", p.bytes,
-                " bytes does not hold ", k, "-wide rows");
-    n += p.rows;
-  }
-  return {n, k};
-}
-}  // namespace
-
-LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
-                              const at::Tensor& blocks, int64_t qtype,
-                              const std::optional<at::Tensor>& bias) {
-  const char* op = "quant_linear";
-  int64_t block_bytes = 0, weights_per_block = 32;
-  TORCH_CHECK(qtype == mixed::kType || block_geometry(qtype, &block_bytes, &weights_per_block),
-              op, ": block type ", qtype, " is not supported (", kTypeNames, ")");
-  check_float(input, "input", op);
-  TORCH_CHECK(input.dim() == 2, op, ": input must be [M, K], got ", input.sizes());
-  LinearDims d{};
-  if (qtype == mixed::kType) {
-    TORCH_CHECK(blocks.device().is_cpu(), op, ": Mixed blocks are read on CPU only");
-    const auto [n, k] = check_mixed(blocks, op);
-    d = {input.size(0), n, k};
-  } else {
-    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
-                ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
-                " ", blocks.sizes());
-    TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
-                " bytes is not a whole number of ", block_bytes, "-byte blocks");
-    d = {input.size(0), blocks.size(0) * (qtype >= 100 ? 8 : 1),
-         blocks.size(1) / block_bytes * weights_per_block};
-  }
-  TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
-              " features but the blocks hold ", d.k);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == d.m && out.size(1) == d.n, op,
-              ": out must have shape [", d.m, ", ", d.n, "], got ", out.sizes());
-  TORCH_CHECK(out.scalar_type() == input.scalar_type(), op, ": input and out must share a "
-              "dtype, got ", input.scalar_type(), " and ", out.scalar_type());
-  TORCH_CHECK(input.is_contiguous() && blocks.is_contiguous() && out.is_contiguous(), op,
-              ": input, blocks and out must be contiguous");
-  TORCH_CHECK(input.device().is_cpu(), op, ": runs on CPU only; dequantize the weights for ",
-              input.device());
-  check_same_device(input, blocks, "blocks", op);
-  check_same_device(input, out, "out", op);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == d.n && bias->is_contiguous(), op,
-                ": bias must be a contiguous [", d.n, "] tensor, got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == input.scalar_type(), op, ": bias dtype ",
-                bias->scalar_type(), " != input dtype ", input.scalar_type());
-    check_same_device(input, *bias, "bias", op);
-  }
   return d;
 }
 

@@ -8,6 +8,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <string>
 
 #include "cpu/cpu_utils.h"
@@ -82,35 +83,33 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
 }
 
 namespace {
+// Stores the int `arg` into a process-wide `setting` if it lies in 0..max;
+// otherwise raises a ValueError with `message` (or the conversion's TypeError).
+PyObject* store_setting(PyObject* arg, long max, std::atomic<int>& setting, const char* message) {
+  const long value = PyLong_AsLong(arg);
+  if (value == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (value < 0 || value > max) {
+    PyErr_SetString(PyExc_ValueError, message);
+    return nullptr;
+  }
+  setting.store(static_cast<int>(value));
+  Py_RETURN_NONE;
+}
+
 // set_cpu_simd(level: int) -> None: caps the CPU kernels' paths for the whole
 // process: 0 portable, 1 AVX2, 2 AVX-512 (each only where the CPU has it).
 PyObject* set_cpu_simd(PyObject* /*self*/, PyObject* arg) {
-  const long level = PyLong_AsLong(arg);
-  if (level == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
-  if (level < 0 || level > 2) {
-    PyErr_SetString(PyExc_ValueError, "set_cpu_simd: level must be 0, 1 or 2");
-    return nullptr;
-  }
-  shardlm::cpu::simd_cap().store(static_cast<int>(level));
-  Py_RETURN_NONE;
+  return store_setting(arg, 2, shardlm::cpu::simd_cap(), "set_cpu_simd: level must be 0, 1 or 2");
 }
 
 // set_activation_precision(precision: int) -> None: how quant_linear treats its
 // input on CPU for the grouped layouts, for the whole process: 0 exact
 // (float32), 1 rounded to int8 per block of 32 (cpu_utils.h).
 PyObject* set_activation_precision(PyObject* /*self*/, PyObject* arg) {
-  const long precision = PyLong_AsLong(arg);
-  if (precision == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
-  if (precision < 0 || precision > 1) {
-    PyErr_SetString(PyExc_ValueError, "set_activation_precision: precision must be 0 or 1");
-    return nullptr;
-  }
-  shardlm::cpu::activation_precision_setting().store(static_cast<int>(precision));
-  Py_RETURN_NONE;
+  return store_setting(arg, 1, shardlm::cpu::activation_precision_setting(),
+                       "set_activation_precision: precision must be 0 or 1");
 }
 
 // cpu_fma_peak(iterations: int) -> float: the CPU's float32 FMA throughput in

@@ -283,6 +283,7 @@ def read_linear(reader, name: str, shape: tuple[int, int], *, shard_dim: int | N
     return dense
 
 
+_TYPE_NAMES = {v: name for name, v in GGML_TYPES.items()}
 MIXED_ALIGN = 64  # bytes: the header and every part of a Mixed weight start on this boundary
 
 
@@ -309,10 +310,9 @@ def mixed_parts(blocks: torch.Tensor) -> list[QuantizedWeight]:
     flat = blocks.reshape(-1)
     count, k = flat[:16].clone().view(torch.int64).tolist()
     words = flat[16:8 * (2 + 3 * count)].clone().view(torch.int64).tolist()
-    names = {v: name for name, v in GGML_TYPES.items()}
     parts, offset = [], 8 * (2 + 3 * count) + -(8 * (2 + 3 * count)) % MIXED_ALIGN
     for i in range(count):
-        qtype, rows, nbytes = names[words[3 * i]], words[3 * i + 1], words[3 * i + 2]
+        qtype, rows, nbytes = _TYPE_NAMES[words[3 * i]], words[3 * i + 1], words[3 * i + 2]
         rows_per_row = GROUP_ROWS if GGML_TYPES[qtype] >= 100 else 1
         part = flat[offset:offset + nbytes].view(rows // rows_per_row, -1)
         parts.append(QuantizedWeight(qtype, part, (rows, k)))

@@ -47,6 +47,16 @@ void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
+// Output features of a weight as linear_into takes it: a dense [N, K] tensor
+// (qtype -1), blocks of which a row holds 8 weight rows in the grouped
+// layouts, or a Mixed weight, whose header says.
+int64_t out_features(const at::Tensor& weight, int64_t qtype) {
+  if (qtype == mixed::kType) {
+    return mixed::total_rows(weight.const_data_ptr<uint8_t>(), weight.numel());
+  }
+  return weight.size(0) * (qtype < 0 ? 1 : cpu::quant::rows_per_blocks_row(qtype));
+}
+
 at::Tensor new_rows(const at::Tensor& like, int64_t rows, int64_t cols) {
   return at::empty({rows, cols}, like.options());
 }
@@ -102,11 +112,7 @@ void mlp_block_cpu(at::Tensor& out, at::Tensor& hidden, at::Tensor& residual,
                    const std::optional<at::Tensor>& down_bias) {
   const int64_t tokens = hidden.size(0);
   fused_add_rms_norm_cpu(hidden, residual, norm_weight, eps);
-  const int64_t both =  // rows of W: a blocks row is 8 weight rows in the grouped layouts
-      gate_up_type == mixed::kType
-          ? mixed::total_rows(gate_up_weight.const_data_ptr<uint8_t>(), gate_up_weight.numel())
-          : gate_up_weight.size(0) *
-                (gate_up_type < 0 ? 1 : cpu::quant::rows_per_blocks_row(gate_up_type));
+  const int64_t both = out_features(gate_up_weight, gate_up_type);
   at::Tensor gate_up = new_rows(hidden, tokens, both);
   linear_into(gate_up, hidden, gate_up_weight, gate_up_type, gate_up_bias);
   at::Tensor act = new_rows(hidden, tokens, both / 2);

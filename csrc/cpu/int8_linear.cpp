@@ -90,9 +90,11 @@ SHARDLM_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* scal
 
 // ---- 4- and 5-bit layouts (nibble_layouts.h) ----------------------------------------
 
+// Each kernel takes its layout as a tag (a value of the layout type), so that
+// the Q6Kx8 kernels below are overloads of the same names.
 template <class L>
-void nibble_scalar(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
-                   int64_t rows, int64_t k) {
+void rows_scalar(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
+                 int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = (m0 + i) * blocks;
@@ -132,9 +134,9 @@ SHARDLM_AVX2 inline void nibble_bytes_avx2(const uint8_t* w, int64_t b, int s, _
   odd = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
 }
 
-template <class L, int R>
-SHARDLM_AVX2 void nibble_avx2(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
-                              int64_t m0, int64_t k) {
+template <int R, class L>
+SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
+                            int64_t m0, int64_t k) {
   const int64_t blocks = k / kBlock;
   __m256 sum[R], off[R];
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
@@ -163,9 +165,9 @@ SHARDLM_AVX2 void nibble_avx2(float* acc, int64_t stride, const uint8_t* w, cons
 }
 
 // Two groups (w and w + next) at once, 16 rows a vector: acc[16 r + l].
-template <class L, int R>
-SHARDLM_AVX512_VNNI void nibble_vnni(float* acc, const uint8_t* w, int64_t next,
-                                     const Int8Rows& x, int64_t m0, int64_t k) {
+template <int R, class L>
+SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next,
+                                   const Int8Rows& x, int64_t m0, int64_t k) {
   const int64_t blocks = k / kBlock;
   const __m512i mask = _mm512_set1_epi32(0x0f0f0f0f);
   __m512 sum[R], off[R];
@@ -206,8 +208,16 @@ SHARDLM_AVX512_VNNI void nibble_vnni(float* acc, const uint8_t* w, int64_t next,
 
 // ---- Q6Kx8 (q6k_layout.h): 6-bit quants, a scale per half block ----------------------
 
-void q6k_scalar(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
-                int64_t rows, int64_t k) {
+// Stands for Q6Kx8 among the nibble layouts: the kernels below overload the
+// nibble ones on it.
+struct Q6KLayout {
+  static int64_t group_bytes(int64_t k) {
+    return k / (kBlock * quant::kSuperBlocks) * quant::kQ6SuperGroupBytes;
+  }
+};
+
+void rows_scalar(Q6KLayout, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
+                 int64_t m0, int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = (m0 + i) * blocks;
@@ -232,8 +242,8 @@ void q6k_scalar(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
 
 #if SHARDLM_HAVE_AVX2
 template <int R>
-SHARDLM_AVX2 void q6k_avx2(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
-                           int64_t m0, int64_t k) {
+SHARDLM_AVX2 void rows_avx2(Q6KLayout, float* acc, int64_t stride, const uint8_t* w,
+                            const Int8Rows& x, int64_t m0, int64_t k) {
   const int64_t blocks = k / kBlock;
   __m256 sum[R], off[R];
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
@@ -271,8 +281,8 @@ SHARDLM_AVX2 void q6k_avx2(float* acc, int64_t stride, const uint8_t* w, const I
 }
 
 template <int R>
-SHARDLM_AVX512_VNNI void q6k_vnni(float* acc, const uint8_t* w, int64_t next, const Int8Rows& x,
-                                  int64_t m0, int64_t k) {
+SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int64_t next,
+                                   const Int8Rows& x, int64_t m0, int64_t k) {
   const int64_t blocks = k / kBlock;
   __m512 sum[R], off[R];
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
@@ -318,12 +328,6 @@ SHARDLM_AVX512_VNNI void q6k_vnni(float* acc, const uint8_t* w, int64_t next, co
 
 // ---- dispatch ----------------------------------------------------------------------
 
-struct Q6KLayout {  // stands for Q6Kx8 among the nibble layouts
-  static int64_t group_bytes(int64_t k) {
-    return k / (kBlock * quant::kSuperBlocks) * quant::kQ6SuperGroupBytes;
-  }
-};
-
 template <class F>
 decltype(auto) with_layout(int64_t qtype, const F& f) {
   switch (qtype) {
@@ -355,20 +359,12 @@ void group_dot(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, 
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
     return with_rows(rows, [&](auto r) {
-      if constexpr (std::is_same_v<L, Q6KLayout>) {
-        q6k_avx2<decltype(r)::value>(acc, stride, w, x, m0, k);
-      } else {
-        nibble_avx2<L, decltype(r)::value>(acc, stride, w, x, m0, k);
-      }
+      rows_avx2<decltype(r)::value>(L{}, acc, stride, w, x, m0, k);
     });
   }
 #endif
   (void)avx2;
-  if constexpr (std::is_same_v<L, Q6KLayout>) {
-    q6k_scalar(acc, stride, w, x, m0, rows, k);
-  } else {
-    nibble_scalar<L>(acc, stride, w, x, m0, rows, k);
-  }
+  rows_scalar(L{}, acc, stride, w, x, m0, rows, k);
 }
 
 template <class L, typename T>
@@ -383,11 +379,7 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 #if SHARDLM_HAVE_AVX2
     if (width == 2 * kGroupRows && vnni) {
       return with_rows(rows, [&](auto r) {
-        if constexpr (std::is_same_v<L, Q6KLayout>) {
-          q6k_vnni<decltype(r)::value>(acc, wg, group_bytes, x, m0, k);
-        } else {
-          nibble_vnni<L, decltype(r)::value>(acc, wg, group_bytes, x, m0, k);
-        }
+        pair_vnni<decltype(r)::value>(L{}, acc, wg, group_bytes, x, m0, k);
       });
     }
 #endif

@@ -33,6 +33,7 @@
 
 #include "../dispatch.h"
 #include "../mixed_rows.h"
+#include "mixed_linear.h"
 #include "../ops.h"
 #include "cpu_utils.h"
 #include "int8_linear.h"
@@ -84,7 +85,12 @@ const float* to_nibble_order(const float* x, int64_t count) {
   return buffer.data();
 }
 
-Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int64_t k) {
+// The paths of quant_linear_typed; only the matrix-vector kernels read the
+// block sums and the nibble order.
+enum class Path { kInt8, kPanel, kTiled, kGemv };
+
+Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int64_t k,
+                          Path path) {
   thread_local std::vector<float> converted, sums;
   const float* x = nullptr;
   if (input.scalar_type() == at::kFloat) {
@@ -97,6 +103,8 @@ Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int
     });
     x = converted.data();
   }
+  // Only the matrix-vector kernels read sums (q6kx8.cpp makes its own 16-element ones).
+  if (path != Path::kGemv || qtype == kQ6Kx8) return {x, nullptr, nullptr};
   const int64_t blocks = k / kBlock;
   if (static_cast<int64_t>(sums.size()) < m * blocks) sums.resize(m * blocks);
   for (int64_t i = 0; i < m * blocks; ++i) {
@@ -104,8 +112,7 @@ Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int
     for (int64_t t = 0; t < kBlock; ++t) s += x[i * kBlock + t];
     sums[i] = s;
   }
-  const bool nibbles = m <= gemv_max_rows(qtype) && nibble_order(qtype);  // only the GEMV reads it
-  return {x, sums.data(), nibbles ? to_nibble_order(x, m * k) : nullptr};
+  return {x, sums.data(), nibble_order(qtype) ? to_nibble_order(x, m * k) : nullptr};
 }
 
 // ---- portable ---------------------------------------------------------------------
@@ -379,17 +386,22 @@ void tiled_gemm(at::Tensor& out, const Activations& a, const uint8_t* w,
 template <int64_t kType>
 void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
                         const std::optional<at::Tensor>& bias, int64_t m, int64_t n, int64_t k) {
-  const Activations a = prepare_input(input, kType, m, k);
+  const Path path =
+      cpu::activation_precision() == cpu::ActivationPrecision::kInt8 && cpu::int8::takes(kType)
+          ? Path::kInt8
+      : cpu::panel::takes(kType, m, n) ? Path::kPanel
+      : m > gemv_max_rows(kType)       ? Path::kTiled
+                                       : Path::kGemv;
+  const Activations a = prepare_input(input, kType, m, k, path);
   const auto* w = blocks.const_data_ptr<uint8_t>();
   SHARDLM_DISPATCH_FLOAT_TYPES(out.scalar_type(), "quant_linear", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
-    if (cpu::activation_precision() == cpu::ActivationPrecision::kInt8 &&
-        cpu::int8::takes(kType)) {
+    if (path == Path::kInt8) {
       cpu::int8::linear(o, kType, w, cpu::int8::quantize_rows(a.x, m, k), b, m, n, k);
-    } else if (cpu::panel::takes(kType, m, n)) {
+    } else if (path == Path::kPanel) {
       cpu::panel::linear(o, kType, w, a.x, b, m, n, k);
-    } else if (m > gemv_max_rows(kType)) {
+    } else if (path == Path::kTiled) {
       tiled_gemm<kType>(out, a, w, bias, m, n, k);
     } else {
       if constexpr (kType == kQ6Kx8) {
@@ -403,32 +415,6 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
   });
 }
 
-// A Mixed weight (mixed_rows.h, checked by check_quant_linear): each part into
-// its columns of `out`. One input row's columns are contiguous and are written
-// in place; more rows go through a buffer of the part's width.
-void mixed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
-                  const std::optional<at::Tensor>& bias, int64_t m) {
-  std::vector<mixed::Part> parts;
-  int64_t k = 0;
-  mixed::parse(blocks.const_data_ptr<uint8_t>(), blocks.numel(), parts, k);
-  for (const mixed::Part& p : parts) {
-    const int64_t rows_per_row = rows_per_blocks_row(p.qtype);
-    const at::Tensor part = blocks.narrow(1, p.offset, p.bytes)
-                                .view({p.rows / rows_per_row, p.bytes / (p.rows / rows_per_row)});
-    const std::optional<at::Tensor> part_bias =
-        bias.has_value() ? std::optional<at::Tensor>(bias->narrow(0, p.first_row, p.rows))
-                         : std::nullopt;
-    at::Tensor columns = out.narrow(1, p.first_row, p.rows);
-    if (m == 1) {
-      quant_linear_cpu(columns, input, part, p.qtype, part_bias);
-    } else {
-      at::Tensor buffer = at::empty({m, p.rows}, out.options());
-      quant_linear_cpu(buffer, input, part, p.qtype, part_bias);
-      columns.copy_(buffer);
-    }
-  }
-}
-
 }  // namespace
 
 void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
@@ -438,7 +424,7 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     return;
   }
   if (qtype == mixed::kType) {
-    return mixed_linear(out, input, blocks, bias, d.m);
+    return cpu::mixed_linear(out, input, blocks, bias, d.m);
   }
   switch (qtype) {
     case kQ4_0: return quant_linear_typed<kQ4_0>(out, input, blocks, bias, d.m, d.n, d.k);

@@ -15,13 +15,14 @@ from collections.abc import Iterator
 import torch
 from shardlm.constants import ACTIVATION_PRECISIONS
 
+from shardlm_server.worker.quant import BLOCK, GROUPED_LAYOUTS
+
 from .native import library as _C
 
 __all__ = ["ACTIVATION_PRECISIONS", "INT8_LAYOUTS", "activation_precision", "round_to_int8",
            "rounds_input", "set_activation_precision", "using"]
-#: The weight layouts the int8 fast mode covers.
-INT8_LAYOUTS = ("Q4x8", "Q40x8", "Q4Kx8", "Q5x8", "Q5Kx8", "Q6Kx8")
-BLOCK = 32
+#: The weight layouts the int8 fast mode covers: every 8-row grouped one (csrc: quant::grouped).
+INT8_LAYOUTS = ("Q4x8", *GROUPED_LAYOUTS)
 
 _current = "exact"
 
