@@ -30,6 +30,8 @@ from shardlm.constants import (
     DEFAULT_MAX_RUNNING,
     DEFAULT_WORKER_START_TIMEOUT_S,
     DTYPE_NAMES,
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATION_MODES,
     dtype_enum_name,
 )
 from shardlm.worker.v1 import worker_pb2
@@ -220,6 +222,15 @@ class ServeConfig:
         "float32; int8 rounds them per block of 32 (as llama.cpp does) for integer dot products, "
         "faster prefill and decode at a small accuracy cost", "engine",
         choices=ACTIVATION_PRECISIONS)
+    speculation: str = setting(
+        SPECULATION_MODES[0], "speculative decoding without a draft model: ngram verifies drafts "
+        "proposed from each sequence's own tokens (prompt lookup), several tokens per step where "
+        "the text repeats, output unchanged; off decodes one token per step; auto is ngram on "
+        "CPU, off on CUDA", "engine", choices=SPECULATION_MODES)
+    speculative_tokens: int = setting(
+        0, "draft tokens per sequence and step; 0 lets the workers choose each step from the "
+        "sequence's acceptance rate and the measured cost of a step", "engine", minimum=0,
+        maximum=MAX_SPECULATIVE_TOKENS)
     quantize: str | None = setting(
         None, "CPU linear weights: int8 / int4 quantize them at load (weight-only, 32-weight "
         "blocks), none dequantizes a GGUF file's blocks; unset: a GGUF file's Q8_0 / Q4_0 / Q4_1 "
@@ -252,7 +263,8 @@ class ServeConfig:
             cuda_graph_max_batch=self.cuda_graph_max_batch,
             cuda_graph_max_context=self.cuda_graph_max_context,
             disable_cpu_simd=not self.cpu_simd,
-            activation_precision=self.activation_precision)
+            activation_precision=self.activation_precision,
+            speculation=self.speculation, speculative_tokens=self.speculative_tokens)
 
     @property
     def load_options(self) -> LoadOptions:

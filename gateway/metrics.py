@@ -37,6 +37,13 @@ class Metrics:
                                             "Prompt tokens served from the KV cache.", registry=r)
         self.generated_tokens = Counter("shardlm_generated_tokens_total",
                                         "Tokens generated and streamed.", registry=r)
+        self.draft_tokens = Counter(
+            "shardlm_speculative_draft_tokens_total",
+            "Draft tokens the workers verified (speculative decoding).", registry=r)
+        self.accepted_draft_tokens = Counter(
+            "shardlm_speculative_accepted_tokens_total",
+            "Draft tokens accepted: tokens produced without a decode step of their own.",
+            registry=r)
         self.requests = Counter("shardlm_requests_total", "Finished calls by final status.",
                                 ["method", "code"], registry=r)
         self.decode_batch_size = Histogram(

@@ -41,19 +41,37 @@ def build_prefill_batch(
     block_size: int,
     device: torch.device,
 ) -> Batch:
-    """`sequences`: per sequence (all its tokens, start position, number of new tokens)."""
+    """`sequences`: per sequence (all its tokens, start position, number of new tokens). Logits
+    are computed for each sequence's last token."""
+    return build_packed_batch([(tokens[start:start + count], start)
+                               for tokens, start, count in sequences],
+                              tables, block_size, device, every_row=False)
+
+
+def build_packed_batch(
+    chunks: list[tuple[list[int], int]],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    every_row: bool,
+) -> Batch:
+    """`chunks`: per sequence (its new token ids, the position of the first). Logits are
+    computed for every row (`every_row`: a speculative step verifies each draft) or for each
+    sequence's last one."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     q_lens: list[int] = []
     seq_lens: list[int] = []
-    for (tokens, start, count), table in zip(sequences, tables, strict=True):
-        ids.extend(tokens[start : start + count])
+    for (new_ids, start), table in zip(chunks, tables, strict=True):
+        count = len(new_ids)
+        ids.extend(new_ids)
         positions.extend(range(start, start + count))
         slots.extend(slots_for(table, start, count, block_size))
         q_lens.append(count)
         seq_lens.append(start + count)
     starts = [0, *accumulate(q_lens)]
+    logits_rows = list(range(len(ids))) if every_row else [s - 1 for s in starts[1:]]
     return Batch(
         input_ids=to_device(ids, torch.int64, device),
         meta=AttentionMetadata(
@@ -65,6 +83,6 @@ def build_prefill_batch(
             query_start_loc=to_device(starts, torch.int32, device),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
-            logits_indices=to_device([s - 1 for s in starts[1:]], torch.int64, device),
+            logits_indices=to_device(logits_rows, torch.int64, device),
         ),
     )

@@ -12,6 +12,8 @@ from shardlm.constants import (
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
     DTYPE_NAMES,
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATION_MODES,
     dtype_enum_name,
 )
 from shardlm.worker.v1 import worker_pb2
@@ -30,6 +32,7 @@ from shardlm_server.worker.errors import InvalidRequestError
 from shardlm_server.worker.grammar import SequenceConstraint
 from shardlm_server.worker.kv_cache import DEFAULT_BLOCK_SIZE, CacheCapacity, CacheConfig, CacheMode
 from shardlm_server.worker.sampling import SamplerSettings
+from shardlm_server.worker.speculative import SpeculationConfig
 
 # Dtype enum <-> the engine's names and torch dtypes, derived from the one list of names.
 DTYPE_BY_ENUM = {common_pb2.Dtype.Value(dtype_enum_name(name)): name for name in DTYPE_NAMES}
@@ -85,7 +88,20 @@ def engine_options_from_proto(p: worker_pb2.EngineOptions) -> EngineOptions:
             f"activation_precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, got "
             f"{precision!r}", field="engine.activation_precision")
     return EngineOptions(graphs=graphs, cpu_simd=not p.disable_cpu_simd,
-                         activation_precision=precision)
+                         activation_precision=precision, speculation=_speculation(p))
+
+
+def _speculation(p: worker_pb2.EngineOptions) -> SpeculationConfig:
+    mode = p.speculation or SPECULATION_MODES[0]
+    if mode not in SPECULATION_MODES:
+        raise InvalidRequestError(
+            f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {mode!r}",
+            field="engine.speculation")
+    if p.speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequestError(
+            f"speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got "
+            f"{p.speculative_tokens}", field="engine.speculative_tokens")
+    return SpeculationConfig(mode, p.speculative_tokens)
 
 
 def capacity_to_proto(c: CacheCapacity) -> common_pb2.KvCacheCapacity:
@@ -162,6 +178,11 @@ def tokens_to_proto(output: StepOutput) -> list[worker_pb2.SequenceToken]:
                 msg.logprobs.top.add(token_id=token_id, logprob=logprob)
         out.append(msg)
     return out
+
+
+def drafts_to_proto(output: StepOutput) -> list[worker_pb2.DraftTokens]:
+    return [worker_pb2.DraftTokens(sequence_id=d.sequence_id, proposed=d.proposed,
+                                   accepted=d.accepted) for d in output.drafts]
 
 
 def taps_to_proto(taps: dict[str, torch.Tensor]) -> list[common_pb2.DebugTensor]:

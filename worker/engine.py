@@ -12,6 +12,7 @@ The engine's `eos_token_ids` are reported in ModelInfo, never consulted when ste
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from shardlm_server.worker.memory import release_load_memory, trim_after_prefill
 from shardlm_server.worker.model import TransformerModel, tap_names
 from shardlm_server.worker.quant import check_mode as check_quantize_mode
 from shardlm_server.worker.sequences import SequenceStates
+from shardlm_server.worker.speculative import SpeculationConfig, Speculator
 from shardlm_server.worker.step_checks import (
     check_unique,
 )
@@ -59,13 +61,14 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 class EngineOptions:
     """How the engine runs, not what it computes: decode CUDA graphs, and whether the CPU kernels
     may take their SIMD paths, AVX2 or AVX-512, the widest this CPU has (False: the portable
-    loops; a process-wide switch, set at load), and the CPU quantized linears' activation
-    precision (ops.activations; process-wide too). Filled from the LoadRequest's EngineOptions by
+    loops; a process-wide switch, set at load), the CPU quantized linears' activation
+    precision (ops.activations; process-wide too), and speculative decoding. Filled from the LoadRequest's EngineOptions by
     worker/convert.py."""
 
     graphs: GraphConfig = field(default_factory=GraphConfig)
     cpu_simd: bool = True
     activation_precision: str = ACTIVATION_PRECISIONS[0]
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
 class Engine:
@@ -79,6 +82,7 @@ class Engine:
         graph_config: GraphConfig | None = None,
         source: CheckpointSource | None = None,
         grammar: GrammarRuntime | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -96,6 +100,9 @@ class Engine:
         self.grammar = grammar  # constrained decoding, on the sampling rank (rank 0) only
         self.states = SequenceStates(self.cfg, self.comm.rank, self.device, grammar)
         self.sequences = self.states.by_id
+        speculation = speculation or SpeculationConfig()
+        self.speculator = (Speculator(speculation, model, self.comm, self.sampler, self.states)
+                           if speculation.enabled(self.device) else None)
         self._tap_names = frozenset(tap_names(self.cfg.num_layers))
 
     # ----------------------------------------------------------------- loading and the cache
@@ -146,7 +153,7 @@ class Engine:
         grammar = (GrammarRuntime.for_tokenizer(tokenizer_json, cfg.vocab_size, eos)
                    if tokenizer_json and comm.rank == 0 else None)
         return cls(model, cache_config or CacheConfig(), model_dir, torch_dtype, eos,
-                   options.graphs, source, grammar)
+                   options.graphs, source, grammar, options.speculation)
 
     def _allocate(self, config: CacheConfig) -> KVCache:
         return KVCache(
@@ -245,7 +252,9 @@ class Engine:
         Steps are pipelined: step t+1 is queued on the device before step t's tokens are yielded,
         so the caller's work on them (detokenising, streaming) overlaps the device's work. Each
         sequence keeps one row of the step buffers for the whole call; a row whose sequence has
-        left computes nothing (slot -1, context 0).
+        left computes nothing (slot -1, context 0). With speculative decoding (not while taps are
+        captured) a step may yield several tokens of a sequence, and `max_steps` and `num_steps`
+        count tokens.
         """
         if num_steps <= 0:
             raise InvalidRequestError("num_steps must be positive")
@@ -259,6 +268,9 @@ class Engine:
         longest = max(s.num_cached + b for s, b in zip(seqs, budgets, strict=True))
         call = self.runner.begin([s.block_table for s in seqs], longest,
                                  eager=tap_values is not None)
+        if self.speculator is not None and tap_values is None:
+            yield from self._decode_speculative(self.speculator, call, seqs, budgets)
+            return
 
         def live_rows(step: int) -> list[int]:
             return [i for i, s in enumerate(seqs) if s.finished is None and budgets[i] > step]
@@ -283,6 +295,40 @@ class Engine:
             # must finish before another call rewrites them.
             if pending is not None and pending.done is not None:
                 pending.done.synchronize()
+
+    def _decode_speculative(self, speculator: Speculator, call: DecodeCall,
+                            seqs: list[ResidentSequence], budgets: list[int]) -> Iterator[StepOutput]:
+        """`decode` with drafts: a step whose sequences propose none runs the plain decode step
+        on the call's buffers; one with drafts verifies them (worker/speculative.py). Steps are
+        not pipelined: the next step's drafts come from this one's tokens."""
+        emitted = [0] * len(seqs)
+        index = {s.sequence_id: i for i, s in enumerate(seqs)}
+        while True:
+            live = [i for i, s in enumerate(seqs) if s.finished is None and emitted[i] < budgets[i]]
+            if not live:
+                return
+            stepping = [seqs[i] for i in live]
+            room = [budgets[i] - emitted[i] for i in live]
+            drafts = speculator.propose(stepping, room)
+            started = time.perf_counter()
+            counts = []
+            if any(drafts):
+                verified = speculator.verify(stepping, drafts, self.cache)
+                outputs, counts = speculator.accept(stepping, drafts, verified, room)
+                mask_seconds = verified.pending.mask_seconds
+            else:
+                pending = self._launch_decode(call, seqs, live, None)
+                tokens = self.sampler.collect(pending)
+                for seq in stepping:
+                    seq.tokens.append(seq.pending)  # type: ignore[arg-type]
+                outputs = self.states.advance(stepping, tokens)
+                for seq, out in zip(stepping, outputs, strict=True):
+                    speculator.after_step(seq, [out.token.token_id])
+                mask_seconds = pending.mask_seconds
+            speculator.observe(len(live) + sum(map(len, drafts)), time.perf_counter() - started)
+            for out in outputs:
+                emitted[index[out.sequence_id]] += 1
+            yield StepOutput(outputs, {}, mask_seconds, counts)
 
     # ----------------------------------------------------------------- step internals
     def _launch_decode(self, call: DecodeCall, seqs: list[ResidentSequence], live: list[int],

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from shardlm_server.worker.drafting import Acceptance, NgramDrafter
 from shardlm_server.worker.grammar import SequenceConstraint
 from shardlm_server.worker.sampling import SampledToken, SamplerSettings, TokenHistory
 
@@ -63,11 +64,24 @@ class TokenOutput:
     constraint_complete: bool = False  # its constraint allows nothing after this token
 
 
+@dataclass(frozen=True)
+class DraftCount:
+    """What one sequence's drafts did in a speculative step."""
+
+    sequence_id: int
+    proposed: int  # draft tokens verified
+    accepted: int  # of which the sampler kept (each saved a step)
+
+
 @dataclass
 class StepOutput:
+    """One step's tokens: one per sequence, or with speculation several (its accepted drafts and
+    the token after them), in order."""
+
     tokens: list[TokenOutput]
     taps: dict[str, torch.Tensor] = field(default_factory=dict)
     mask_seconds: float = 0.0  # constrained rows' masks in this step (rank 0)
+    drafts: list[DraftCount] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +99,10 @@ class ResidentSequence:
     generator: torch.Generator | None = None
     history: TokenHistory | None = None
     matcher: Any = None  # llguidance's LLMatcher of its constraint, on rank 0 (worker/grammar.py)
+    # Speculative decoding (worker/speculative.py): its prompt-lookup index, made at its first
+    # speculative step, and how its drafts have fared.
+    drafter: NgramDrafter | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
     def num_cached(self) -> int:

@@ -64,6 +64,13 @@ class TokenHistory:
             seen[to_device(prompt, torch.long, device)] = True
         return cls(seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
 
+    def with_outputs(self, token_ids: list[int]) -> TokenHistory:
+        """A copy that has also generated `token_ids` (a draft's history at one of its rows)."""
+        copy = TokenHistory(self.seen.clone(), self.output_counts.clone())
+        for token in token_ids:
+            copy.add_output(to_device([token], torch.long, self.seen.device)[0])
+        return copy
+
     def add_output(self, token_id: torch.Tensor) -> None:
         self.seen[token_id] = True
         self.output_counts.index_add_(0, token_id.view(1), torch.ones(1, dtype=torch.int32,
@@ -82,6 +89,10 @@ class SamplingRow:
     params: SamplerSettings
     generator: torch.Generator | None = None
     history: TokenHistory | None = None
+    # Keep the generator's state after this row's draw (`state_after`): rows verifying drafts
+    # share their sequence's generator, which resumes after the last row whose token is kept.
+    keep_state: bool = False
+    state_after: torch.Tensor | None = None
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -156,6 +167,8 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
         for i, row in enumerate(rows):
             if row.generator is not None and not row.params.greedy:
                 noise[i].exponential_(generator=row.generator)
+                if row.keep_state:
+                    row.state_after = row.generator.get_state()
         drawn = (probs / noise).argmax(dim=1)
         chosen = torch.where(greedy, chosen, drawn)
     return _with_logprobs(raw, chosen, rows)

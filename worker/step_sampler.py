@@ -46,17 +46,22 @@ class StepSampler:
                masks: PendingMasks | None = None) -> PendingSample:
         """Sample one token per row of `logits` on rank 0 and share the ids with every rank.
         `masks`: those of the constrained rows, being made since before the forward pass."""
+        sampling_rows = ([SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
+                         if self.comm.rank == 0 else [])
+        return self.launch_rows(logits, sampling_rows, rows, masks)
+
+    def launch_rows(self, logits: torch.Tensor, sampling_rows: list[SamplingRow],
+                    rows: list[int], masks: PendingMasks | None = None) -> PendingSample:
+        """`launch` with each row's sampling state given (on rank 0; empty elsewhere)."""
         chosen: DeviceSample | None = None
-        sampling_rows: list[SamplingRow] = []
         mask_seconds = 0.0
         if self.comm.rank == 0:
-            sampling_rows = [SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
             step_masks = finish_masks(masks, logits.shape[1], self.device)
             chosen = sample_on_device(logits, sampling_rows, step_masks)
             mask_seconds = step_masks.seconds if step_masks is not None else 0.0
         if self.comm.world_size > 1:
             ids = (chosen.ids if chosen is not None
-                   else torch.zeros(len(seqs), dtype=torch.int64, device=self.device))
+                   else torch.zeros(len(rows), dtype=torch.int64, device=self.device))
             self.comm.broadcast(ids, src=0)
             chosen = chosen or DeviceSample(ids)
         assert chosen is not None
@@ -67,13 +72,15 @@ class StepSampler:
             done.record()
         return PendingSample(rows, sampling_rows, chosen, host, done, mask_seconds)
 
-    def collect(self, pending: PendingSample) -> list[SampledToken]:
-        """Wait for a launched sampling, record it in the penalty histories, return its tokens."""
+    def collect(self, pending: PendingSample, record: bool = True) -> list[SampledToken]:
+        """Wait for a launched sampling, record it in the penalty histories (unless the caller
+        keeps only some rows' tokens and records those), return its tokens."""
         if self.comm.world_size > 1:
             self.comm.synchronize()  # bounded wait: a dead peer raises instead of hanging here
         elif pending.done is not None:
             pending.done.synchronize()
         if self.comm.rank != 0:
             return [SampledToken(t) for t in pending.host.ids.tolist()]
-        record_outputs(pending.ids, pending.sampling_rows)
+        if record:
+            record_outputs(pending.ids, pending.sampling_rows)
         return pending.host.tokens(pending.sampling_rows)

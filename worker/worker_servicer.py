@@ -219,7 +219,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         yield worker_pb2.DecodeResponse(
                             step=step, tokens=convert.tokens_to_proto(output),
                             taps=convert.taps_to_proto(output.taps),
-                            constraint_mask_seconds=output.mask_seconds)
+                            constraint_mask_seconds=output.mask_seconds,
+                            drafts=convert.drafts_to_proto(output))
             finally:
                 # The caller may be gone; the other ranks still run these steps, so must we.
                 for _ in steps:

@@ -318,6 +318,7 @@ class BatchLoop:
             async for step in self.pool.decode(request):
                 steps += 1
                 self._observe_masks(step.constraint_mask_seconds)
+                self._count_drafts(step.drafts, by_id)
                 for token in step.tokens:
                     seq = by_id[token.sequence_id]
                     seq.stepped(token.token_id)
@@ -343,6 +344,15 @@ class BatchLoop:
             self._park_or_free(seq)
             if seq in self._running:
                 self._running.remove(seq)
+
+    def _count_drafts(self, drafts, by_id: dict[int, SequenceState]) -> None:
+        """Add a step's verified and accepted drafts to its sequences' usage and the counters."""
+        for d in drafts:
+            seq = by_id[d.sequence_id]
+            seq.draft_tokens += d.proposed
+            seq.accepted_draft_tokens += d.accepted
+            self.metrics.draft_tokens.inc(d.proposed)
+            self.metrics.accepted_draft_tokens.inc(d.accepted)
 
     def _observe_masks(self, seconds: float) -> None:
         if seconds > 0:  # a step with constrained sequences

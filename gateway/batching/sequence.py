@@ -100,6 +100,9 @@ class SequenceState:
     # Usage: the prompt tokens this call took from the KV cache (set when its first prefill is
     # scheduled).
     cached_prompt_tokens: int = 0
+    # ... and the draft tokens the workers verified for it, and accepted (speculative decoding).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     # ----------------------------------------------------------------- reading
     @property
@@ -140,6 +143,7 @@ class SequenceState:
         self.enqueued_at = time.monotonic()
         self.admitted_at = None
         self.cached_prompt_tokens = 0 if self.needs_prefill else self.computed
+        self.draft_tokens = self.accepted_draft_tokens = 0
 
     def extend_history(self, tokens: list[int]) -> None:
         """A new turn: append to the history. The computed tokens stay; a pending token is

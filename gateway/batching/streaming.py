@@ -128,6 +128,8 @@ class TokenStream:
         usage.CopyFrom(self.usage)
         usage.cached_tokens = self.seq.cached_prompt_tokens  # known once its prefill ran
         usage.generated_tokens = len(self.token_times)
+        usage.draft_tokens = self.seq.draft_tokens
+        usage.accepted_draft_tokens = self.seq.accepted_draft_tokens
         return usage
 
     def timings(self) -> common_pb2.Timings:

@@ -183,7 +183,8 @@ class _RecordingStub:
 def test_engine_env_vars_reach_the_load_request():
     cfg = config([], {"SHARDLM_CUDA_GRAPHS": "0", "SHARDLM_CUDA_GRAPH_MAX_BATCH": "32",
                       "SHARDLM_CPU_SIMD": "0", "SHARDLM_COMM_TIMEOUT": "7",
-                      "SHARDLM_ACTIVATION_PRECISION": "int8"})
+                      "SHARDLM_ACTIVATION_PRECISION": "int8", "SHARDLM_SPECULATION": "ngram",
+                      "SHARDLM_SPECULATIVE_TOKENS": "4"})
     stub = _RecordingStub()
     options = cfg.load_options
 
@@ -198,7 +199,8 @@ def test_engine_env_vars_reach_the_load_request():
     (request,) = stub.requests
     assert request.engine == worker_pb2.EngineOptions(
         disable_cuda_graphs=True, cuda_graph_max_batch=32, cuda_graph_max_context=16384,
-        disable_cpu_simd=True, activation_precision="int8")
+        disable_cpu_simd=True, activation_precision="int8", speculation="ngram",
+        speculative_tokens=4)
     assert request.comm.timeout_seconds == 7
 
 

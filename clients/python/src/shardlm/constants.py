@@ -42,6 +42,15 @@ DEFAULT_WORKER_START_TIMEOUT_S = 120.0
 # exact float32 (the default, and what an empty EngineOptions field means), or int8, the opt-in
 # fast mode that rounds each 32-element block of the input as GGML's Q8_0 does.
 ACTIVATION_PRECISIONS = ("exact", "int8")
+# Speculative decoding without a draft model (`serve --speculation`, EngineOptions): "ngram"
+# verifies prompt-lookup drafts, "off" decodes one token per step, "auto" (the default, and what
+# an empty EngineOptions field means) is ngram on CPU and off on CUDA, where it is not measured.
+SPECULATION_MODES = ("auto", "ngram", "off")
+# Drafts one sequence verifies in a step at most, when the planner chooses (a fixed count is
+# EngineOptions.speculative_tokens).
+DEFAULT_MAX_DRAFT_TOKENS = 8
+# The most drafts per sequence and step a fixed count may ask for.
+MAX_SPECULATIVE_TOKENS = 32
 # Decode CUDA graphs serve batches and contexts up to these sizes (EngineOptions' zero values).
 DEFAULT_CUDA_GRAPH_MAX_BATCH = 128
 DEFAULT_CUDA_GRAPH_MAX_CONTEXT = 16384

@@ -773,6 +773,8 @@ class Usage(google.protobuf.message.Message):
     CACHED_TOKENS_FIELD_NUMBER: builtins.int
     GENERATED_TOKENS_FIELD_NUMBER: builtins.int
     CONSTRAINT_KIND_FIELD_NUMBER: builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: builtins.int
     prompt_tokens: builtins.int
     """Tokens in the prompt (for a continued session: the tokens added by this
     request, including the chat template's tokens).
@@ -788,6 +790,11 @@ class Usage(google.protobuf.message.Message):
     name: "json_schema", "json_object", "regex", "grammar", "choice",
     "structural_tag"); empty when unconstrained.
     """
+    draft_tokens: builtins.int
+    """Speculative decoding: draft tokens verified for this request, and how many
+    of them were accepted (included in generated_tokens).
+    """
+    accepted_draft_tokens: builtins.int
     def __init__(
         self,
         *,
@@ -795,8 +802,10 @@ class Usage(google.protobuf.message.Message):
         cached_tokens: builtins.int = ...,
         generated_tokens: builtins.int = ...,
         constraint_kind: builtins.str = ...,
+        draft_tokens: builtins.int = ...,
+        accepted_draft_tokens: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["cached_tokens", b"cached_tokens", "constraint_kind", b"constraint_kind", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_tokens", b"cached_tokens", "constraint_kind", b"constraint_kind", "draft_tokens", b"draft_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens"]) -> None: ...
 
 global___Usage = Usage
 

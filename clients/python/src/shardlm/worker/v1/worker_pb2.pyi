@@ -120,6 +120,8 @@ class EngineOptions(google.protobuf.message.Message):
     CUDA_GRAPH_MAX_CONTEXT_FIELD_NUMBER: builtins.int
     DISABLE_CPU_SIMD_FIELD_NUMBER: builtins.int
     ACTIVATION_PRECISION_FIELD_NUMBER: builtins.int
+    SPECULATION_FIELD_NUMBER: builtins.int
+    SPECULATIVE_TOKENS_FIELD_NUMBER: builtins.int
     disable_cuda_graphs: builtins.bool
     """Run decode steps eagerly instead of replaying captured CUDA graphs. False
     (the default) captures graphs on CUDA for a single rank.
@@ -144,6 +146,18 @@ class EngineOptions(google.protobuf.message.Message):
     int8 (as GGML's Q8_0) for integer dot products. Applies to the whole
     worker process; another value is refused (INVALID_ARGUMENT).
     """
+    speculation: builtins.str
+    """Speculative decoding without a draft model: "ngram" verifies drafts that
+    each sequence's own tokens propose (prompt lookup), several tokens per
+    step where they are accepted, with the same output as "off"; "off"
+    decodes one token per step; "auto" (also what "" means) is "ngram" on
+    CPU and "off" on CUDA. Another value is refused (INVALID_ARGUMENT).
+    """
+    speculative_tokens: builtins.int
+    """Draft tokens each sequence verifies per step, at most 32; 0 (the
+    default) lets the worker choose per step from each sequence's acceptance
+    rate and the measured cost of a step's rows.
+    """
     def __init__(
         self,
         *,
@@ -152,8 +166,10 @@ class EngineOptions(google.protobuf.message.Message):
         cuda_graph_max_context: builtins.int = ...,
         disable_cpu_simd: builtins.bool = ...,
         activation_precision: builtins.str = ...,
+        speculation: builtins.str = ...,
+        speculative_tokens: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["activation_precision", b"activation_precision", "cuda_graph_max_batch", b"cuda_graph_max_batch", "cuda_graph_max_context", b"cuda_graph_max_context", "disable_cpu_simd", b"disable_cpu_simd", "disable_cuda_graphs", b"disable_cuda_graphs"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["activation_precision", b"activation_precision", "cuda_graph_max_batch", b"cuda_graph_max_batch", "cuda_graph_max_context", b"cuda_graph_max_context", "disable_cpu_simd", b"disable_cpu_simd", "disable_cuda_graphs", b"disable_cuda_graphs", "speculation", b"speculation", "speculative_tokens", b"speculative_tokens"]) -> None: ...
 
 global___EngineOptions = EngineOptions
 
@@ -640,6 +656,7 @@ class DecodeResponse(google.protobuf.message.Message):
     TOKENS_FIELD_NUMBER: builtins.int
     TAPS_FIELD_NUMBER: builtins.int
     CONSTRAINT_MASK_SECONDS_FIELD_NUMBER: builtins.int
+    DRAFTS_FIELD_NUMBER: builtins.int
     step: builtins.int
     """Step index within the call, from 0."""
     constraint_mask_seconds: builtins.float
@@ -649,8 +666,10 @@ class DecodeResponse(google.protobuf.message.Message):
     """
     @property
     def tokens(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SequenceToken]:
-        """Rank 0: one token per sequence active in this step, in request order. Other
-        ranks: empty.
+        """Rank 0: the tokens of each sequence active in this step, in request order:
+        one, or with speculative decoding its accepted drafts and the token after
+        them, in order. A sequence's max_steps and the call's num_steps count
+        tokens. Other ranks: empty.
         """
 
     @property
@@ -659,6 +678,10 @@ class DecodeResponse(google.protobuf.message.Message):
         leading dimension runs over the active sequences in request order.
         """
 
+    @property
+    def drafts(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DraftTokens]:
+        """Rank 0: what each sequence that verified drafts in this step did with them."""
+
     def __init__(
         self,
         *,
@@ -666,10 +689,39 @@ class DecodeResponse(google.protobuf.message.Message):
         tokens: collections.abc.Iterable[global___SequenceToken] | None = ...,
         taps: collections.abc.Iterable[shardlm.common.v1.common_pb2.DebugTensor] | None = ...,
         constraint_mask_seconds: builtins.float = ...,
+        drafts: collections.abc.Iterable[global___DraftTokens] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["constraint_mask_seconds", b"constraint_mask_seconds", "step", b"step", "taps", b"taps", "tokens", b"tokens"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["constraint_mask_seconds", b"constraint_mask_seconds", "drafts", b"drafts", "step", b"step", "taps", b"taps", "tokens", b"tokens"]) -> None: ...
 
 global___DecodeResponse = DecodeResponse
+
+@typing.final
+class DraftTokens(google.protobuf.message.Message):
+    """A sequence's draft tokens in one speculative decode step."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    SEQUENCE_ID_FIELD_NUMBER: builtins.int
+    PROPOSED_FIELD_NUMBER: builtins.int
+    ACCEPTED_FIELD_NUMBER: builtins.int
+    sequence_id: builtins.int
+    """The sequence they belong to."""
+    proposed: builtins.int
+    """Draft tokens verified."""
+    accepted: builtins.int
+    """Of which were accepted (each one a token produced without a step of its
+    own).
+    """
+    def __init__(
+        self,
+        *,
+        sequence_id: builtins.int = ...,
+        proposed: builtins.int = ...,
+        accepted: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["accepted", b"accepted", "proposed", b"proposed", "sequence_id", b"sequence_id"]) -> None: ...
+
+global___DraftTokens = DraftTokens
 
 @typing.final
 class ResetCacheRequest(google.protobuf.message.Message):

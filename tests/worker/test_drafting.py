@@ -1,0 +1,92 @@
+"""worker/drafting.py: prompt-lookup proposals against a plain search written here, the
+incremental index against one rebuilt from scratch, the acceptance gate closing and reopening,
+and the planner's choices against the cost of a step's rows."""
+
+from __future__ import annotations
+
+import random
+
+from shardlm_server.worker.drafting import (
+    NGRAM_MAX,
+    NGRAM_MIN,
+    Acceptance,
+    DraftPlanner,
+    NgramDrafter,
+)
+
+
+def reference_proposal(tokens: list[int], limit: int) -> list[int]:
+    """The tokens after the latest earlier occurrence of the longest suffix that occurs before."""
+    for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):  # occurrences ending before the last token
+            if tokens[end - n:end] == suffix:
+                return tokens[end:end + limit]
+    return []
+
+
+def test_proposals_match_a_plain_search_as_tokens_arrive():
+    rng = random.Random(3)
+    for _ in range(20):
+        alphabet = rng.randint(2, 6)  # small alphabets repeat n-grams often
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 80))]
+        drafter = NgramDrafter()
+        for i, token in enumerate(tokens):
+            drafter.extend([token])
+            for limit in (1, 3, 8):
+                assert drafter.propose(limit) == reference_proposal(tokens[:i + 1], limit)
+
+
+def test_a_repeated_passage_is_proposed_to_its_end():
+    passage = list(range(100, 130))
+    drafter = NgramDrafter()
+    drafter.extend([1, 2, *passage, 7, 8, *passage[:5]])
+    assert drafter.propose(10) == passage[5:15]
+    assert drafter.propose(0) == []
+
+
+def test_sync_follows_appends_and_reindexes_a_rewritten_history():
+    drafter = NgramDrafter()
+    drafter.sync([5, 6, 7, 5, 6])
+    assert drafter.propose(2) == [7, 5]
+    drafter.sync([5, 6, 7, 5, 6, 7, 5, 6])  # appended
+    assert drafter.tokens == [5, 6, 7, 5, 6, 7, 5, 6]
+    drafter.sync([9, 9, 1, 2, 9, 9])  # not a continuation: rebuilt
+    assert drafter.tokens == [9, 9, 1, 2, 9, 9]
+    assert drafter.propose(2) == [1, 2]
+
+
+def test_the_gate_closes_on_refused_drafts_and_reopens_when_shadow_proposals_match():
+    acceptance = Acceptance()
+    prior = acceptance.rate
+    for _ in range(10):
+        acceptance.record(drafted=4, accepted=0)
+    low = acceptance.rate
+    assert low < 0.2 < prior
+    planner = DraftPlanner()
+    assert planner.plan([low], [8]) == [0]  # drafting does not pay
+    for _ in range(10):  # not drafted, but the proposals would have been right
+        acceptance.shadow = [1, 2, 3]
+        acceptance.score_shadow([1, 2, 3])
+    assert acceptance.rate > 0.8
+    assert planner.plan([acceptance.rate], [8])[0] > 0
+
+
+def test_the_planner_weighs_expected_tokens_against_measured_step_costs():
+    planner = DraftPlanner()
+    for rows in range(1, 12):  # extra rows almost free: draft deep where acceptance is high
+        planner.costs.observe(rows, 1.0 + 0.01 * (rows - 1))
+    assert planner.plan([0.95], [8]) == [8]
+    assert planner.plan([0.95, 0.3], [8, 8])[0] >= planner.plan([0.95, 0.3], [8, 8])[1]
+    assert planner.plan([0.9], [2]) == [2]  # no more than the proposal holds
+    expensive = DraftPlanner()
+    for rows in range(1, 12):  # every row costs a full step: only a sure draft could pay
+        expensive.costs.observe(rows, float(rows))
+    assert expensive.plan([0.9, 0.9], [8, 8]) == [0, 0]
+
+
+def test_a_fixed_count_drafts_whatever_the_proposal_holds():
+    planner = DraftPlanner(fixed=3)
+    assert planner.plan([0.0, 0.9, 0.5], [8, 2, 0]) == [3, 2, 0]
