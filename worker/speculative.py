@@ -99,8 +99,8 @@ class Speculator:
             counts = shared.tolist()
         return counts
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self.planner.costs.observe(rows, seconds)
+    def observe(self, rows: int, seconds: float, verify: bool) -> None:
+        self.planner.costs.observe(rows, seconds, verify)
 
     # ----------------------------------------------------------------- verify
     def verify(self, seqs: list[ResidentSequence], drafts: list[list[int]],

@@ -77,14 +77,23 @@ def test_the_gate_closes_on_refused_drafts_and_reopens_when_shadow_proposals_mat
 def test_the_planner_weighs_expected_tokens_against_measured_step_costs():
     planner = DraftPlanner()
     for rows in range(1, 12):  # extra rows almost free: draft deep where acceptance is high
-        planner.costs.observe(rows, 1.0 + 0.01 * (rows - 1))
+        planner.costs.observe(rows, 1.0 + 0.01 * (rows - 1), verify=rows > 1)
     assert planner.plan([0.95], [8]) == [8]
     assert planner.plan([0.95, 0.3], [8, 8])[0] >= planner.plan([0.95, 0.3], [8, 8])[1]
     assert planner.plan([0.9], [2]) == [2]  # no more than the proposal holds
     expensive = DraftPlanner()
     for rows in range(1, 12):  # every row costs a full step: only a sure draft could pay
-        expensive.costs.observe(rows, float(rows))
+        expensive.costs.observe(rows, float(rows), verify=rows > 1)
     assert expensive.plan([0.9, 0.9], [8, 8]) == [0, 0]
+
+
+def test_verifying_steps_are_costed_apart_from_plain_ones():
+    planner = DraftPlanner()
+    planner.costs.observe(4, 1.0, verify=False)
+    assert planner.plan([0.9] * 4, [4] * 4) != [0] * 4  # the prior: extra rows cost little
+    planner.costs.observe(5, 1.5, verify=True)  # but the verifying path costs more
+    assert planner.plan([0.9] * 4, [4] * 4) == [0] * 4
+    assert planner.costs.estimate(8, verify=True) > planner.costs.estimate(5, verify=True)
 
 
 def test_a_fixed_count_drafts_whatever_the_proposal_holds():
