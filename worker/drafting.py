@@ -151,8 +151,9 @@ class DraftPlanner:
         self.max_per_sequence = fixed or max_per_sequence
         self.costs = StepCosts()
 
-    def plan(self, rates: list[float], available: list[int]) -> list[int]:
-        """Drafts per sequence, given each one's acceptance rate and proposal length."""
+    def plan(self, rates: list[float], available: list[int], plain_rows: int = 0) -> list[int]:
+        """Drafts per sequence, given each one's acceptance rate and proposal length, against a
+        step without drafts that computes `plain_rows` rows (default: one per sequence)."""
         if self.fixed:
             return [min(self.fixed, a) for a in available]
         gains = sorted(
@@ -160,7 +161,8 @@ class DraftPlanner:
              for j in range(1, min(a, self.max_per_sequence) + 1)),
             reverse=True)
         rows = len(rates)
-        best_rate, best_count = rows / self.costs.estimate(rows, verify=False), 0
+        plain = self.costs.estimate(plain_rows or rows, verify=False)
+        best_rate, best_count = rows / plain, 0
         expected = float(rows)
         for count, (gain, _i) in enumerate(gains, start=1):
             expected += gain

@@ -309,7 +309,7 @@ class Engine:
                 return
             stepping = [seqs[i] for i in live]
             room = [budgets[i] - emitted[i] for i in live]
-            drafts = speculator.propose(stepping, room)
+            drafts = speculator.propose(stepping, room, call.rows)
             started = time.perf_counter()
             counts = []
             if any(drafts):
@@ -325,9 +325,11 @@ class Engine:
                 for seq, out in zip(stepping, outputs, strict=True):
                     speculator.after_step(seq, [out.token.token_id])
                 mask_seconds = pending.mask_seconds
+            # Rows computed: a verifying step packs the live rows and their drafts; a plain one
+            # computes every row of the call's buffers, finished ones included.
             verify = any(drafts)
-            speculator.observe(len(live) + sum(map(len, drafts)), time.perf_counter() - started,
-                               verify)
+            rows = len(live) + sum(map(len, drafts)) if verify else call.rows
+            speculator.observe(rows, time.perf_counter() - started, verify)
             for out in outputs:
                 emitted[index[out.sequence_id]] += 1
             yield StepOutput(outputs, {}, mask_seconds, counts)

@@ -73,8 +73,10 @@ class Speculator:
         self.planner = DraftPlanner(config.tokens)
 
     # ----------------------------------------------------------------- drafts
-    def propose(self, seqs: list[ResidentSequence], room: list[int]) -> list[list[int]]:
-        """Each sequence's drafts for this step; `room`: tokens it may still emit in the call."""
+    def propose(self, seqs: list[ResidentSequence], room: list[int],
+                plain_rows: int) -> list[list[int]]:
+        """Each sequence's drafts for this step; `room`: tokens it may still emit in the call;
+        `plain_rows`: the rows a step without drafts would compute."""
         max_positions = self.model.cfg.max_position_embeddings
         proposals = []
         for seq, left in zip(seqs, room, strict=True):
@@ -85,13 +87,15 @@ class Speculator:
             if proposal and seq.matcher is not None:  # what the grammar refuses is not proposed
                 proposal = proposal[: seq.matcher.validate_tokens(proposal)]
             proposals.append(proposal)
-        counts = self._counts(seqs, proposals)
+        counts = self._counts(seqs, proposals, plain_rows)
         for seq, proposal, count in zip(seqs, proposals, counts, strict=True):
             seq.acceptance.shadow = proposal if not count else []
         return [p[:c] for p, c in zip(proposals, counts, strict=True)]
 
-    def _counts(self, seqs: list[ResidentSequence], proposals: list[list[int]]) -> list[int]:
-        counts = (self.planner.plan([s.acceptance.rate for s in seqs], [len(p) for p in proposals])
+    def _counts(self, seqs: list[ResidentSequence], proposals: list[list[int]],
+                plain_rows: int) -> list[int]:
+        counts = (self.planner.plan([s.acceptance.rate for s in seqs], [len(p) for p in proposals],
+                                    plain_rows)
                   if self.comm.rank == 0 else [0] * len(seqs))
         if self.comm.world_size > 1:  # rank 0's timings and grammars decide for every rank
             shared = to_device(counts, torch.int64, self.model.device)
