@@ -791,10 +791,11 @@ class Usage(google.protobuf.message.Message):
     "structural_tag"); empty when unconstrained.
     """
     draft_tokens: builtins.int
-    """Speculative decoding: draft tokens verified for this request, and how many
-    of them were accepted (included in generated_tokens).
-    """
+    """Speculative decoding: draft tokens the workers verified for this request."""
     accepted_draft_tokens: builtins.int
+    """Of those, the ones accepted (each a generated token, counted in
+    generated_tokens, that took no decode step of its own).
+    """
     def __init__(
         self,
         *,
