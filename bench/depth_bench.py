@@ -19,8 +19,15 @@ import torch
 
 from bench import engine_bench as eb
 from bench import llamacpp
-from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
+from shardlm_server.worker.engine import (
+    DecodeItem,
+    Engine,
+    EngineOptions,
+    PrefillItem,
+    StopParams,
+)
 from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.speculative import SpeculationConfig
 
 KV_DTYPES = ("float32", "float16")
 BLOCK_SIZE = 16
@@ -29,6 +36,7 @@ BLOCK_SIZE = 16
 def _engine(path: Path, dtype: torch.dtype, kv_dtype: str, tokens: int) -> Engine:
     blocks = -(-tokens // BLOCK_SIZE) + 1
     return Engine.load(path, dtype=dtype, device=torch.device("cpu"),
+                       options=EngineOptions(speculation=SpeculationConfig("off")),
                        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks,
                                                 dtype=getattr(torch, kv_dtype)))
 

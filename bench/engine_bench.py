@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from bench.shapes import SHAPES, build_checkpoint, parameter_count
 from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.errors import CacheCapacityError
 from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.speculative import SpeculationConfig
 
 OOM_ERRORS = (torch.OutOfMemoryError, CacheCapacityError)
 
@@ -142,7 +144,10 @@ def load_engine(folder: Path, dtype: torch.dtype, device: torch.device, max_batc
                 seq_tokens: int, prefill_tokens: int, block_size: int = 16,
                 options: EngineOptions | None = None) -> Engine:
     """An engine whose paged cache holds `max_batch` sequences of `seq_tokens` tokens (and one
-    prefill of `prefill_tokens`): sized explicitly so a GPU run does not grab 90% of memory."""
+    prefill of `prefill_tokens`): sized explicitly so a GPU run does not grab 90% of memory.
+    It decodes one token per step (speculation off), so its step rates compare with llama.cpp's
+    plain decoding (bench.speculation measures speculation)."""
+    options = replace(options or EngineOptions(), speculation=SpeculationConfig("off"))
     per_seq = -(-(seq_tokens + 1) // block_size)
     blocks = max(max_batch * per_seq, -(-(prefill_tokens + 1) // block_size)) + 1
     return Engine.load(folder, dtype=dtype, device=device, options=options,

@@ -31,4 +31,4 @@ def test_random_file_has_the_shape_and_the_default_tokenizer(tmp_path):
     first = engine.prefill([PrefillItem(0, [1, 2, 3, 4], 0, table,
                                         stop=StopParams(max_new_tokens=8))])
     steps = list(engine.decode([DecodeItem(0, table, 4)], 4))
-    assert first and len(steps) == 4
+    assert first and sum(len(s.tokens) for s in steps) == 4  # drafts may join steps
