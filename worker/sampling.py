@@ -67,8 +67,9 @@ class TokenHistory:
     def with_outputs(self, token_ids: list[int]) -> TokenHistory:
         """A copy that has also generated `token_ids` (a draft's history at one of its rows)."""
         copy = TokenHistory(self.seen.clone(), self.output_counts.clone())
-        for token in token_ids:
-            copy.add_output(to_device([token], torch.long, self.seen.device)[0])
+        ids = to_device(token_ids, torch.long, self.seen.device)
+        copy.seen[ids] = True
+        copy.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         return copy
 
     def add_output(self, token_id: torch.Tensor) -> None:

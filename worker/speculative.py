@@ -186,9 +186,10 @@ def _sampling_rows(seq: ResidentSequence, draft: list[int]) -> list[SamplingRow]
     """Row j samples the position after draft[:j]: penalties count those drafts as generated,
     and a seeded sequence's generator draws for each row in turn."""
     seeded = seq.generator is not None and bool(draft)
-    rows = [SamplingRow(seq.sampling, seq.generator, seq.history, keep_state=seeded)]
-    for j in range(1, len(draft) + 1):
-        history = seq.history.with_outputs(draft[:j]) if seq.history is not None else None
+    history = seq.history
+    rows = [SamplingRow(seq.sampling, seq.generator, history, keep_state=seeded)]
+    for token in draft:  # each row's history is the previous row's plus that row's input
+        history = history.with_outputs([token]) if history is not None else None
         rows.append(SamplingRow(seq.sampling, seq.generator, history, keep_state=seeded))
     return rows
 
