@@ -30,6 +30,7 @@ from shardlm_server.worker.comm import (
 )
 from shardlm_server.worker.comm.gloo import format_address, parse_address
 from shardlm_server.worker.engine import Engine
+from shardlm_server.worker.engine_thread import EngineThread
 
 log = logging.getLogger("shardlm.worker")
 
@@ -89,6 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._advertise_host = advertise_host
         self._comm_port = comm_port
         self._lock = threading.Lock()
+        self._engine_thread = EngineThread()  # every step runs here (worker/engine_thread.py)
         self._engine: Engine | None = None
         self._comm: Communicator | None = None
         self._device = torch.device("cpu")
@@ -110,15 +112,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         Engine.check_parallel(request.model_path, request.world_size)
         _validate_comm(request)
         comm = self._comm
-        if comm is not None and self._lock.locked():
+        if comm is not None and (self._lock.locked() or self._engine_thread.busy):
             # The gateway loads only after giving up on every step in flight: a step still
             # running here waits in a collective for a peer that never got it (its request was
             # lost with the network), so end it now rather than at the communicator timeout.
             comm.abort("a new Load replaces this communicator")
         with self._lock:
             self._unload()
-            if device.type == "cuda":
+            if device.type == "cuda":  # the current device is per thread
                 torch.cuda.set_device(device)
+                self._engine_thread.submit(lambda: torch.cuda.set_device(device))
             self._device = device
             # world_size 1 runs without a communicator whatever the backend says.
             backend = BACKENDS.get(request.comm.backend, "single")
@@ -199,7 +202,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Prefill(self, request, context) -> worker_pb2.PrefillResponse:
         with self._lock:
             engine = self._loaded()
-            output = engine.prefill(convert.prefill_items(request), tuple(request.debug_taps))
+            items, taps = convert.prefill_items(request), tuple(request.debug_taps)
+            output = self._engine_thread.call(lambda: engine.prefill(items, taps))
             if engine.comm.rank != 0:
                 return worker_pb2.PrefillResponse()
             return worker_pb2.PrefillResponse(tokens=convert.tokens_to_proto(output),
@@ -209,30 +213,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Decode(self, request, context) -> Iterator[worker_pb2.DecodeResponse]:
         with self._lock:
             engine = self._loaded()
-            items = convert.decode_items(request)
-            steps = engine.decode(items, request.num_steps, tuple(request.debug_taps))
-            try:
-                for step, output in enumerate(steps):
-                    if engine.comm.rank != 0:
-                        yield worker_pb2.DecodeResponse(step=step)
-                    else:
-                        yield worker_pb2.DecodeResponse(
-                            step=step, tokens=convert.tokens_to_proto(output),
-                            taps=convert.taps_to_proto(output.taps),
-                            constraint_mask_seconds=output.mask_seconds,
-                            drafts=convert.drafts_to_proto(output))
-            finally:
-                # The caller may be gone; the other ranks still run these steps, so must we.
-                for _ in steps:
-                    pass
+            items, taps = convert.decode_items(request), tuple(request.debug_taps)
+            # The steps run on the engine thread to their end even if the caller goes away: the
+            # other ranks run them too, and the collectives must pair up.
+            steps = self._engine_thread.stream(
+                lambda: engine.decode(items, request.num_steps, taps))
+            for step, output in enumerate(steps):
+                if engine.comm.rank != 0:
+                    yield worker_pb2.DecodeResponse(step=step)
+                else:
+                    yield worker_pb2.DecodeResponse(
+                        step=step, tokens=convert.tokens_to_proto(output),
+                        taps=convert.taps_to_proto(output.taps),
+                        constraint_mask_seconds=output.mask_seconds,
+                        drafts=convert.drafts_to_proto(output))
 
     def ResetCache(self, request, context) -> worker_pb2.ResetCacheResponse:
         with self._lock:
             engine = self._loaded()
             if request.HasField("kv_cache"):
-                capacity = engine.reconfigure(convert.cache_config_from_proto(request.kv_cache))
+                config = convert.cache_config_from_proto(request.kv_cache)
+                capacity = self._engine_thread.call(lambda: engine.reconfigure(config))
             else:
-                engine.reset(None if request.all else list(request.sequence_ids))
+                ids = None if request.all else list(request.sequence_ids)
+                self._engine_thread.call(lambda: engine.reset(ids))
                 capacity = engine.capacity
             return worker_pb2.ResetCacheResponse(capacity=convert.capacity_to_proto(capacity))
 

@@ -74,36 +74,54 @@ class TokenStream:
         return [logprobs]
 
     async def chunks(self) -> AsyncIterator[ResponseChunk]:
-        """Chunks until the call finishes; raises the scheduler's error if the step failed."""
+        """Chunks until the call finishes; raises the scheduler's error if the step failed.
+
+        The tokens already waiting when the writer runs go out in one chunk (a step verifying
+        drafts yields several, and a writer that fell behind catches up): fewer, larger messages,
+        and no token waits for one that has not arrived."""
         while True:
+            chunk = ResponseChunk()
             event = await self.seq.events.get()
-            if isinstance(event, ErrorEvent):
-                raise event.error
-            if isinstance(event, FinishEvent):
+            while isinstance(event, TokenEvent):
+                if self._add(chunk, event):
+                    yield chunk
+                    return
+                if self.seq.events.empty():
+                    break
+                event = self.seq.events.get_nowait()
+            else:
+                if chunk.token_ids:  # the tokens before the end go out first
+                    yield chunk
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                assert isinstance(event, FinishEvent)
                 yield ResponseChunk(text=self.stops.flush(), finish_reason=event.finish_reason,
-                            usage=self._final_usage(), timings=self.timings())
+                                    usage=self._final_usage(), timings=self.timings())
                 return
-            assert isinstance(event, TokenEvent)
-            self._timestamp()
-            chunk = ResponseChunk([event.token_id], logprobs=self._text_logprobs(event.logprobs))
-            text, stopped = self.stops.push(self.detok.push(event.token_id))
-            chunk.text = text
-            finish = event.finish_reason
-            if stopped:
-                finish = common_pb2.FINISH_REASON_STOP_SEQUENCE
-            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
-                if not stopped:
-                    tail, stopped_late = self.stops.push(self.detok.flush())
-                    chunk.text += tail + ("" if stopped_late else self.stops.flush())
-                    if stopped_late or self.stops.stopped:
-                        finish = common_pb2.FINISH_REASON_STOP_SEQUENCE
-                chunk.finish_reason = finish
-                self.text_parts.append(chunk.text)
-                chunk.usage, chunk.timings = self._final_usage(), self.timings()
-                yield chunk
-                return
-            self.text_parts.append(chunk.text)
             yield chunk
+
+    def _add(self, chunk: ResponseChunk, event: TokenEvent) -> bool:
+        """Add a token and its text to `chunk`; True when it ends the stream (the chunk then
+        carries the finish reason, usage and timings)."""
+        self._timestamp()
+        chunk.token_ids.append(event.token_id)
+        chunk.logprobs += self._text_logprobs(event.logprobs)
+        text, stopped = self.stops.push(self.detok.push(event.token_id))
+        finish = event.finish_reason
+        if stopped:
+            finish = common_pb2.FINISH_REASON_STOP_SEQUENCE
+        if finish != common_pb2.FINISH_REASON_UNSPECIFIED and not stopped:
+            tail, stopped_late = self.stops.push(self.detok.flush())
+            text += tail + ("" if stopped_late else self.stops.flush())
+            if stopped_late or self.stops.stopped:
+                finish = common_pb2.FINISH_REASON_STOP_SEQUENCE
+        chunk.text += text
+        self.text_parts.append(text)
+        if finish == common_pb2.FINISH_REASON_UNSPECIFIED:
+            return False
+        chunk.finish_reason = finish
+        chunk.usage, chunk.timings = self._final_usage(), self.timings()
+        return True
 
     @property
     def count(self) -> int:

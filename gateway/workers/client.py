@@ -213,6 +213,17 @@ class WorkerPool:
         """Rank 0's step messages as they arrive; the other ranks are drained alongside, and a
         failure of any rank ends the stream at once."""
         calls = [stub.Decode(request, timeout=self.timeout) for stub in self.stubs]
+        if len(calls) == 1:
+            # One rank: its messages are read directly. The pump, queue and wait below cost a
+            # few tasks and futures per step, which a one-token step on a CPU host cannot spare.
+            try:
+                async for message in calls[0]:
+                    yield message
+            except grpc.aio.AioRpcError as exc:
+                raise worker_error(exc, 0) from None
+            finally:
+                calls[0].cancel()
+            return
         messages: asyncio.Queue = asyncio.Queue()
         end = object()
 

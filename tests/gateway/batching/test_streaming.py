@@ -55,3 +55,57 @@ def test_a_stop_sequence_ends_the_stream_and_leaves_the_sequence_as_it_was(chara
     assert stream.text == " hi" and chunks[-1].finish_reason == STOP
     assert stream.count == 4  # " hi." : the count of tokens the client was sent
     assert seq.tokens == history and not seq.cancelled and seq.keep_generated is None
+
+
+def _stream(characters, seq) -> TokenStream:
+    return TokenStream(characters, seq, stop_sequences=[], usage=common_pb2.Usage(),
+                       metrics=Metrics(), started_at=0.0)
+
+
+def test_tokens_waiting_together_go_out_in_one_chunk_and_later_ones_in_their_own(characters):
+    async def main():
+        reply = characters.encode("abcde", add_special_tokens=False)
+        seq = SequenceState(1, characters.encode("x", add_special_tokens=False),
+                            common_pb2.SamplingParams())
+        seq.start_call(CallLimits(50, 100), prefill_only=False)
+        stream = _stream(characters, seq)
+        for token in reply[:3]:  # a step that verified drafts: three tokens at once
+            seq.events.put_nowait(TokenEvent(token))
+        chunks = stream.chunks()
+        first = await anext(chunks)
+        seq.events.put_nowait(TokenEvent(reply[3]))
+        second = await anext(chunks)
+        seq.events.put_nowait(TokenEvent(reply[4], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+        seq.events.put_nowait(TokenEvent(reply[0]))  # after the end: never read
+        last = await anext(chunks)
+        return reply, first, second, last, [c async for c in chunks]
+
+    reply, first, second, last, rest = asyncio.run(main())
+    assert (first.token_ids, first.text) == (reply[:3], "abc")
+    assert (second.token_ids, second.text) == (reply[3:4], "d")
+    assert (last.token_ids, last.text) == (reply[4:], "e")
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.generated_tokens == 5 and rest == []
+
+
+def test_tokens_before_an_error_are_sent_before_it_is_raised(characters):
+    from shardlm.errors import UnavailableError
+
+    from shardlm_server.gateway.batching.sequence import ErrorEvent
+
+    async def main():
+        reply = characters.encode("ab", add_special_tokens=False)
+        seq = SequenceState(1, characters.encode("x", add_special_tokens=False),
+                            common_pb2.SamplingParams())
+        seq.start_call(CallLimits(50, 100), prefill_only=False)
+        for token in reply:
+            seq.events.put_nowait(TokenEvent(token))
+        seq.events.put_nowait(ErrorEvent(UnavailableError("worker lost", reason="WORKER_LOST")))
+        got = []
+        with pytest.raises(UnavailableError):
+            async for chunk in _stream(characters, seq).chunks():
+                got.append(chunk)
+        return reply, got
+
+    reply, got = asyncio.run(main())
+    assert [c.token_ids for c in got] == [reply]

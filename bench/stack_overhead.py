@@ -1,0 +1,232 @@
+"""The stack's overhead: `shardlm serve` (gateway, gRPC, worker process) against the engine in
+process, on the same file, prompts and lengths, in alternated rounds.
+
+    python -m bench.stack_overhead                    # the default model, 1 and 32 streams
+    python -m bench.stack_overhead --model FILE.gguf --rounds 5 --streams 1,32 --json out.json
+
+Each round runs, for every stream count N, both sides back to back (the order flipped every
+round): the engine in a child process (`Engine.prefill` of N token-id prompts, then one decode
+call until every sequence has its tokens, as `bench.engine_bench` times it) and the full stack (N
+concurrent streaming Generate clients over gRPC, `bench.stack_bench`'s client). Both figures are
+total tokens/s: every generated token over the wall time from the first prompt to the last token,
+so both include the prefill. Speculation is off on both sides (bench.speculation measures it).
+
+The engine lives in its own process, idle (blocked on a pipe) while the stack runs, so neither
+side's threads spin beside the other's. While the stack runs, the CPU time of the gateway and of
+the worker process is read from /proc and printed per generated token: on a CPU host every
+millisecond the gateway spends per token is taken from the compute threads' cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.serve_process import REPO, Server, _children
+from bench.stack_bench import run_round, summarize
+
+PROMPT_TOKENS = 32
+VOCAB_FLOOR = 3  # prompt ids start here (past the usual special tokens)
+
+
+def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(VOCAB_FLOOR, vocab, (count, PROMPT_TOKENS), generator=gen).tolist()
+
+
+# ----------------------------------------------------------------------------- the engine side
+def engine_host(model: Path, dtype: str, max_batch: int, new_tokens: int) -> None:
+    """The child process: loads the engine, then answers each line "N" on stdin with one timed
+    run at batch N (a JSON line on stdout) until stdin closes."""
+    import torch
+
+    from bench.engine_bench import load_engine, timed
+    from shardlm_server.worker.engine_types import DecodeItem, PrefillItem, StopParams
+
+    device = torch.device("cpu")
+    engine = load_engine(model, getattr(torch, dtype), device, max_batch,
+                         PROMPT_TOKENS + new_tokens + 1, max_batch * PROMPT_TOKENS)
+    rows = prompts(max_batch, engine.cfg.vocab_size)
+    per_seq = -(-(PROMPT_TOKENS + new_tokens + 2) // engine.cache.block_size)
+    stop = StopParams(max_new_tokens=new_tokens)
+
+    def run(batch: int) -> None:
+        engine.reset()
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        engine.prefill([PrefillItem(i, rows[i], 0, tables[i], stop=stop) for i in range(batch)])
+        items = [DecodeItem(i, tables[i], new_tokens - 1) for i in range(batch)]
+        for _ in engine.decode(items, new_tokens - 1):
+            pass
+
+    run(1)  # warm-up
+    print(json.dumps({"ready": True, "vocab": engine.cfg.vocab_size}), flush=True)
+    for line in sys.stdin:
+        batch = int(line)
+        seconds = timed(lambda b=batch: run(b), device)
+        print(json.dumps({"tokens_per_s": batch * new_tokens / seconds}), flush=True)
+
+
+class EngineProcess:
+    """The engine host in a child process."""
+
+    def __init__(self, model: Path, dtype: str, max_batch: int, new_tokens: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.stack_overhead", "--engine-host", "--model", str(model),
+             "--dtype", dtype, "--max-batch", str(max_batch), "--new-tokens", str(new_tokens)],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.new_tokens = new_tokens
+        self.vocab = int(self._reply()["vocab"])
+
+    def _reply(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine host exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, batch: int) -> dict:
+        """One timed run at `batch`: its tokens/s and the process's CPU ms per token."""
+        assert self.proc.stdin is not None
+        before = cpu_seconds(self.proc.pid)
+        self.proc.stdin.write(f"{batch}\n")
+        self.proc.stdin.flush()
+        rate = float(self._reply()["tokens_per_s"])
+        seconds = cpu_seconds(self.proc.pid) - before
+        tokens = batch * self.new_tokens
+        return {"tokens_per_s": rate, "cpu_ms_per_token": 1000 * seconds / tokens}
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+# ----------------------------------------------------------------------------- the stack side
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a process (all its threads, live ones)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stack_round(server: Server, batch: list[list[int]], new_tokens: int) -> dict:
+    workers = _children(server.pid)
+    before = [cpu_seconds(server.pid), sum(cpu_seconds(w) for w in workers)]
+    row = summarize(len(batch), run_round(server.address, batch, new_tokens))
+    after = [cpu_seconds(server.pid), sum(cpu_seconds(w) for w in workers)]
+    per_token = [1000 * (a - b) / row["tokens"] for a, b in zip(after, before, strict=True)]
+    return {"tokens_per_s": row["tokens_per_s"], "ttft_p50_ms": row["ttft_p50_ms"],
+            "gateway_cpu_ms_per_token": per_token[0], "worker_cpu_ms_per_token": per_token[1]}
+
+
+# ----------------------------------------------------------------------------- the report
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure(engine: EngineProcess, server: Server, stream_counts: list[int], rounds: int,
+            new_tokens: int) -> list[dict]:
+    batch = prompts(max(stream_counts), engine.vocab)
+    runs: dict[int, dict[str, list]] = {n: {"engine": [], "stack": []} for n in stream_counts}
+    for r in range(rounds):
+        for n in stream_counts:
+            order = ("engine", "stack") if r % 2 == 0 else ("stack", "engine")
+            for side in order:
+                if side == "engine":
+                    runs[n]["engine"].append(engine.run(n))
+                else:
+                    runs[n]["stack"].append(stack_round(server, batch[:n], new_tokens))
+            print(f"round {r + 1}: {n:>3} streams  engine {runs[n]['engine'][-1]['tokens_per_s']:7.1f}  "
+                  f"stack {runs[n]['stack'][-1]['tokens_per_s']:7.1f} tok/s", flush=True)
+    rows = []
+    for n in stream_counts:
+        eng, stack = runs[n]["engine"], runs[n]["stack"]
+        rows.append({
+            "streams": n, "engine": spread([e["tokens_per_s"] for e in eng]),
+            "stack": spread([s["tokens_per_s"] for s in stack]),
+            "ratio": spread([s["tokens_per_s"] / e["tokens_per_s"]
+                             for s, e in zip(stack, eng, strict=True)]),
+            "engine_cpu_ms_per_token": statistics.median(e["cpu_ms_per_token"] for e in eng),
+            "ttft_p50_ms": statistics.median(s["ttft_p50_ms"] for s in stack),
+            "gateway_cpu_ms_per_token": statistics.median(
+                s["gateway_cpu_ms_per_token"] for s in stack),
+            "worker_cpu_ms_per_token": statistics.median(
+                s["worker_cpu_ms_per_token"] for s in stack)})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    def rate(s: dict) -> str:
+        return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
+    lines = ["| streams | engine in process, tok/s | full stack, tok/s | stack / engine | "
+             "TTFT p50, ms | CPU ms/token: engine | gateway | worker |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ratio = row["ratio"]
+        lines.append(
+            f"| {row['streams']} | {rate(row['engine'])} | {rate(row['stack'])} | "
+            f"**{ratio['median']:.0%}** [{ratio['min']:.0%}-{ratio['max']:.0%}] | "
+            f"{row['ttft_p50_ms']:.0f} | {row['engine_cpu_ms_per_token']:.2f} | "
+            f"{row['gateway_cpu_ms_per_token']:.2f} | "
+            f"{row['worker_cpu_ms_per_token']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(prog="python -m bench.stack_overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="GGUF file or folder (default: the default model)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--streams", default="1,32", help="stream counts (engine batch sizes)")
+    p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per stream")
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--engine-host", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--max-batch", type=int, default=32, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from shardlm_server.gateway.serve.default_model import default_model_path
+        args.model = default_model_path()
+    if args.engine_host:
+        engine_host(args.model, args.dtype, args.max_batch, args.new_tokens)
+        return None
+    stream_counts = [int(s) for s in args.streams.split(",") if s]
+    report: dict = {"benchmark": "bench.stack_overhead",
+                    "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                    "model": str(args.model), "dtype": args.dtype,
+                    "machine": platform.machine(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(),
+                    "config": {"streams": stream_counts, "rounds": args.rounds,
+                               "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_TOKENS}}
+    most = max(stream_counts)
+    # A KV cache with room for every stream's prompt and tokens, twice over.
+    kv_mb = max(256, most * (PROMPT_TOKENS + args.new_tokens) * 2 * 96 // 1024)
+    engine = EngineProcess(args.model, args.dtype, most, args.new_tokens)
+    try:
+        with Server(args.model, dtype=args.dtype, kv_cache_mb=kv_mb, start_timeout_s=600.0,
+                    extra=("--speculation", "off")) as server:
+            warm = prompts(most, engine.vocab)
+            for _ in range(2):  # the first requests after a load run slower
+                run_round(server.address, warm[:1], 64)
+            run_round(server.address, warm, 8)
+            report["rows"] = measure(engine, server, stream_counts, args.rounds, args.new_tokens)
+    finally:
+        engine.close()
+    print(format_rows(report["rows"]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
