@@ -47,11 +47,11 @@ class LlamaServer(ServerProcess):
     `threads` threads for decode and for prompts."""
 
     def __init__(self, exe: Path, gguf: Path, *, slots: int, slot_tokens: int, threads: int,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         super().__init__([str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port",
                           str(self.port), "-t", str(threads), "-tb", str(threads), "-np",
-                          str(slots), "-c", str(slots * slot_tokens), "-b", "512"])
+                          str(slots), "-c", str(slots * slot_tokens), "-b", "512", *extra])
         self.wait_until(self._healthy, start_timeout_s, "llama-server")
 
     @property
@@ -68,12 +68,12 @@ class LlamaServer(ServerProcess):
 
 
 def stream(address: str, prompt: list[int], max_new_tokens: int,
-           barrier: threading.Barrier | None) -> dict:
+           barrier: threading.Barrier | None, *, ignore_eos: bool = True) -> dict:
     """One streaming completion: {"start", "arrivals": [(time, tokens)], "server": {}}, the shape
-    bench.stack_bench.summarize reads."""
+    bench.stack_bench.summarize reads (plus "text", what it generated)."""
     host, port = address.rsplit(":", 1)
     body = json.dumps({"prompt": prompt, "n_predict": max_new_tokens, "stream": True,
-                       "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+                       "ignore_eos": ignore_eos, "temperature": 0.0, "top_k": 1,
                        "cache_prompt": False, "return_tokens": True})
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     try:
@@ -88,6 +88,7 @@ def stream(address: str, prompt: list[int], max_new_tokens: int,
             raise RuntimeError(f"llama-server answered {reply.status}: {reply.read()[:300]!r}")
         arrivals: list[tuple[float, int]] = []
         server: dict = {}
+        text: list[str] = []
         for raw in reply:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -95,6 +96,7 @@ def stream(address: str, prompt: list[int], max_new_tokens: int,
             now = time.perf_counter()
             event = json.loads(line[5:])
             count = len(event.get("tokens") or [])
+            text.append(event.get("content") or "")
             if count:
                 arrivals.append((now, count))
             if event.get("stop"):
@@ -104,6 +106,6 @@ def stream(address: str, prompt: list[int], max_new_tokens: int,
                           "mean_inter_token_s": timings.get("predicted_per_token_ms",
                                                             float("nan")) / 1000}
                 break
-        return {"start": start, "arrivals": arrivals, "server": server}
+        return {"start": start, "arrivals": arrivals, "server": server, "text": "".join(text)}
     finally:
         conn.close()
