@@ -168,6 +168,9 @@ class ServeConfig:
                               minimum=1)
     prefix_cache: bool = setting(
         True, "reuse the KV cache of prompt beginnings across requests and sessions", "kv cache")
+    kv_events: bool = setting(
+        True, "publish the prefix cache's changes to routers (SMG's SubscribeKvEvents) so they "
+        "route by cache; off: that call answers UNIMPLEMENTED and routers guess", "kv cache")
     prefix_cache_scope: str = setting(
         PREFIX_CACHE_SCOPE_IDENTITY, "with --auth-tokens, who shares cached prefixes: each "
         "identity its own, or everyone (global: a cache hit then reveals by its timing that someone sent the prompt)",
@@ -248,7 +251,8 @@ class ServeConfig:
             step_timeout_s=self.step_timeout,
             constraint_compile_timeout_s=self.constraint_compile_timeout,
             max_constraint_bytes=self.max_constraint_bytes,
-            prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope)
+            prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope,
+            kv_events=self.kv_events)
 
     def kv_cache(self) -> common_pb2.KvCacheConfig:
         dtype = (common_pb2.DTYPE_UNSPECIFIED if self.kv_cache_dtype == "auto"
@@ -311,6 +315,7 @@ class Limits:
     max_constraint_bytes: int = default("max_constraint_bytes")
     prefix_cache: bool = default("prefix_cache")
     prefix_cache_scope: str = default("prefix_cache_scope")
+    kv_events: bool = default("kv_events")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from shardlm_server.gateway.batching.sessions import SessionStore
 from shardlm_server.gateway.config import Limits, LoadOptions
 from shardlm_server.gateway.constraints.compiler import ConstraintCompiler
 from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.events import KvEventLog
 from shardlm_server.gateway.kv.manager import KvManager
 from shardlm_server.gateway.metrics import Metrics
 from shardlm_server.gateway.text.tokenizer import Tokenizer, TokenizerError
@@ -93,6 +94,9 @@ class Runtime:
         self._serving = False
         self.last_load: tuple | None = None  # what to reload after a worker restart
         self._load_lock = asyncio.Lock()
+        # One log for the process: its sequence numbers go on across loads and restarts of
+        # the workers (each starts with a clear).
+        self.kv_events = KvEventLog(enabled=limits.kv_events)
         self.on_failure: Callable[[ShardLMError], None] = lambda _e: None
 
     def _pool_for(self, group: WorkerGroup) -> WorkerPool:
@@ -204,7 +208,8 @@ class Runtime:
                sessions: SessionStore | None = None) -> LoadedModel:
         capacity = complete.capacity
         kv = KvManager.for_capacity(capacity, complete.model, self.metrics,
-                                    prefix_cache=self.limits.prefix_cache)
+                                    prefix_cache=self.limits.prefix_cache,
+                                    events=self.kv_events)
         sessions = sessions or SessionStore(self.limits.session_idle_timeout_s,
                                             self.limits.max_sessions)
         max_running = self.limits.max_running

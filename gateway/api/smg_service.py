@@ -15,8 +15,10 @@ limits, errors and metrics are the same as for ShardLM's own clients. What Shard
 with INVALID_ARGUMENT. Every constraint kind SMG sends (JSON schema, JSON object, regex,
 grammar, choice, structural tag: what response_format, its extra-body fields and forced tool
 calls become) maps onto ShardLM's own Constraint, one to one, from the first generated token
-(ShardLM runs no reasoning parser, so `grammar_from_first_token` is what it always does); FlushCache empties the prefix cache; Embed, profiling
-and KV events are left UNIMPLEMENTED (SMG then polls GetLoads).
+(ShardLM runs no reasoning parser, so `grammar_from_first_token` is what it always does);
+FlushCache empties the prefix cache; SubscribeKvEvents streams the prefix cache's changes
+(gateway/kv/events.py) so the router's cache-aware policy routes on what each replica holds;
+Embed and profiling are left UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as engine_pb2_grpc
 
 from shardlm_server.gateway import __version__
 from shardlm_server.gateway.api.auth import require_admin
-from shardlm_server.gateway.api.load_report import load_report
+from shardlm_server.gateway.api.load_report import engine_load, scheduler_load
 from shardlm_server.gateway.api.runtime import LoadedModel
 from shardlm_server.gateway.api.servicer import GatewayServicer
 
@@ -182,15 +184,12 @@ class _Unimplemented:
     async def StopProfile(self, request, context):
         await _unimplemented(context, "profiling")
 
-    async def SubscribeKvEvents(self, request, context):
-        await _unimplemented(context, "KV events (poll GetLoads)")
-        yield  # an async generator, as a server-streaming handler must be
-
 
 class SmgEngineServicer(_Unimplemented, engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, api: GatewayServicer) -> None:
         self.api = api
         self.rt = api.rt
+        self.rt.kv_events.load = lambda: engine_load(self.rt)
         self.started = time.time()
         self.last_request = 0.0
         self._aborts: dict[str, asyncio.Event] = {}
@@ -288,18 +287,20 @@ class SmgEngineServicer(_Unimplemented, engine_pb2_grpc.VllmEngineServicer):
             raise InvalidArgumentError("ShardLM runs one data-parallel rank (0)",
                                        reason="INVALID_FIELD",
                                        field_violations=[FieldViolation("dp_rank", "must be 0")])
-        report = load_report(self.rt)
-        block = report.block_size
-        used, total = report.kv_blocks_used * block, report.kv_blocks_total * block
-        load = engine_pb2.SchedulerLoad(
-            dp_rank=0, num_running_reqs=report.running_sequences,
-            num_waiting_reqs=report.waiting_sequences,
-            num_total_reqs=report.running_sequences + report.waiting_sequences,
-            num_used_tokens=used, max_total_num_tokens=total,
-            token_usage=used / total if total else 0.0,
-            max_running_requests=self.rt.limits.max_running)
         return engine_pb2.GetLoadsResponse(timestamp=datetime.now(UTC).isoformat(),
-                                           version=__version__, dp_rank_count=1, loads=[load])
+                                           version=__version__, dp_rank_count=1,
+                                           loads=[scheduler_load(self.rt)])
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[smg_common_pb2.KvEventBatch]:
+        """The prefix cache's changes (gateway/kv/events.py) from `start_sequence_number` on:
+        what the router's cache-aware policy indexes. UNIMPLEMENTED with --no-kv-events, so the
+        router falls back to its own approximate tree."""
+        log = self.rt.kv_events
+        if not log.enabled:
+            await _unimplemented(context, "KV events (serve --no-kv-events; poll GetLoads)")
+            return
+        async for batch in log.subscribe(request.start_sequence_number):
+            yield batch
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[smg_common_pb2.GetTokenizerChunk]:
         model = self.rt.require()

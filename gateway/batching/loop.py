@@ -29,6 +29,7 @@ from shardlm.errors import ResourceExhaustedError, ShardLMError
 from shardlm.worker.v1 import worker_pb2
 
 from shardlm_server.gateway.batching.finish import UNFINISHED
+from shardlm_server.gateway.batching.load_stats import LoadStats
 from shardlm_server.gateway.batching.sequence import (
     ErrorEvent,
     FinishEvent,
@@ -84,6 +85,7 @@ class BatchLoop:
         self._next_expiry_check = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.stats = LoadStats()
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -115,6 +117,7 @@ class BatchLoop:
                 self.on_worker_failure(exc)
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one iteration
                 log.exception("scheduler iteration failed")
+            self.kv.flush_events()
             self._update_gauges()
             if self._waiting or self._running:
                 self._wake.set()
@@ -225,6 +228,7 @@ class BatchLoop:
             if seq.admitted_at is None:  # the call's first prefill: what its prompt reuses
                 seq.cached_prompt_tokens = seq.computed
                 self.metrics.cached_prompt_tokens.inc(seq.computed)
+                self.stats.admitted(len(seq.tokens), seq.computed)
             final = len(chunk) == len(seq.uncomputed)
             batch.append(PrefillChunk(seq, seq.computed, chunk, final, seq.prefix_ids))
             budget -= len(chunk)
@@ -319,6 +323,7 @@ class BatchLoop:
                 steps += 1
                 self._observe_masks(step.constraint_mask_seconds)
                 self._count_drafts(step.drafts, by_id)
+                self.stats.generated(len(step.tokens))
                 for token in step.tokens:
                     seq = by_id[token.sequence_id]
                     seq.stepped(token.token_id)
@@ -365,6 +370,16 @@ class BatchLoop:
             seq.phase = Phase.DONE if seq.ephemeral else Phase.IDLE
             if seq in self._running:
                 self._running.remove(seq)
+
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens of the waiting sequences that neither their own blocks nor the prefix
+        cache hold: the prefill work queued."""
+        total = 0
+        for seq in self._waiting:
+            held = seq.computed if self.kv.allocator.holds(seq.seq_id) else self.kv.cached_prefix(
+                seq.tokens, seq.prefix_salt)
+            total += max(0, len(seq.tokens) - held)
+        return total
 
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self._waiting))

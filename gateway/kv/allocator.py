@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardlm_server.gateway.config import default
+from shardlm_server.gateway.kv.events import KvEventLog
 
 
 class OutOfBlocks(Exception):
@@ -53,7 +54,8 @@ class BlockTable:
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, *, static_slot_blocks: int = 0,
                  prefix_cache: bool = default("prefix_cache"),
-                 on_evict: Callable[[], None] = lambda: None) -> None:
+                 on_evict: Callable[[], None] = lambda: None,
+                 events: KvEventLog | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -61,6 +63,7 @@ class BlockAllocator:
         self.static_slot_blocks = static_slot_blocks
         self.prefix_cache = prefix_cache and not static_slot_blocks
         self._on_evict = on_evict
+        self._events = events if self.prefix_cache else None  # what the routers are told
         self.reset()
 
     def reset(self) -> None:
@@ -76,6 +79,8 @@ class BlockAllocator:
         self._by_key: dict[bytes, int] = {}  # published blocks
         self._key_of: dict[int, bytes] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # published, held by none; LRU first
+        if self._events is not None:
+            self._events.cleared()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -184,6 +189,23 @@ class BlockAllocator:
         if not self.prefix_cache or sequence_id in self._tables:
             return 0
         table = BlockTable([])
+        for block, key in self._cached_run(tokens, salt):
+            self._idle.pop(block, None)
+            self._refs[block] += 1
+            table.blocks.append(block)
+            table.keys.append(key)
+        if table.blocks:
+            self._tables[sequence_id] = table
+        return len(table.blocks) * self.block_size
+
+    def cached_prefix(self, tokens: list[int], salt: bytes) -> int:
+        """How many tokens attach_prefix would find cached now, holding nothing."""
+        return len(self._cached_run(tokens, salt)) * self.block_size
+
+    def _cached_run(self, tokens: list[int], salt: bytes) -> list[tuple[int, bytes]]:
+        """(block, key) of the cached blocks holding a beginning of `tokens`, its last token
+        excluded."""
+        run = []
         key = _root_key(salt)
         bs = self.block_size
         for i in range((len(tokens) - 1) // bs):
@@ -191,13 +213,8 @@ class BlockAllocator:
             block = self._by_key.get(key)
             if block is None:
                 break
-            self._idle.pop(block, None)
-            self._refs[block] += 1
-            table.blocks.append(block)
-            table.keys.append(key)
-        if table.blocks:
-            self._tables[sequence_id] = table
-        return len(table.blocks) * bs
+            run.append((block, key))
+        return run
 
     def publish(self, sequence_id: int, tokens: list[int], cached: int, salt: bytes) -> None:
         """Offer the full blocks among the sequence's first `cached` tokens (computed, never
@@ -211,12 +228,15 @@ class BlockAllocator:
             return
         key = table.keys[-1] if table.keys else _root_key(salt)
         for i in range(len(table.keys), full):
+            parent = key if i else None
             key = _chain_key(key, tokens[i * bs:(i + 1) * bs])
             table.keys.append(key)
             block = table.blocks[i]
             if key not in self._by_key and block not in self._key_of:
                 self._by_key[key] = block
                 self._key_of[block] = key
+                if self._events is not None:
+                    self._events.stored(salt, key, parent, tokens[i * bs:(i + 1) * bs], i)
             # else another sequence published the same tokens first: this copy stays private
 
     def rewind(self, sequence_id: int, position: int) -> int:
@@ -244,6 +264,8 @@ class BlockAllocator:
         self._idle.clear()
         self._by_key.clear()
         self._key_of.clear()
+        if self._events is not None:
+            self._events.cleared()
 
     # ----------------------------------------------------------------- internals
     def _take(self) -> int:
@@ -251,8 +273,11 @@ class BlockAllocator:
         if self._free:
             return self._free.pop()
         block, _ = self._idle.popitem(last=False)
-        del self._by_key[self._key_of.pop(block)]
+        key = self._key_of.pop(block)
+        del self._by_key[key]
         self._on_evict()
+        if self._events is not None:
+            self._events.removed(key)
         return block
 
     def _release(self, block: int) -> None:

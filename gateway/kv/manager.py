@@ -30,6 +30,7 @@ from shardlm.common.v1 import common_pb2
 
 from shardlm_server.gateway.config import PREFIX_CACHE_SCOPE_GLOBAL, default
 from shardlm_server.gateway.kv.allocator import BlockAllocator
+from shardlm_server.gateway.kv.events import KvEventLog
 from shardlm_server.gateway.metrics import Metrics
 
 
@@ -46,24 +47,33 @@ def model_namespace(model: common_pb2.ModelInfo) -> str:
 
 
 class KvManager:
-    def __init__(self, allocator: BlockAllocator, metrics: Metrics, *, namespace: str) -> None:
+    def __init__(self, allocator: BlockAllocator, metrics: Metrics, *, namespace: str,
+                 events: KvEventLog | None = None) -> None:
         self.allocator = allocator
         self.metrics = metrics
         self.namespace = namespace
+        self.events = events
         self._resets: list[int] = []
 
     @classmethod
     def for_capacity(cls, capacity: common_pb2.KvCacheCapacity, model: common_pb2.ModelInfo,
                      metrics: Metrics, *,
-                     prefix_cache: bool = default("prefix_cache")) -> KvManager:
+                     prefix_cache: bool = default("prefix_cache"),
+                     events: KvEventLog | None = None) -> KvManager:
         """The manager of the cache the workers reported (Load, ResetCache): paged, or in
-        static mode cut into one fixed run of blocks per sequence slot."""
+        static mode cut into one fixed run of blocks per sequence slot. `events` is told what
+        blocks are shared under the salt of requests without identity or salt of their own."""
         static = capacity.mode == common_pb2.KV_CACHE_MODE_STATIC
         slot_blocks = capacity.num_blocks // max(capacity.max_sequences, 1) if static else 0
+        namespace = model_namespace(model)
+        if events is not None:
+            events.block_size = capacity.block_size
+            # What a request without identity (a router's, auth off) or salt gets, any scope.
+            events.routable_salt = prefix_salt(namespace, "", "")
         allocator = BlockAllocator(capacity.num_blocks, capacity.block_size,
                                    static_slot_blocks=slot_blocks, prefix_cache=prefix_cache,
-                                   on_evict=metrics.prefix_cache_evictions.inc)
-        return cls(allocator, metrics, namespace=model_namespace(model))
+                                   on_evict=metrics.prefix_cache_evictions.inc, events=events)
+        return cls(allocator, metrics, namespace=namespace, events=events)
 
     # ----------------------------------------------------------------- the salt policy
     def salt_for(self, identity: str, salt: str, *, scope: str, bypass: bool) -> bytes | None:
@@ -162,6 +172,19 @@ class KvManager:
     def clear_prefix_cache(self) -> None:
         """No cached prefix is reused from now on; blocks sequences hold stay theirs."""
         self.allocator.clear_prefix_cache()
+        self.flush_events()
+
+    def cached_prefix(self, tokens: list[int], salt: bytes | None) -> int:
+        """Tokens at the start of `tokens` a new sequence would find cached (a lookup only)."""
+        if salt is None or not self.allocator.prefix_cache:
+            return 0
+        return self.allocator.cached_prefix(tokens, salt)
+
+    def flush_events(self) -> None:
+        """Send the prefix cache's changes since the last flush to the routers, as one batch
+        (the batch loop calls this after each iteration)."""
+        if self.events is not None:
+            self.events.flush()
 
     # ----------------------------------------------------------------- the workers
     def take_resets(self) -> list[int]:
@@ -174,6 +197,7 @@ class KvManager:
         free and nothing is cached, and there is nothing left to reset."""
         self.allocator.reset()
         self._resets.clear()
+        self.flush_events()
 
     def update_gauges(self) -> None:
         a = self.allocator

@@ -229,3 +229,53 @@ def test_load_report_in_both_apis(gateway, engine):
     with pytest.raises(grpc.RpcError) as caught:
         engine.GetLoads(engine_pb2.GetLoadsRequest(dp_rank=1))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _next_batches(engine, start: int, count: int) -> list:
+    stream = engine.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest(
+        start_sequence_number=start))
+    got = []
+    try:
+        for batch in stream:
+            if batch.events:  # load-only heartbeats carry none
+                got.append(batch)
+            if len(got) == count:
+                return got
+    finally:
+        stream.cancel()
+    return got
+
+
+def test_kv_events_report_stored_blocks_a_resume_and_a_clear(gateway, engine):
+    engine.FlushCache(smg_common_pb2.FlushCacheRequest())
+    (opening,) = _next_batches(engine, 0, 1)
+    assert opening.HasField("snapshot") and opening.events[0].WhichOneof("data") == "cleared"
+    ids = prompt_ids(gateway, "Friends, Romans, countrymen, lend me your ears; " * 3)
+    generate(engine, ids, stream=False, temperature=0, max_tokens=2)
+    block = gateway.runtime.model.allocator.block_size
+    batches = _next_batches(engine, opening.sequence_number, 1)
+    assert batches[0].sequence_number == opening.sequence_number + 1
+    stored = [b for e in batches[0].events if e.WhichOneof("data") == "stored"
+              for b in e.stored.blocks]
+    assert stored and all(b.block_size == block for b in stored)
+    assert list(stored[0].token_ids) == ids[:block]  # what a router hashes to find it
+    assert batches[0].load.max_total_num_tokens > 0
+    # A subscriber that lost its stream resumes where it stopped: the same batch again.
+    again = _next_batches(engine, opening.sequence_number, 1)
+    assert again[0].SerializeToString() == batches[0].SerializeToString()
+    engine.FlushCache(smg_common_pb2.FlushCacheRequest())
+    cleared = _next_batches(engine, batches[0].sequence_number, 1)[0]
+    assert [e.WhichOneof("data") for e in cleared.events] == ["cleared"]
+    with pytest.raises(grpc.RpcError) as caught:
+        _next_batches(engine, 5, 1)  # not a number this gateway ever sent
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+
+
+def test_get_loads_reports_throughput_hit_rate_and_queued_work(gateway, engine):
+    ids = prompt_ids(gateway, "Once more unto the breach, dear friends, once more; " * 3)
+    generate(engine, ids, stream=False, temperature=0, max_tokens=8)
+    generate(engine, ids, stream=False, temperature=0, max_tokens=8)
+    load = engine.GetLoads(engine_pb2.GetLoadsRequest()).loads[0]
+    assert load.gen_throughput > 0 and 0 < load.cache_hit_rate < 1
+    assert load.max_running_requests == gateway.runtime.limits.max_running
+    assert load.num_waiting_reqs == 0 and load.num_waiting_uncached_tokens == 0
