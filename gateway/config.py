@@ -132,6 +132,12 @@ class ServeConfig:
         minimum=0, maximum=MAX_PORT)
     drain_grace: float = setting(
         30.0, "seconds in-flight calls get to finish at shutdown", "server", minimum=0)
+    drain_announce: float = setting(
+        5.0, "at shutdown, the most seconds the gateway reports draining (health NOT_SERVING, "
+        "SMG HealthCheck unhealthy, its cached prefixes withdrawn from routers) while it still "
+        "takes new calls, so routers and load balancers stop sending before any is refused; "
+        "ends early once no call has arrived for a second; 0: refuse new calls at once",
+        "server", minimum=0)
     auth_tokens: str | None = setting(
         None, "file of 'TOKEN NAME [admin]' lines: require bearer auth", "server")
     # ---------------------------------------------------------------- openai

@@ -86,7 +86,11 @@ class Runtime:
         self.health = health
         self.model: LoadedModel | None = None
         self.pool = self._pool_for(group)
+        # Shutdown: `stopping` from the moment it is announced (health says so, routers are
+        # told), `draining` from when new calls are refused (gateway/api/server.py: drain).
+        self.stopping = False
         self.draining = False
+        self.refused_while_draining = 0
         self.recovering = False
         # Parts served beside the API that are down, and why (`serve --openai-port`'s SMG
         # router): the server's overall health ("") is NOT_SERVING while any is.
@@ -106,6 +110,7 @@ class Runtime:
 
     def require(self) -> LoadedModel:
         if self.draining:
+            self.refused_while_draining += 1
             raise UnavailableError("the server is shutting down", reason="DRAINING",
                                    retry_after_s=1.0)
         if self.recovering:
@@ -117,7 +122,7 @@ class Runtime:
 
     async def set_serving(self, serving: bool) -> None:
         self._serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving and not self.draining
+        status = (health_pb2.HealthCheckResponse.SERVING if serving and not self.stopping
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(SERVICE_NAME, status)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,8 +1,12 @@
 """Assemble and run the gateway: the API, health, reflection and metrics, and a graceful drain.
 
-Health is NOT_SERVING until a model is loaded and again while draining. Draining refuses new
-calls (UNAVAILABLE, reason DRAINING), lets in-flight streams finish within a grace period, then
-stops the server.
+Health is NOT_SERVING until a model is loaded and again from the moment a shutdown begins. A
+shutdown first announces itself (health NOT_SERVING, the SMG engine service's HealthCheck
+unhealthy, a KV-event clear that withdraws this replica's prefixes from the routers) while new
+calls are still taken, until no call has come for QUIET_S or the announce period ends, so that
+routers and load balancers stop sending work before any is refused; it then refuses new calls
+(UNAVAILABLE, reason DRAINING, with a retry delay: a router retries them elsewhere), lets
+in-flight streams finish within a grace period, and stops the server.
 
 The SMG engine API (gateway/api/smg_service.py) is imported only when the gateway starts, and served
 when its package, smg-grpc-proto, imports: a machine without it (or with a grpcio or protobuf
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +40,8 @@ from shardlm_server.gateway.workers.processes import WorkerGroup
 
 log = logging.getLogger("shardlm.gateway")
 
+QUIET_S = 1.0  # a shutdown's announcement ends once no call has come for this long
+
 
 @dataclass
 class GatewayServer:
@@ -44,11 +51,15 @@ class GatewayServer:
     port: int
     smg: tuple[grpc.aio.Server, int] | None = None  # the --smg-port listener and its port
 
-    async def drain(self, grace_s: float = 30.0) -> None:
-        """Stop taking calls, let the running ones finish (up to grace_s), then stop."""
+    async def drain(self, grace_s: float = 30.0, announce_s: float = 0.0) -> str:
+        """Announce the shutdown (up to announce_s), stop taking calls, let the running ones
+        finish (up to grace_s), then stop; returns what happened, for the operator's log."""
         rt = self.runtime
-        rt.draining = True
+        rt.stopping = True
         await rt.set_serving(False)
+        rt.kv_events.withdraw()
+        taken = await self._announce(announce_s)
+        rt.draining = True
         deadline = asyncio.get_running_loop().time() + grace_s
         while rt.model is not None and (rt.model.scheduler.running or rt.model.scheduler.waiting):
             if asyncio.get_running_loop().time() > deadline:
@@ -59,6 +70,21 @@ class GatewayServer:
         if self.smg is not None:
             await self.smg[0].stop(grace=1.0)
         await rt.close()
+        return (f"{taken} new calls taken while the shutdown was announced, "
+                f"{rt.refused_while_draining} refused after")
+
+    async def _announce(self, announce_s: float) -> int:
+        """Wait while routers may still send (see the module's docstring); the calls started
+        meanwhile."""
+        scheduler = self.runtime.model.scheduler if self.runtime.model is not None else None
+        if scheduler is None or announce_s <= 0:
+            return 0
+        start, first = time.monotonic(), scheduler.submitted
+        while (now := time.monotonic()) - start < announce_s:
+            if now - max(scheduler.last_submitted, start) >= QUIET_S:
+                break
+            await asyncio.sleep(0.05)
+        return scheduler.submitted - first
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:

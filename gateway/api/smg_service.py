@@ -250,7 +250,7 @@ class SmgEngineServicer(_Unimplemented, engine_pb2_grpc.VllmEngineServicer):
 
     async def HealthCheck(self, request, context) -> engine_pb2.HealthCheckResponse:
         rt = self.rt
-        if rt.draining:
+        if rt.stopping:
             return engine_pb2.HealthCheckResponse(healthy=False, message="draining")
         if rt.recovering:
             return engine_pb2.HealthCheckResponse(healthy=False, message="workers restarting")
@@ -273,7 +273,7 @@ class SmgEngineServicer(_Unimplemented, engine_pb2_grpc.VllmEngineServicer):
         rt = self.rt
         model = rt.model
         reply = engine_pb2.GetServerInfoResponse(
-            is_paused=rt.draining, last_receive_timestamp=self.last_request,
+            is_paused=rt.stopping, last_receive_timestamp=self.last_request,
             uptime_seconds=time.time() - self.started, server_type=SERVER_TYPE,
             data_parallel_size=1, kv_cache_dtype="auto", max_num_seqs=rt.limits.max_running)
         if model is not None:

@@ -86,6 +86,8 @@ class BatchLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats = LoadStats()
+        self.submitted = 0  # calls started
+        self.last_submitted = 0.0  # time.monotonic() of the newest one's start
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -206,8 +208,16 @@ class BatchLoop:
     def _admit(self) -> list[PrefillChunk]:
         budget = self.prefill_token_budget
         batch: list[PrefillChunk] = []
+        # Blocks this step's chunks compute: a waiting sequence whose first uncached block is one
+        # of them waits a step and reuses them (in-batch prefix sharing), instead of computing
+        # the same prefix beside them.
+        pending: set[bytes] = set()
+        deferred: list[SequenceState] = []
         while self._waiting and budget > 0 and len(self._running) + len(batch) < self.max_running:
             seq = self._waiting[0]
+            if self.kv.shares_pending(seq.seq_id, seq.tokens, seq.prefix_salt, pending):
+                deferred.append(self._waiting.popleft())
+                continue
             seq.begin_prefill(self.kv.prefill_start(seq.seq_id, seq.tokens, seq.computed,
                                                     seq.prefix_salt))
             chunk = seq.uncomputed[:budget]
@@ -231,14 +241,27 @@ class BatchLoop:
                 self.stats.admitted(len(seq.tokens), seq.computed)
             final = len(chunk) == len(seq.uncomputed)
             batch.append(PrefillChunk(seq, seq.computed, chunk, final, seq.prefix_ids))
+            if self._waiting:  # only a sequence behind it can share what it computes
+                pending.update(self.kv.computing_keys(seq.tokens, seq.prefix_salt, seq.computed,
+                                                      end))
             budget -= len(chunk)
             if not final:
                 self._waiting.appendleft(seq)  # its next chunk goes first next iteration
                 break
+        # First again, in their order (behind a sequence whose next chunk goes first).
+        head = [self._waiting.popleft()] if batch and not batch[-1].final else []
+        self._waiting.extendleft(reversed(head + deferred))
         return batch
 
     async def _prefill(self, batch: list[PrefillChunk]) -> None:
         self.metrics.prefill_batch_tokens.observe(sum(len(c.token_ids) for c in batch))
+        # The blocks this step completes are shared from now on: only a later iteration admits
+        # anyone to them, after the step. Routers hear of them while the step runs, so a request
+        # with the same prefix comes here rather than computing it on another replica.
+        for c in batch:
+            self.kv.publish(c.seq.seq_id, c.seq.tokens, c.start + len(c.token_ids),
+                            c.seq.prefix_salt)
+        self.kv.flush_events()
         try:
             reply = await self.pool.prefill(prefill_request(batch, self.kv))
         except ShardLMError as exc:
@@ -250,7 +273,6 @@ class BatchLoop:
         for c in batch:
             seq = c.seq
             seq.prefilled(c.start + len(c.token_ids))
-            self.kv.publish(seq.seq_id, seq.tokens, seq.computed, seq.prefix_salt)
             if seq.admitted_at is None:
                 seq.admitted_at = now
                 self.metrics.queue_seconds.observe(now - seq.enqueued_at)

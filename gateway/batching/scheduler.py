@@ -78,6 +78,8 @@ class Scheduler(BatchLoop):
         """Start a call on `seq`: prefill what is not computed (or all, for prefill_only) and
         then decode until `limits`; events arrive on `seq.events`."""
         self._check_queue()
+        self.submitted += 1
+        self.last_submitted = time.monotonic()
         seq.start_call(limits, prefill_only)
         if seq.needs_prefill:
             seq.phase = Phase.WAITING

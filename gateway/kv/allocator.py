@@ -202,6 +202,16 @@ class BlockAllocator:
         """How many tokens attach_prefix would find cached now, holding nothing."""
         return len(self._cached_run(tokens, salt)) * self.block_size
 
+    def block_keys(self, tokens: list[int], salt: bytes, first: int, end: int) -> list[bytes]:
+        """The chain keys of full blocks first..end-1 of `tokens` (a block is named by its
+        whole prefix, so the chain is hashed from the start)."""
+        key, keys, bs = _root_key(salt), [], self.block_size
+        for i in range(min(end, len(tokens) // bs)):
+            key = _chain_key(key, tokens[i * bs:(i + 1) * bs])
+            if i >= first:
+                keys.append(key)
+        return keys
+
     def _cached_run(self, tokens: list[int], salt: bytes) -> list[tuple[int, bytes]]:
         """(block, key) of the cached blocks holding a beginning of `tokens`, its last token
         excluded."""

@@ -76,6 +76,7 @@ class KvEventLog:
     def __init__(self, *, enabled: bool = True, history_batches: int = HISTORY_BATCHES,
                  queue_batches: int = QUEUE_BATCHES, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.enabled = enabled
+        self.withdrawn = False  # the gateway is shutting down: nothing more is stored
         self.routable_salt: bytes | None = None  # set for each loaded model
         self.block_size = 0
         # The load record each batch carries while anyone subscribes (gateway/api/load_report).
@@ -104,7 +105,7 @@ class KvEventLog:
                depth: int) -> None:
         """A block now shared under `salt` with chain key `key` (`parent`: the key of the block
         before it; None for a chain's first)."""
-        if not self.enabled or salt != self.routable_salt:
+        if not self.enabled or self.withdrawn or salt != self.routable_salt:
             return
         block = _Block(block_hash(key), None if parent is None else block_hash(parent),
                        list(tokens), depth)
@@ -137,6 +138,15 @@ class KvEventLog:
             return
         self._live.clear()
         self._pending = [self._event(cleared=kv_pb2.KvCacheCleared())]
+
+    def withdraw(self) -> None:
+        """Shutdown: tell the routers at once that nothing here is worth routing to (a clear),
+        and publish no block from now on, so prefix hits stop pointing at this replica."""
+        if not self.enabled or self.withdrawn:
+            return
+        self.withdrawn = True
+        self.cleared()
+        self.flush()
 
     def _event(self, **data) -> kv_pb2.KvCacheEvent:
         self._event_id += 1

@@ -180,6 +180,25 @@ class KvManager:
             return 0
         return self.allocator.cached_prefix(tokens, salt)
 
+    def shares_pending(self, seq_id: int, tokens: list[int], salt: bytes | None,
+                       pending: set[bytes]) -> bool:
+        """Whether a sequence that holds no blocks yet would compute, as its first uncached
+        block, one of the `pending` blocks (the chain keys another sequence is computing in
+        this step): admitted a step later, it reuses them instead."""
+        a = self.allocator
+        if salt is None or not pending or not a.prefix_cache or a.holds(seq_id):
+            return False
+        first = a.cached_prefix(tokens, salt) // a.block_size
+        return any(k in pending for k in a.block_keys(tokens, salt, first, first + 1))
+
+    def computing_keys(self, tokens: list[int], salt: bytes | None, start: int,
+                       end: int) -> list[bytes]:
+        """The chain keys of the full blocks a prefill of tokens[start:end] completes."""
+        if salt is None or not self.allocator.prefix_cache:
+            return []
+        bs = self.allocator.block_size
+        return self.allocator.block_keys(tokens, salt, start // bs, end // bs)
+
     def flush_events(self) -> None:
         """Send the prefix cache's changes since the last flush to the routers, as one batch
         (the batch loop calls this after each iteration)."""

@@ -237,20 +237,20 @@ async def serve(cfg: ServeConfig) -> int:
         raise
     await stop.wait()
     print("draining...", flush=True)
-    await _shut_down(group, server, supervisor, cfg.drain_grace, router)
+    await _shut_down(group, server, supervisor, cfg.drain_grace, router, cfg.drain_announce)
     print("stopped", flush=True)
     return 0
 
 
 async def _shut_down(group: WorkerGroup, server: GatewayServer | None,
                      supervisor: Supervisor | None, drain_grace_s: float,
-                     router: OpenAIRouter | None = None) -> None:
+                     router: OpenAIRouter | None = None, announce_s: float = 0.0) -> None:
     """Stop what was started; the workers last, whichever group is current. The SMG router
     after the gateway has drained: what is in flight through it is the gateway's to finish."""
     if supervisor is not None:
         await supervisor.stop()
     if server is not None:
-        await server.drain(drain_grace_s)
+        print(f"drained: {await server.drain(drain_grace_s, announce_s)}", flush=True)
         group = server.runtime.group
     if router is not None:
         await router.stop()

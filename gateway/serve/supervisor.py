@@ -84,7 +84,7 @@ class Supervisor:
     async def _watch_loop(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval_s)
-            if self.rt.model is None or self.rt.recovering or self.rt.draining:
+            if self.rt.model is None or self.rt.recovering or self.rt.stopping:
                 continue
             why = await self._dead_worker()
             if why:
@@ -93,7 +93,7 @@ class Supervisor:
 
     async def _recover(self, error: ShardLMError) -> None:
         rt = self.rt
-        if rt.last_load is None or rt.draining:
+        if rt.last_load is None or rt.stopping:
             return
         rt.recovering = True
         try:

@@ -15,7 +15,8 @@ from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
+def start_serve(*args: str, output: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`shardlm serve` up and ready; the lines it prints after that go to `output`."""
     proc = subprocess.Popen([sys.executable, "-m", "shardlm", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -28,14 +29,17 @@ def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
         if line.startswith(("ready:", "no model:")) or time.monotonic() > deadline:
             break
     assert address, "serve did not come up"
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    lines = [] if output is None else output
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     return proc, address
 
 
-def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
+def test_sigterm_announces_then_drains_in_flight_streams(llama_dir, tmp_path):
     config = tmp_path / "serve.toml"
-    config.write_text(f'model = "{llama_dir}"\ndtype = "float32"\ndrain_grace = 20\n')
-    proc, address = start_serve("--config", str(config), "--tp", "2")
+    config.write_text(f'model = "{llama_dir}"\ndtype = "float32"\ndrain_grace = 20\n'
+                      'drain_announce = 30\n')
+    output: list[str] = []
+    proc, address = start_serve("--config", str(config), "--tp", "2", output=output)
     try:
         channel = grpc.insecure_channel(address)
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
@@ -50,8 +54,13 @@ def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
         time.sleep(0.3)
         assert health.Check(health_pb2.HealthCheckRequest()).status == \
             health_pb2.HealthCheckResponse.NOT_SERVING
+        # Announced: health says so, but a call a router sent before it noticed is still served.
+        late = list(stub.Generate(gateway_pb2.GenerateRequest(
+            text="late", stop=common_pb2.StopConditions(max_new_tokens=2))))
+        assert late[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        time.sleep(1.5)  # no call for a second: the announcement is over, new calls are refused
         try:
-            list(stub.Generate(gateway_pb2.GenerateRequest(text="late")))
+            list(stub.Generate(gateway_pb2.GenerateRequest(text="later")))
             raise AssertionError("a new call during drain must be refused")
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.UNAVAILABLE
@@ -59,6 +68,9 @@ def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
         assert sum(len(c.token_ids) for c in chunks) == 300
         assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert proc.wait(30) == 0
+        drained = [line for line in output if line.startswith("drained: ")]
+        assert drained == ["drained: 1 new calls taken while the shutdown was announced, "
+                           "1 refused after\n"], output
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -170,6 +170,24 @@ def test_rerendered_conversation_reuses_the_cache_up_to_the_first_difference():
     run(test)
 
 
+def test_prompts_sharing_a_prefix_in_one_step_compute_it_once():
+    async def test(h):
+        shared = list(range(1, 18))  # four full blocks, then the question
+        prompts = [shared + [40, 41, 42], shared + [50, 51], [7, 8, 9, 10, 11]]
+        seqs = [h.scheduler.new_sequence(p, common_pb2.SamplingParams(), ephemeral=True,
+                                         prefix_salt=b"anyone") for p in prompts]
+        for seq in seqs:
+            h.scheduler.submit(seq, limits(2), prefill_only=False)
+        results = await asyncio.gather(*(drain(s) for s in seqs))
+        assert [r[0] for r in results] == [greedy(p, 2) for p in prompts]
+        first, second = h.pool.prefills[0], h.pool.prefills[1]
+        # The second prompt waits one step (the unrelated third does not) and reuses the blocks
+        # the first computed: 16 tokens from the cache, its own 3 computed.
+        assert [len(s.token_ids) for s in first.sequences] == [20, 5]
+        assert [(s.start_position, len(s.token_ids)) for s in second.sequences] == [(16, 3)]
+    run(test)
+
+
 # ----------------------------------------------------------------------------- memory pressure
 def test_preempted_sequence_is_recomputed_with_the_same_tokens():
     # 8 blocks of 4: each sequence grows to 6 + 12 = 18 tokens (5 blocks): both cannot fit. Calls
