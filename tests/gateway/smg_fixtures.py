@@ -54,14 +54,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def smg_router(worker_urls: list[str], log: Path, *extra: str,
-               port: int | None = None) -> Iterator[tuple[str, str]]:
-    """`smg launch` on loopback port `port` (None: a free one; its metrics on another) routing to
-    `worker_urls`: yields its base URL and the model id it lists, and stops it on exit."""
+def smg_router(worker_urls: list[str], log: Path, *extra: str, port: int | None = None,
+               metrics_port: int | None = None) -> Iterator[tuple[str, str]]:
+    """`smg launch` on loopback port `port` (None: a free one; its metrics on `metrics_port`, or
+    another free one) routing to `worker_urls`: yields its base URL and the model id it lists,
+    and stops it on exit."""
     port = port or free_port()
     command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-               *worker_urls, "--prometheus-port", str(free_port()), "--log-level", "warn",
-               *extra]
+               *worker_urls, "--prometheus-port", str(metrics_port or free_port()),
+               "--log-level", "warn", *extra]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
