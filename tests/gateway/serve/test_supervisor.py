@@ -24,7 +24,7 @@ class UnreachableForAWhile:
         self.pool = self
         self.model = SimpleNamespace(sessions=None)
         self.last_load = ("/models/m", 0, 0, None)
-        self.draining = self.recovering = False
+        self.stopping = self.draining = self.recovering = False
         self.metrics = SimpleNamespace(worker_restarts=SimpleNamespace(inc=lambda: None))
         self.answers_from = answers_from
         self.waits = 0
