@@ -45,6 +45,7 @@ from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from bench.json_schemas import SCHEMAS, SchemaCase
+from bench.report import write_json
 from bench.serve_process import Server
 from bench.stack_bench import percentile, summarize
 
@@ -373,10 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           sequential=args.sequential)
     report["duration_s"] = (dt.datetime.now(dt.UTC) - started).total_seconds()
     print_report(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+    write_json(args.json, report)
     return report
 
 

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.fleet_prompts import TOPICS, workload
+from bench.report import write_json
 from bench.serve_process import Server, ServerProcess, free_port, metric_sum
 
 CONFIGS = (("round_robin", "round_robin", True), ("cache_aware, events off", "cache_aware", False),
@@ -193,10 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{mb:>7} MB {name:<24} {c['median']:>10.0f} [{c['min']:.0f}-{c['max']:.0f}] "
               f"{q['median']:>8.2f}x [{q['min']:.2f}-{q['max']:.2f}] {t['median']:>12.0f} "
               f"{row['same_outputs']:>6}/{row['requests']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return report
 
 

@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+
+def write_json(path: Path | None, report: dict) -> None:
+    """Write a benchmark's report as indented JSON to `path` (None: nothing), folders made."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
 
 def get(rows: list[dict] | None, key: str, value, field: str = "tokens_per_s"):
     for r in rows or []:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import llama_server
+from bench.report import write_json
 from bench.serve_process import Server
 from bench.speculation_prompts import WORKLOADS
 
@@ -225,10 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for server in servers:
             server.stop()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return report
 
 

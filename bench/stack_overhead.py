@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.report import write_json
 from bench.serve_process import REPO, Server, _children
 from bench.stack_bench import run_round, summarize
 
@@ -221,10 +222,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     finally:
         engine.close()
     print(format_rows(report["rows"]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return report
 
 
