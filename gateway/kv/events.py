@@ -78,7 +78,6 @@ class KvEventLog:
         self.enabled = enabled
         self.withdrawn = False  # the gateway is shutting down: nothing more is stored
         self.routable_salt: bytes | None = None  # set for each loaded model
-        self.block_size = 0
         # The load record each batch carries while anyone subscribes (gateway/api/load_report).
         self.load: Callable[[], kv_pb2.EngineLoad] | None = None
         self.heartbeat_s = heartbeat_s
@@ -161,11 +160,19 @@ class KvEventLog:
         batch = kv_pb2.KvEventBatch(sequence_number=self._last, timestamp=time.time(),
                                     events=self._pending)
         self._pending = []
-        if self.load is not None:  # kept with the batch: a resumed subscriber gets it too
-            batch.load.CopyFrom(self._record())
+        if self._subscribers:  # else computed when a resumed subscriber first reads it
+            self._with_load(batch)
         self._history.append(batch)
         for sub in self._subscribers:
             sub.offer(batch)
+
+    def _with_load(self, batch: kv_pb2.KvEventBatch) -> kv_pb2.KvEventBatch:
+        """The batch with its load record, taken the first time anyone reads it and kept with it
+        (a replay sends the same batch again); a load report costs a pass over the queue, so a
+        batch nobody reads never pays for one."""
+        if self.load is not None and not batch.HasField("load"):
+            batch.load.CopyFrom(self._record())
+        return batch
 
     def _record(self, load_only: bool = False) -> kv_pb2.EngineLoad:
         assert self.load is not None
@@ -214,7 +221,7 @@ class KvEventLog:
         if self._base <= start <= last:
             oldest = self._history[0].sequence_number if self._history else last + 1
             if start + 1 >= oldest:
-                return [b for b in self._history if b.sequence_number > start]
+                return [self._with_load(b) for b in self._history if b.sequence_number > start]
             if last - start <= MAX_GAP_CHUNKS:
                 return self._snapshot(start + 1, last)
         raise ShardLMError(

@@ -67,7 +67,6 @@ class KvManager:
         slot_blocks = capacity.num_blocks // max(capacity.max_sequences, 1) if static else 0
         namespace = model_namespace(model)
         if events is not None:
-            events.block_size = capacity.block_size
             # What a request without identity (a router's, auth off) or salt gets, any scope.
             events.routable_salt = prefix_salt(namespace, "", "")
         allocator = BlockAllocator(capacity.num_blocks, capacity.block_size,
