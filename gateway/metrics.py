@@ -3,15 +3,28 @@ process in tests). Names carry the `shardlm_` prefix and their unit; no colons."
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class LoadReading(Protocol):
+    """What a scrape reads from the batch loop's load statistics (from the exporter's thread,
+    so both must be safe to read while the loop writes)."""
+
+    def tokens_per_second(self) -> float: ...
+
+    @property
+    def cache_hit_rate(self) -> float: ...
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._load_source: LoadReading | None = None
         self.time_to_first_token = Histogram(
             "shardlm_time_to_first_token_seconds", "From request arrival to its first token.",
             buckets=LATENCY_BUCKETS, registry=r)
@@ -28,6 +41,20 @@ class Metrics:
                                   "Sequences waiting for prefill.", registry=r)
         self.running_sequences = Gauge("shardlm_running_sequences",
                                        "Sequences in the decode batch.", registry=r)
+        self.max_running_sequences = Gauge(
+            "shardlm_max_running_sequences", "The most sequences the decode batch runs at once.",
+            registry=r)
+        self.waiting_uncached_prompt_tokens = Gauge(
+            "shardlm_waiting_uncached_prompt_tokens",
+            "Prompt tokens of the waiting sequences that no KV cache holds (prefill queued).",
+            registry=r)
+        self.generation_rate = Gauge(
+            "shardlm_generation_tokens_per_second",
+            "Tokens generated per second over the last 10 seconds.", registry=r)
+        self.prefix_cache_hit_ratio = Gauge(
+            "shardlm_prefix_cache_hit_ratio",
+            "Prompt tokens served from the prefix cache over all prompt tokens admitted since "
+            "the model was loaded.", registry=r)
         self.kv_blocks_used = Gauge("shardlm_kv_blocks_used", "KV cache blocks held.", registry=r)
         self.kv_blocks_total = Gauge("shardlm_kv_blocks_total", "KV cache blocks in the pool.",
                                      registry=r)
@@ -102,6 +129,24 @@ class Metrics:
         self.kv_blocks_total.set(total_blocks)
         self.prefix_cache_blocks.set(cached_blocks)
         self.prefix_cache_idle_blocks.set(idle_cached_blocks)
+
+    def follow_load(self, stats: LoadReading, max_running: int) -> None:
+        """Read the generation rate and prefix-cache hit rate from a batch loop's `stats` at
+        each scrape (a rate falls while idle, when no step updates a gauge)."""
+        self._load_source = stats
+        self.max_running_sequences.set(max_running)
+        self.generation_rate.set_function(stats.tokens_per_second)
+        self.prefix_cache_hit_ratio.set_function(lambda: stats.cache_hit_rate)
+
+    def unfollow_load(self, stats: LoadReading) -> None:
+        """The batch loop that owns `stats` stopped: zeros, unless a newer loop is followed."""
+        if self._load_source is not stats:
+            return
+        self._load_source = None
+        self.max_running_sequences.set(0)
+        self.waiting_uncached_prompt_tokens.set(0)
+        self.generation_rate.set_function(float)
+        self.prefix_cache_hit_ratio.set_function(float)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -19,17 +19,21 @@ def load_report(runtime: Runtime) -> gateway_pb2.GetLoadResponse:
     model = runtime.model
     if model is None:
         return gateway_pb2.GetLoadResponse(loaded=False)
-    allocator = model.allocator
+    allocator, load = model.allocator, router_load(runtime)
     return gateway_pb2.GetLoadResponse(
         loaded=True,
-        running_sequences=model.scheduler.running,
-        waiting_sequences=model.scheduler.waiting,
+        running_sequences=load.running,
+        waiting_sequences=load.waiting,
         kv_blocks_used=allocator.used_blocks,
         kv_blocks_free=allocator.free_blocks,
         kv_blocks_total=allocator.num_blocks,
         block_size=allocator.block_size,
         prefix_cache_blocks=allocator.cached_blocks,
-        sessions=len(model.sessions))
+        sessions=len(model.sessions),
+        generated_tokens_per_second=load.gen_throughput,
+        prefix_cache_hit_rate=load.cache_hit_rate,
+        waiting_uncached_prompt_tokens=load.waiting_uncached_tokens,
+        max_running_sequences=load.max_running)
 
 
 @dataclass

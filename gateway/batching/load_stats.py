@@ -26,13 +26,14 @@ class LoadStats:
         self.cached_prompt_tokens += cached_tokens
 
     def tokens_per_second(self, now: float | None = None) -> float:
-        """Tokens generated per second over the window (0 when none were)."""
+        """Tokens generated per second over the window (0 when none were). Safe to call from
+        another thread (the metrics exporter's): it reads a copy and changes nothing."""
         now = time.monotonic() if now is None else now
-        self._expire(now)
-        if not self._generated:
+        recent = [(t, n) for t, n in tuple(self._generated) if now - t <= self.window_s]
+        if not recent:
             return 0.0
-        span = max(now - self._generated[0][0], 1.0)  # a lone burst is not a rate of millions
-        return sum(n for _t, n in self._generated) / span
+        span = max(now - recent[0][0], 1.0)  # a lone burst is not a rate of millions
+        return sum(n for _t, n in recent) / span
 
     @property
     def cache_hit_rate(self) -> float:

@@ -90,9 +90,11 @@ class BatchLoop:
         self.last_submitted = 0.0  # time.monotonic() of the newest one's start
 
     def start(self) -> None:
+        self.metrics.follow_load(self.stats, self.max_running)
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        self.metrics.unfollow_load(self.stats)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -406,6 +408,8 @@ class BatchLoop:
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self._waiting))
         self.metrics.running_sequences.set(len(self._running))
+        self.metrics.waiting_uncached_prompt_tokens.set(
+            self.waiting_uncached_tokens() if self._waiting else 0)
         self.kv.update_gauges()
 
 

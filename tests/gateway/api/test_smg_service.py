@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 import zipfile
 
 import grpc
@@ -94,6 +95,36 @@ def test_abort_ends_the_stream(gateway, engine):
     assert rest[-1].complete.finish_reason == "abort"
     assert rest[-1].complete.completion_tokens < 400
     assert gateway.call(_released(gateway))  # the scheduler let the sequence go
+
+
+def test_abort_under_load_answers_at_once_and_frees_the_sequence_before_the_next_call(
+        gateway, engine):
+    ids = prompt_ids(gateway, "Now is the winter of our discontent")
+    tokens = 300
+    calls = [engine.Generate(engine_pb2.GenerateRequest(
+        request_id=f"load-{i}", tokenized=engine_pb2.TokenizedInput(input_ids=ids + [i]),
+        stream=True, sampling_params=engine_pb2.SamplingParams(
+            temperature=0, max_tokens=tokens, ignore_eos=True))) for i in range(6)]
+    for call in calls:
+        assert next(call).WhichOneof("response") == "chunk"  # all six decode together
+    metrics = gateway.metrics
+    decode_calls = "shardlm_decode_batch_size_sequences_count"
+    started = time.monotonic()
+    engine.Abort(engine_pb2.AbortRequest(request_ids=["load-0"]), timeout=5)
+    answered_s = time.monotonic() - started
+    calls_then = metrics.value(decode_calls)
+    scheduler = gateway.runtime.model.scheduler
+    deadline = time.monotonic() + 10
+    while scheduler.running != 5:  # the worker call in flight ends; the next one leaves it out
+        assert time.monotonic() < deadline, "the aborted sequence stayed in the batch"
+        time.sleep(0.002)
+    assert metrics.value(decode_calls) - calls_then <= 1
+    assert answered_s < 5  # a hang guard: Abort only signals the call's handler
+    aborted = list(calls[0])
+    assert aborted[-1].complete.finish_reason == "abort"
+    for call in calls[1:]:  # the others go on undisturbed
+        assert list(call)[-1].complete.completion_tokens == tokens
+    assert gateway.call(_released(gateway))
 
 
 async def _released(gateway) -> bool:
@@ -271,7 +302,7 @@ def test_kv_events_report_stored_blocks_a_resume_and_a_clear(gateway, engine):
     assert caught.value.code() == grpc.StatusCode.DATA_LOSS
 
 
-def test_get_loads_reports_throughput_hit_rate_and_queued_work(gateway, engine):
+def test_every_load_report_carries_throughput_hit_rate_and_queued_work(gateway, engine):
     ids = prompt_ids(gateway, "Once more unto the breach, dear friends, once more; " * 3)
     generate(engine, ids, stream=False, temperature=0, max_tokens=8)
     generate(engine, ids, stream=False, temperature=0, max_tokens=8)
@@ -279,3 +310,16 @@ def test_get_loads_reports_throughput_hit_rate_and_queued_work(gateway, engine):
     assert load.gen_throughput > 0 and 0 < load.cache_hit_rate < 1
     assert load.max_running_requests == gateway.runtime.limits.max_running
     assert load.num_waiting_reqs == 0 and load.num_waiting_uncached_tokens == 0
+    # ShardLM's own GetLoad and the Prometheus gauges carry the same numbers.
+    own = gateway.stub.GetLoad(gateway_pb2.GetLoadRequest())
+    metrics = gateway.metrics
+    assert own.max_running_sequences == load.max_running_requests
+    assert metrics.value("shardlm_max_running_sequences") == load.max_running_requests
+    assert own.prefix_cache_hit_rate == pytest.approx(load.cache_hit_rate)
+    assert metrics.value("shardlm_prefix_cache_hit_ratio") == pytest.approx(load.cache_hit_rate)
+    # A rate read later may have a second more to divide by: the same order, not the same value.
+    for rate in (own.generated_tokens_per_second,
+                 metrics.value("shardlm_generation_tokens_per_second")):
+        assert load.gen_throughput / 3 < rate <= load.gen_throughput * 1.01
+    assert own.waiting_uncached_prompt_tokens == 0
+    assert metrics.value("shardlm_waiting_uncached_prompt_tokens") == 0

@@ -188,6 +188,26 @@ def test_prompts_sharing_a_prefix_in_one_step_compute_it_once():
     run(test)
 
 
+def test_queued_prefill_work_counts_only_what_no_cache_holds():
+    shared = list(range(1, 18))  # four full blocks, then one token
+
+    async def test(h):
+        warm = h.scheduler.new_sequence(shared, common_pb2.SamplingParams(), ephemeral=True,
+                                        prefix_salt=b"anyone")
+        h.scheduler.submit(warm, limits(1), prefill_only=False)
+        await drain(warm)
+        h.scheduler.release(warm)
+        await until(lambda: h.allocator.used_blocks == 0)
+    h = run(test)
+    assert h.metrics.value("shardlm_waiting_uncached_prompt_tokens") == 0
+    queued = [shared + [40, 41], [7, 8, 9]]  # 16 of the first 19 tokens are cached
+    for prompt in queued:  # the scheduler is stopped: they stay queued
+        seq = h.scheduler.new_sequence(prompt, common_pb2.SamplingParams(), ephemeral=True,
+                                       prefix_salt=b"anyone")
+        h.scheduler.submit(seq, limits(1), prefill_only=False)
+    assert h.scheduler.waiting_uncached_tokens() == 3 + 3
+
+
 # ----------------------------------------------------------------------------- memory pressure
 def test_preempted_sequence_is_recomputed_with_the_same_tokens():
     # 8 blocks of 4: each sequence grows to 6 + 12 = 18 tokens (5 blocks): both cannot fit. Calls

@@ -875,7 +875,10 @@ class GetLoadResponse(google.protobuf.message.Message):
     model loaded every count is 0 and `loaded` is false. The same values are
     exported as Prometheus gauges (shardlm_running_sequences,
     shardlm_queue_length_requests, shardlm_kv_blocks_used, shardlm_kv_blocks_total,
-    shardlm_prefix_cache_blocks).
+    shardlm_prefix_cache_blocks, shardlm_generation_tokens_per_second,
+    shardlm_prefix_cache_hit_ratio, shardlm_waiting_uncached_prompt_tokens,
+    shardlm_max_running_sequences), and routers read them through the SMG engine
+    service's GetLoads and KV event load records.
     """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
@@ -889,6 +892,10 @@ class GetLoadResponse(google.protobuf.message.Message):
     BLOCK_SIZE_FIELD_NUMBER: builtins.int
     PREFIX_CACHE_BLOCKS_FIELD_NUMBER: builtins.int
     SESSIONS_FIELD_NUMBER: builtins.int
+    GENERATED_TOKENS_PER_SECOND_FIELD_NUMBER: builtins.int
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: builtins.int
+    WAITING_UNCACHED_PROMPT_TOKENS_FIELD_NUMBER: builtins.int
+    MAX_RUNNING_SEQUENCES_FIELD_NUMBER: builtins.int
     loaded: builtins.bool
     """Whether a model is loaded and serving."""
     running_sequences: builtins.int
@@ -909,6 +916,18 @@ class GetLoadResponse(google.protobuf.message.Message):
     """
     sessions: builtins.int
     """Sessions that hold a KV cache (parked between calls or generating)."""
+    generated_tokens_per_second: builtins.float
+    """Tokens generated per second over the last 10 seconds."""
+    prefix_cache_hit_rate: builtins.float
+    """Prompt tokens served from the prefix cache over all prompt tokens admitted
+    since the model was loaded (0 to 1).
+    """
+    waiting_uncached_prompt_tokens: builtins.int
+    """Prompt tokens of the waiting sequences that no KV cache holds: the prefill
+    work queued.
+    """
+    max_running_sequences: builtins.int
+    """The most sequences the decode batch runs at once."""
     def __init__(
         self,
         *,
@@ -921,7 +940,11 @@ class GetLoadResponse(google.protobuf.message.Message):
         block_size: builtins.int = ...,
         prefix_cache_blocks: builtins.int = ...,
         sessions: builtins.int = ...,
+        generated_tokens_per_second: builtins.float = ...,
+        prefix_cache_hit_rate: builtins.float = ...,
+        waiting_uncached_prompt_tokens: builtins.int = ...,
+        max_running_sequences: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["block_size", b"block_size", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "loaded", b"loaded", "prefix_cache_blocks", b"prefix_cache_blocks", "running_sequences", b"running_sequences", "sessions", b"sessions", "waiting_sequences", b"waiting_sequences"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["block_size", b"block_size", "generated_tokens_per_second", b"generated_tokens_per_second", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "loaded", b"loaded", "max_running_sequences", b"max_running_sequences", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running_sequences", b"running_sequences", "sessions", b"sessions", "waiting_sequences", b"waiting_sequences", "waiting_uncached_prompt_tokens", b"waiting_uncached_prompt_tokens"]) -> None: ...
 
 global___GetLoadResponse = GetLoadResponse
