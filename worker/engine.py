@@ -253,23 +253,27 @@ class Engine:
         so the caller's work on them (detokenising, streaming) overlaps the device's work. Each
         sequence keeps one row of the step buffers for the whole call; a row whose sequence has
         left computes nothing (slot -1, context 0). With speculative decoding (not while taps are
-        captured) a step may yield several tokens of a sequence, and `max_steps` and `num_steps`
-        count tokens.
+        captured) a step may yield several tokens of a sequence: `max_steps` then counts its
+        tokens, which may exceed `num_steps` (accepted drafts take a sequence further in the
+        call's steps, where its block table has room), and the call still ends after `num_steps`
+        steps; without drafts a sequence takes at most `num_steps` tokens.
         """
         if num_steps <= 0:
             raise InvalidRequestError("num_steps must be positive")
         check_unique([i.sequence_id for i in items])
-        plan = [(self.states.for_decode(item, num_steps, self.cache), item.max_steps) for item in items]
         tap_values = self._requested_taps(taps)
-        if not plan:
+        speculator = self.speculator if tap_values is None else None
+        budgets = [item.max_steps if speculator else min(item.max_steps, num_steps)
+                   for item in items]
+        seqs = [self.states.for_decode(item, budget, self.cache)
+                for item, budget in zip(items, budgets, strict=True)]
+        if not seqs:
             return
-        seqs = [s for s, _budget in plan]
-        budgets = [min(budget, num_steps) for _s, budget in plan]
         longest = max(s.num_cached + b for s, b in zip(seqs, budgets, strict=True))
         call = self.runner.begin([s.block_table for s in seqs], longest,
                                  eager=tap_values is not None)
-        if self.speculator is not None and tap_values is None:
-            yield from self._decode_speculative(self.speculator, call, seqs, budgets)
+        if speculator is not None:
+            yield from self._decode_speculative(speculator, call, seqs, budgets, num_steps)
             return
 
         def live_rows(step: int) -> list[int]:
@@ -297,13 +301,14 @@ class Engine:
                 pending.done.synchronize()
 
     def _decode_speculative(self, speculator: Speculator, call: DecodeCall,
-                            seqs: list[ResidentSequence], budgets: list[int]) -> Iterator[StepOutput]:
+                            seqs: list[ResidentSequence], budgets: list[int],
+                            num_steps: int) -> Iterator[StepOutput]:
         """`decode` with drafts: a step whose sequences propose none runs the plain decode step
         on the call's buffers; one with drafts verifies them (worker/speculative.py). Steps are
         not pipelined: the next step's drafts come from this one's tokens."""
         emitted = [0] * len(seqs)
         index = {s.sequence_id: i for i, s in enumerate(seqs)}
-        while True:
+        for _step in range(num_steps):
             live = [i for i, s in enumerate(seqs) if s.finished is None and emitted[i] < budgets[i]]
             if not live:
                 return

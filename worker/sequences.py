@@ -83,8 +83,9 @@ class SequenceStates:
             )
         return known.tokens[: item.start_position] if known else []
 
-    def for_decode(self, item: DecodeItem, num_steps: int, cache: KVCache) -> ResidentSequence:
-        """The sequence a decode item continues, with what the item changes."""
+    def for_decode(self, item: DecodeItem, tokens: int, cache: KVCache) -> ResidentSequence:
+        """The sequence a decode item continues for at most `tokens` tokens (its block table
+        must hold them), with what the item changes."""
         seq = self.by_id.get(item.sequence_id)
         if seq is None or seq.pending is None:
             raise SequenceNotCachedError(
@@ -95,9 +96,7 @@ class SequenceStates:
             raise InvalidRequestError(
                 f"sequence {item.sequence_id} already finished ({seq.finished.value})"
             )
-        steps = min(num_steps, item.max_steps)
-        check_block_table(item.block_table, seq.num_cached + steps, item.sequence_id,
-                          cache)
+        check_block_table(item.block_table, seq.num_cached + tokens, item.sequence_id, cache)
         seq.block_table = list(item.block_table)
         if item.sampling is not None and item.sampling != seq.sampling:
             seq.sampling = item.sampling

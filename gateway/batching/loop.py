@@ -308,21 +308,28 @@ class BatchLoop:
             step = seconds / steps
             self._step_s = step if self._step_s <= 0 else (self._step_s + step) / 2
 
-    def _plan_steps(self) -> dict[int, int]:
-        """Steps per sequence for the next decode call, with the blocks for them; sequences
-        that get not even one step are preempted."""
+    def _plan_steps(self) -> tuple[int, dict[int, int]]:
+        """The steps of the next decode call and each sequence's tokens in it, with the blocks
+        for them; sequences that get not even one step are preempted. A sequence may take more
+        tokens than steps where the workers accept drafts (speculative decoding): up to what
+        the room left in its last block holds, so accepted drafts take it further within the
+        call instead of leaving it idle once it has one token per step (no block is reserved
+        for drafts, and the unused room stays its own)."""
         k = self._steps_per_call()
         plan: dict[int, int] = {}
+        longest = 0
         for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
             want = max(1, min(k, seq.budget))
             self._make_room(seq, seq.computed + want)
             steps = self.kv.grow_up_to(seq.seq_id, seq.computed, want)
             if steps:
-                plan[seq.seq_id] = steps
+                spare = self.kv.room_after(seq.seq_id, seq.computed + steps)
+                plan[seq.seq_id] = max(steps, min(seq.budget, steps + spare))
+                longest = max(longest, steps)
         for seq in list(self._running):
             if seq.seq_id not in plan:
                 self._preempt(seq)
-        return plan
+        return longest, plan
 
     def _preempt(self, seq: SequenceState) -> None:
         log.info("preempting sequence %d (recompute later): KV cache full", seq.seq_id)
@@ -333,11 +340,11 @@ class BatchLoop:
         self._waiting.appendleft(seq)
 
     async def _decode(self) -> None:
-        plan = self._plan_steps()
+        num_steps, plan = self._plan_steps()
         if not plan:
             return
         by_id = {s.seq_id: s for s in self._running if s.seq_id in plan}
-        request = decode_request(plan, by_id, self.kv)
+        request = decode_request(num_steps, plan, by_id, self.kv)
         for seq in by_id.values():
             seq.sampling_changed = seq.constraint_changed = False  # sent with this call
         self.metrics.decode_batch_size.observe(len(plan))

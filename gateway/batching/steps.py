@@ -34,10 +34,10 @@ def prefill_request(batch: list[PrefillChunk], kv: KvManager) -> worker_pb2.Pref
         for c in batch])
 
 
-def decode_request(plan: dict[int, int], sequences: dict[int, SequenceState],
+def decode_request(num_steps: int, plan: dict[int, int], sequences: dict[int, SequenceState],
                    kv: KvManager) -> worker_pb2.DecodeRequest:
-    """`plan`: steps per sequence id. A sequence whose sampling or constraint changed since its
-    last step carries the new ones."""
+    """`num_steps` steps; `plan`: each sequence id's tokens in them at most. A sequence whose
+    sampling or constraint changed since its last step carries the new ones."""
     def changes(seq: SequenceState) -> dict:
         changed = {}
         if seq.sampling_changed:
@@ -46,7 +46,7 @@ def decode_request(plan: dict[int, int], sequences: dict[int, SequenceState],
             changed["constraint"] = seq.worker_constraint()
         return changed
 
-    return worker_pb2.DecodeRequest(num_steps=max(plan.values()), sequences=[
+    return worker_pb2.DecodeRequest(num_steps=num_steps, sequences=[
         worker_pb2.DecodeSequence(
             sequence_id=seq_id, block_table=kv.table(seq_id), max_steps=steps,
             stop=sequences[seq_id].worker_stop(), **changes(sequences[seq_id]))

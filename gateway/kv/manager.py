@@ -132,6 +132,10 @@ class KvManager:
             self.allocator.grow(seq_id, held + steps)
         return steps
 
+    def room_after(self, seq_id: int, tokens: int) -> int:
+        """Tokens the sequence's blocks hold past its first `tokens`."""
+        return max(0, len(self.allocator.table(seq_id)) * self.allocator.block_size - tokens)
+
     def trim(self, seq_id: int, tokens: int) -> None:
         """Return the blocks beyond what `tokens` tokens need (unused pre-allocation)."""
         self.allocator.shrink(seq_id, tokens)

@@ -166,6 +166,15 @@ def test_logprobs_tokenize_and_model_info(client, loaded):
     assert info.max_context_length > 0 and info.max_new_tokens_limit > 0 and info.server_version
 
 
+def test_load_report(client, loaded):
+    client.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    report = client.load_report()
+    assert report.loaded and report.block_size > 0 and report.max_running_sequences > 0
+    assert report.kv_blocks_used + report.kv_blocks_free == report.kv_blocks_total == 128
+    assert report.generated_tokens_per_second > 0  # four tokens in the last seconds
+    assert 0 <= report.prefix_cache_hit_rate <= 1 and report.waiting_uncached_prompt_tokens == 0
+
+
 def test_tokenize_gives_each_tokens_bytes(client, loaded):
     text = "héllo, wörld"
     tokens = client.tokenize(text, add_special_tokens=False)

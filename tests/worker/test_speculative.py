@@ -168,6 +168,35 @@ def test_limits_and_stop_tokens_end_a_sequence_inside_a_verified_step(engines, o
         assert got[0] == plain[0][:7]
 
 
+def test_accepted_drafts_take_a_sequence_past_the_calls_steps_within_its_token_budget(
+        engines, oracle):
+    """A call of 6 steps whose sequences may take 20 tokens: the plain engine stops each at 6
+    tokens; with drafts they go further in the same 6 steps, never past 20, and the tokens are
+    the plain run's."""
+    vocab = engines["off"].cfg.vocab_size
+    ids = prompts(vocab)
+    plain, _, _ = generate(engines["off"], ids, SamplerSettings(), steps=40, calls=1)
+    oracle(ids, plain, vocab)
+    for mode, most in (("off", 6), ("fixed", 20)):
+        engine = engines[mode]
+        engine.reset()
+        first = engine.prefill([PrefillItem(i, p, 0, table(i), SamplerSettings(), StopParams())
+                                for i, p in enumerate(ids)])
+        got = {t.sequence_id: [t.token.token_id] for t in first.tokens}
+        steps = list(engine.decode([DecodeItem(i, table(i), 20) for i in got], 6))
+        assert len(steps) <= 6
+        for step in steps:
+            for t in step.tokens:
+                got[t.sequence_id].append(t.token.token_id)
+        lengths = [len(got[i]) - 1 for i in range(len(ids))]
+        assert all(n <= most for n in lengths)
+        assert [got[i] for i in range(len(ids))] == [p[:len(got[i])] for i, p in enumerate(plain)]
+        if mode == "off":
+            assert lengths == [6] * 3
+        else:
+            assert max(lengths) > 6  # accepted drafts went past one token per step
+
+
 def test_drafts_follow_the_grammar_of_a_constrained_sequence(engines, oracle):
     vocab = engines["off"].cfg.vocab_size
     grammar = llguidance.LLMatcher.grammar_from_regex(r"(ab|cd|ef)( (ab|cd|ef)){4,12}\.")

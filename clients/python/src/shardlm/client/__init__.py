@@ -23,6 +23,7 @@ from ._types import (
     Chunk,
     Completion,
     KvCache,
+    LoadReport,
     Logprobs,
     ModelInfo,
     PrefillResult,
@@ -35,7 +36,7 @@ from ._types import (
 )
 
 __all__ = [
-    "AsyncClient", "ChatMessage", "Chunk", "Client", "Completion", "KvCache", "Logprobs",
-    "Message", "ModelInfo", "PrefillResult", "Prompt", "RetryPolicy", "SamplingOptions",
+    "AsyncClient", "ChatMessage", "Chunk", "Client", "Completion", "KvCache", "LoadReport",
+    "Logprobs", "Message", "ModelInfo", "PrefillResult", "Prompt", "RetryPolicy", "SamplingOptions",
     "ServerInfo", "Timings", "Token", "TokenLogprob", "Tokens", "Usage", "constraints",
 ]

@@ -23,11 +23,13 @@ from ._types import (
     Chunk,
     Collector,
     Completion,
+    LoadReport,
     ModelInfo,
     PrefillResult,
     ServerInfo,
     Tokens,
     chunk_of,
+    load_report_of,
     model_info_of,
     prefill_result,
     server_info_of,
@@ -273,6 +275,12 @@ class AsyncClient:
         """The loaded model (if any), its KV cache and the server's limits and version."""
         return server_info_of(await self._unary(self._stub.GetModelInfo,
                                                 pb.GetModelInfoRequest(), c.Safety.IDEMPOTENT))
+
+    async def load_report(self) -> LoadReport:
+        """The replica's load: running and waiting sequences, KV cache blocks, the generation
+        rate, the prefix cache's hit rate and the prefill work queued."""
+        return load_report_of(await self._unary(self._stub.GetLoad, pb.GetLoadRequest(),
+                                                c.Safety.IDEMPOTENT))
 
     async def tokenize(self, text: str | Sequence[c.Message], *,
                        add_special_tokens: bool | None = None) -> Tokens:

@@ -21,11 +21,13 @@ from ._types import (
     Chunk,
     Collector,
     Completion,
+    LoadReport,
     ModelInfo,
     PrefillResult,
     ServerInfo,
     Tokens,
     chunk_of,
+    load_report_of,
     model_info_of,
     prefill_result,
     server_info_of,
@@ -260,6 +262,12 @@ class Client:
         """The loaded model (if any), its KV cache and the server's limits and version."""
         return server_info_of(self._unary(self._stub.GetModelInfo,
                                           gateway_pb2.GetModelInfoRequest(), c.Safety.IDEMPOTENT))
+
+    def load_report(self) -> LoadReport:
+        """The replica's load: running and waiting sequences, KV cache blocks, the generation
+        rate, the prefix cache's hit rate and the prefill work queued."""
+        return load_report_of(self._unary(self._stub.GetLoad, gateway_pb2.GetLoadRequest(),
+                                               c.Safety.IDEMPOTENT))
 
     def tokenize(self, text: str | Sequence[c.Message], *,
                  add_special_tokens: bool | None = None) -> Tokens:

@@ -158,6 +158,26 @@ class ServerInfo:
     max_context_length: int
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What `load_report()` reports: the replica's load, for routers and autoscalers (all zeros
+    and `loaded` False with no model loaded)."""
+
+    loaded: bool
+    running_sequences: int
+    waiting_sequences: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    block_size: int
+    prefix_cache_blocks: int
+    sessions: int
+    generated_tokens_per_second: float  # over the last 10 seconds
+    prefix_cache_hit_rate: float  # the share of admitted prompt tokens the prefix cache served
+    waiting_uncached_prompt_tokens: int  # prefill work queued
+    max_running_sequences: int
+
+
 class Tokens(list[int]):
     """Token ids (a plain `list[int]`) that also carry, per id, the tokenizer's vocabulary string
     (`tokens`, its internal form: "Ġhello", "ð") and the bytes it stands for in decoded text
@@ -281,3 +301,15 @@ def server_info_of(pb: gateway_pb2.GetModelInfoResponse) -> ServerInfo:
     return ServerInfo(loaded=pb.loaded, model=model, server_version=pb.server_version,
                       max_new_tokens_limit=pb.max_new_tokens_limit,
                       max_context_length=pb.max_context_length)
+
+
+def load_report_of(pb: gateway_pb2.GetLoadResponse) -> LoadReport:
+    return LoadReport(
+        loaded=pb.loaded, running_sequences=pb.running_sequences,
+        waiting_sequences=pb.waiting_sequences, kv_blocks_used=pb.kv_blocks_used,
+        kv_blocks_free=pb.kv_blocks_free, kv_blocks_total=pb.kv_blocks_total,
+        block_size=pb.block_size, prefix_cache_blocks=pb.prefix_cache_blocks,
+        sessions=pb.sessions, generated_tokens_per_second=pb.generated_tokens_per_second,
+        prefix_cache_hit_rate=pb.prefix_cache_hit_rate,
+        waiting_uncached_prompt_tokens=pb.waiting_uncached_prompt_tokens,
+        max_running_sequences=pb.max_running_sequences)

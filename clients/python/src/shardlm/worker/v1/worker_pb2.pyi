@@ -566,8 +566,12 @@ class DecodeSequence(google.protobuf.message.Message):
     sequence_id: builtins.int
     """A sequence created by Prefill that has not finished."""
     max_steps: builtins.int
-    """This sequence's step budget within the call: it takes part in at most this
-    many steps (0 means num_steps). It also leaves the batch when it finishes.
+    """This sequence's token budget within the call (0 means num_steps): it takes
+    part in at most this many steps, and with speculative decoding, where a step
+    may yield several of its tokens, it emits at most this many tokens (more
+    than num_steps when drafts are accepted; the block table must hold them).
+    Without speculative decoding, num_steps caps it. It also leaves the batch
+    when it finishes.
     """
     @property
     def block_table(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
@@ -668,8 +672,8 @@ class DecodeResponse(google.protobuf.message.Message):
     def tokens(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SequenceToken]:
         """Rank 0: the tokens of each sequence active in this step, in request order:
         one, or with speculative decoding its accepted drafts and the token after
-        them, in order. A sequence's max_steps and the call's num_steps count
-        tokens. Other ranks: empty.
+        them, in order (at most the sequence's max_steps in the call). Other ranks:
+        empty.
         """
 
     @property
