@@ -127,10 +127,12 @@ class Side:
         return generate(self.address, prompt, max_new_tokens)
 
 
-def measure(sides: list[Side], streams: int, rounds: int, max_new_tokens: int) -> list:
+def measure(sides: list[Side], streams: int, rounds: int, max_new_tokens: int,
+            workloads: list[str]) -> list:
     shardlm = sides[0].address
     rows = []
-    for name, texts in WORKLOADS.items():
+    for name in workloads:
+        texts = WORKLOADS[name]
         runs: dict[str, list[dict]] = {side.name: [] for side in sides}
         for r in range(rounds):
             for side in sides if r % 2 == 0 else list(reversed(sides)):
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--streams", default="1,32", help="concurrent requests per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds per side (alternated)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--llama-server", action="store_true",
                    help="also llama-server on the same GGUF file, its n-gram speculation on and off")
@@ -191,13 +195,16 @@ def main(argv: list[str] | None = None) -> dict:
         from shardlm_server.gateway.serve.default_model import default_model_path
         args.model = default_model_path()
     stream_counts = [int(s) for s in args.streams.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        p.error(f"unknown workload {unknown[0]!r} (one of {', '.join(WORKLOADS)})")
     report: dict = {"benchmark": "bench.speculation",
                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     "model": str(args.model), "device": args.device, "dtype": args.dtype,
                     "machine": platform.machine(), "processor": platform.processor(),
                     "config": {"streams": stream_counts, "rounds": args.rounds,
                                "max_new_tokens": args.max_new_tokens,
-                               "prompts": {k: len(v) for k, v in WORKLOADS.items()}}}
+                               "prompts": {k: len(WORKLOADS[k]) for k in workloads}}}
     servers: list = []
     sides: list[Side] = []
     try:
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
             run_round(side.call, side.prompts("chat", WORKLOADS["chat"], sides[0].address)[:2],
                       1, 16)
         report["rows"] = [row for n in stream_counts
-                          for row in measure(sides, n, args.rounds, args.max_new_tokens)]
+                          for row in measure(sides, n, args.rounds, args.max_new_tokens, workloads)]
     finally:
         for server in servers:
             server.stop()

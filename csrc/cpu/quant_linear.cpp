@@ -190,14 +190,14 @@ SHARDLM_AVX2 inline void block_avx2(__m256* vacc, float* macc, const uint8_t* w,
   __m256 q[4];
   quants_avx2<kType>(blk.qs, q);
   const __m256 d = _mm256_set1_ps(blk.d);
-  const int64_t blocks = k / kBlock;
+  [[maybe_unused]] const int64_t blocks = k / kBlock;
   const float* xbase = kType == kQ8_0 ? a.x : a.nibble_x;
   for (int r = 0; r < kRows; ++r) {
     const float* x = xbase + (m0 + r) * k + b * kBlock;
     const __m256 t01 = _mm256_fmadd_ps(q[1], load8(x + 8), _mm256_mul_ps(q[0], load8(x)));
     const __m256 t23 = _mm256_fmadd_ps(q[3], load8(x + 24), _mm256_mul_ps(q[2], load8(x + 16)));
     vacc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(t01, t23), vacc[r]);
-    macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
+    if constexpr (kType != kQ8_0) macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];  // Q8_0: m = 0
   }
 }
 
@@ -260,13 +260,13 @@ SHARDLM_AVX512 inline void block_avx512(__m512* vacc, float* macc, const uint8_t
   __m512 q[2];
   quants_avx512<kType>(blk.qs, q);
   const __m512 d = _mm512_set1_ps(blk.d);
-  const int64_t blocks = k / kBlock;
+  [[maybe_unused]] const int64_t blocks = k / kBlock;
   for (int r = 0; r < kRows; ++r) {
     const float* x = a.x + (m0 + r) * k + b * kBlock;
     const __m512 t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16),
                                      _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
     vacc[r] = _mm512_fmadd_ps(d, t, vacc[r]);
-    macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
+    if constexpr (kType != kQ8_0) macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];
   }
 }
 
@@ -292,6 +292,43 @@ SHARDLM_AVX512 void row_avx512(float* acc, const uint8_t* w, const Activations& 
   for (int r = 0; r < kRows; ++r) {
     acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(vacc[0][r], vacc[1][r])) + macc[0][r] +
              macc[1][r];
+  }
+}
+
+// Q8_0 against one input row (decode): four weight rows at a time share each block's input
+// loads and loop, and skip the offset term (Q8_0 has none). SmolLM2's rows are 18 blocks, so
+// the per-row setup and reduction are a real share of a row. Each row's sums run in the order
+// of row_avx512 (two sets, even and odd blocks), so a row's result does not depend on how many
+// input rows the call has.
+// Block b of four Q8_0 rows (row_bytes apart) against x, into v[0..4).
+SHARDLM_AVX512 inline void q8_0_block4_avx512(__m512 v[4], const uint8_t* w, int64_t row_bytes,
+                                              const float* x, int64_t b) {
+  const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
+  const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+  for (int r = 0; r < 4; ++r) {
+    const Block blk = block_f16c<kQ8_0>(w + r * row_bytes + b * block_bytes(kQ8_0));
+    __m512 q[2];
+    quants_avx512<kQ8_0>(blk.qs, q);
+    const __m512 t = _mm512_fmadd_ps(q[1], x1, _mm512_mul_ps(q[0], x0));
+    v[r] = _mm512_fmadd_ps(_mm512_set1_ps(blk.d), t, v[r]);
+  }
+}
+
+SHARDLM_AVX512 void q8_0_rows4_avx512(float acc[4], const uint8_t* w, int64_t row_bytes,
+                                      const float* x, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  __m512 vacc[2][4];
+  for (int s = 0; s < 2; ++s) {
+    for (int r = 0; r < 4; ++r) vacc[s][r] = _mm512_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    q8_0_block4_avx512(vacc[0], w, row_bytes, x, b);
+    q8_0_block4_avx512(vacc[1], w, row_bytes, x, b + 1);
+  }
+  if (b < blocks) q8_0_block4_avx512(vacc[0], w, row_bytes, x, b);
+  for (int r = 0; r < 4; ++r) {
+    acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(vacc[0][r], vacc[1][r]));
   }
 }
 #endif
@@ -328,6 +365,19 @@ void gemv(T* out, const uint8_t* w, const Activations& a, const T* bias, int64_t
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float acc[kRowGroup];
+#if SHARDLM_HAVE_AVX2
+    if constexpr (kType == kQ8_0) {
+      if (m == 1 && cpu::use_avx512()) {
+        for (; begin + 4 <= end; begin += 4) {
+          q8_0_rows4_avx512(acc, w + begin * row_bytes, row_bytes, a.x, k);
+          for (int r = 0; r < 4; ++r) {
+            const float b = bias != nullptr ? to_f(bias[begin + r]) : 0.f;
+            out[begin + r] = from_f<T>(acc[r] + b);
+          }
+        }
+      }
+    }
+#endif
     for (int64_t j = begin; j < end; ++j) {
       const float b = bias != nullptr ? to_f(bias[j]) : 0.f;
       for (int64_t m0 = 0; m0 < m; m0 += kRowGroup) {
