@@ -321,8 +321,16 @@ SHARDLM_AVX512 void q8_0_rows4_avx512(float acc[4], const uint8_t* w, int64_t ro
   for (int s = 0; s < 2; ++s) {
     for (int r = 0; r < 4; ++r) vacc[s][r] = _mm512_setzero_ps();
   }
+  // The four rows are one contiguous stretch read as four short streams, too short for the
+  // hardware prefetcher to pick up; so ask for the same stretch kPrefetchBytes ahead, at the
+  // pace it is read (4 blocks of 34 bytes per block index).
+  const char* ahead = reinterpret_cast<const char*>(w) + cpu::avx2::kPrefetchBytes;
+  const int64_t pace = 4 * block_bytes(kQ8_0);
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
+    for (int64_t line = 0; line < 2 * pace; line += 64) {
+      cpu::avx2::prefetch_line(ahead + b * pace + line);
+    }
     q8_0_block4_avx512(vacc[0], w, row_bytes, x, b);
     q8_0_block4_avx512(vacc[1], w, row_bytes, x, b + 1);
   }

@@ -71,6 +71,18 @@ def test_quant_linear_matches_reference(qtype, m, n, k):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("n,k", [(37, 576), (130, 1536)])
+def test_q8_0_rows_do_not_depend_on_the_batch(n, k):
+    """One input row takes four weight rows at a time (AVX-512); with up to 4 rows a call takes
+    each weight row alone. A row's sums run in the same order either way, so decoding a
+    sequence alone or beside others gives the same bits."""
+    w = ggml_weight(n, k, "Q8_0", seed=n)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    together = ops.quant_linear(x, w)
+    for i in range(3):
+        assert torch.equal(ops.quant_linear(x[i:i + 1], w), together[i:i + 1])
+
+
 @pytest.mark.parametrize("m", [16, 17, 40, 130, 300])
 @pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
 def test_q8_0_in_whole_groups_matches_reference(m, n, k):
