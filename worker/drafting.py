@@ -128,14 +128,19 @@ class StepCosts:
     def estimate(self, rows: int, verify: bool) -> float:
         """Seconds of a `rows`-row step; relative figures are what the planner reads. A count
         not timed takes the nearest timed one of its kind (else of the other kind) scaled by the
-        prior's ratio between the two."""
+        prior's ratio between the two. A verifying step is never taken for cheaper than a plain
+        one of as many rows: it computes the same rows on the packed path, and a verify count
+        not timed yet, scaled from small ones (a lone sequence's), would otherwise look far
+        cheaper than a large batch's plain step."""
         table = self._seconds[verify] or self._seconds[not verify]
         if rows in table:
-            return table[rows]
-        if not table:
-            return _prior(rows)
-        near = min(table, key=lambda n: (abs(n - rows), n))
-        return table[near] * _prior(rows) / _prior(near)
+            seconds = table[rows]
+        elif not table:
+            seconds = _prior(rows)
+        else:
+            near = min(table, key=lambda n: (abs(n - rows), n))
+            seconds = table[near] * _prior(rows) / _prior(near)
+        return max(seconds, self.estimate(rows, verify=False)) if verify else seconds
 
 
 def _prior(rows: int) -> float:

@@ -96,6 +96,18 @@ def test_verifying_steps_are_costed_apart_from_plain_ones():
     assert planner.costs.estimate(8, verify=True) > planner.costs.estimate(5, verify=True)
 
 
+def test_a_large_batch_is_not_verified_on_the_strength_of_a_lone_sequences_timings():
+    """Verify steps timed only for one sequence (2-5 rows, 10-14 ms) and plain steps of a
+    32-sequence batch (80 ms): scaled from the small ones, a 33-row verify step would look like
+    35 ms, cheaper than the plain step; it is taken for at least a plain step's cost instead."""
+    planner = DraftPlanner()
+    for rows in range(2, 6):
+        planner.costs.observe(rows, 0.008 + 0.0015 * rows, verify=True)
+    planner.costs.observe(32, 0.080, verify=False)
+    assert planner.costs.estimate(33, verify=True) >= planner.costs.estimate(33, verify=False)
+    assert planner.plan([0.5] * 32, [4] * 32) == [0] * 32
+
+
 def test_a_fixed_count_drafts_whatever_the_proposal_holds():
     planner = DraftPlanner(fixed=3)
     assert planner.plan([0.0, 0.9, 0.5], [8, 2, 0]) == [3, 2, 0]
