@@ -21,6 +21,7 @@ several.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from shardlm.constants import DEFAULT_MAX_DRAFT_TOKENS
@@ -119,10 +120,15 @@ class StepCosts:
 
     def __init__(self) -> None:
         self._seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        # Each table's timed counts in order: the planner estimates every draft count of every
+        # step, so the nearest timed count is a bisection, not a pass over the table.
+        self._counts: dict[bool, list[int]] = {False: [], True: []}
 
     def observe(self, rows: int, seconds: float, verify: bool) -> None:
         table = self._seconds[verify]
         old = table.get(rows)
+        if old is None:
+            bisect.insort(self._counts[verify], rows)
         table[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
 
     def estimate(self, rows: int, verify: bool) -> float:
@@ -132,15 +138,27 @@ class StepCosts:
         one of as many rows: it computes the same rows on the packed path, and a verify count
         not timed yet, scaled from small ones (a lone sequence's), would otherwise look far
         cheaper than a large batch's plain step."""
-        table = self._seconds[verify] or self._seconds[not verify]
+        kind = verify if self._seconds[verify] else not verify
+        table = self._seconds[kind]
         if rows in table:
             seconds = table[rows]
         elif not table:
             seconds = _prior(rows)
         else:
-            near = min(table, key=lambda n: (abs(n - rows), n))
+            near = _nearest(self._counts[kind], rows)
             seconds = table[near] * _prior(rows) / _prior(near)
         return max(seconds, self.estimate(rows, verify=False)) if verify else seconds
+
+
+def _nearest(counts: list[int], rows: int) -> int:
+    """The count in sorted, non-empty `counts` nearest to `rows` (the smaller one of a tie)."""
+    i = bisect.bisect_left(counts, rows)
+    if i == 0:
+        return counts[0]
+    if i == len(counts):
+        return counts[-1]
+    below, above = counts[i - 1], counts[i]
+    return below if rows - below <= above - rows else above
 
 
 def _prior(rows: int) -> float:
