@@ -300,27 +300,30 @@ SHARDLM_AVX512 void row_avx512(float* acc, const uint8_t* w, const Activations& 
 // the per-row setup and reduction are a real share of a row. Each row's sums run in the order
 // of row_avx512 (two sets, even and odd blocks), so a row's result does not depend on how many
 // input rows the call has.
-// Block b of four Q8_0 rows (row_bytes apart) against x, into v[0..4).
-SHARDLM_AVX512 inline void q8_0_block4_avx512(__m512 v[4], const uint8_t* w, int64_t row_bytes,
-                                              const float* x, int64_t b) {
-  const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
-  const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-  for (int r = 0; r < 4; ++r) {
-    const Block blk = block_f16c<kQ8_0>(w + r * row_bytes + b * block_bytes(kQ8_0));
-    __m512 q[2];
-    quants_avx512<kQ8_0>(blk.qs, q);
-    const __m512 t = _mm512_fmadd_ps(q[1], x1, _mm512_mul_ps(q[0], x0));
-    v[r] = _mm512_fmadd_ps(_mm512_set1_ps(blk.d), t, v[r]);
-  }
+// Block b of one Q8_0 row against x's block b, added to acc. The accumulators of
+// q8_0_rows4_avx512 are eight named values, not an array handed between functions:
+// GCC kept such an array on the stack, so every block's sum went through a store and
+// a reload (a store-forwarding wait on each chain); as values they stay in registers.
+SHARDLM_AVX512 inline __m512 q8_0_block_avx512(__m512 acc, const uint8_t* row, const float* x,
+                                               int64_t b) {
+  const Block blk = block_f16c<kQ8_0>(row + b * block_bytes(kQ8_0));
+  __m512 q[2];
+  quants_avx512<kQ8_0>(blk.qs, q);
+  const __m512 t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + b * kBlock + 16),
+                                   _mm512_mul_ps(q[0], _mm512_loadu_ps(x + b * kBlock)));
+  return _mm512_fmadd_ps(_mm512_set1_ps(blk.d), t, acc);
 }
 
 SHARDLM_AVX512 void q8_0_rows4_avx512(float acc[4], const uint8_t* w, int64_t row_bytes,
                                       const float* x, int64_t k) {
   const int64_t blocks = k / kBlock;
-  __m512 vacc[2][4];
-  for (int s = 0; s < 2; ++s) {
-    for (int r = 0; r < 4; ++r) vacc[s][r] = _mm512_setzero_ps();
-  }
+  const uint8_t* w0 = w;
+  const uint8_t* w1 = w + row_bytes;
+  const uint8_t* w2 = w + 2 * row_bytes;
+  const uint8_t* w3 = w + 3 * row_bytes;
+  // Even blocks into e*, odd ones into o*, per row: row_avx512's two sets.
+  __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
+  __m512 o0 = e0, o1 = e0, o2 = e0, o3 = e0;
   // The four rows are one contiguous stretch read as four short streams, too short for the
   // hardware prefetcher to pick up; so ask for the same stretch kPrefetchBytes ahead, at the
   // pace it is read (4 blocks of 34 bytes per block index).
@@ -331,13 +334,25 @@ SHARDLM_AVX512 void q8_0_rows4_avx512(float acc[4], const uint8_t* w, int64_t ro
     for (int64_t line = 0; line < 2 * pace; line += 64) {
       cpu::avx2::prefetch_line(ahead + b * pace + line);
     }
-    q8_0_block4_avx512(vacc[0], w, row_bytes, x, b);
-    q8_0_block4_avx512(vacc[1], w, row_bytes, x, b + 1);
+    e0 = q8_0_block_avx512(e0, w0, x, b);
+    e1 = q8_0_block_avx512(e1, w1, x, b);
+    e2 = q8_0_block_avx512(e2, w2, x, b);
+    e3 = q8_0_block_avx512(e3, w3, x, b);
+    o0 = q8_0_block_avx512(o0, w0, x, b + 1);
+    o1 = q8_0_block_avx512(o1, w1, x, b + 1);
+    o2 = q8_0_block_avx512(o2, w2, x, b + 1);
+    o3 = q8_0_block_avx512(o3, w3, x, b + 1);
   }
-  if (b < blocks) q8_0_block4_avx512(vacc[0], w, row_bytes, x, b);
-  for (int r = 0; r < 4; ++r) {
-    acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(vacc[0][r], vacc[1][r]));
+  if (b < blocks) {
+    e0 = q8_0_block_avx512(e0, w0, x, b);
+    e1 = q8_0_block_avx512(e1, w1, x, b);
+    e2 = q8_0_block_avx512(e2, w2, x, b);
+    e3 = q8_0_block_avx512(e3, w3, x, b);
   }
+  acc[0] = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0));
+  acc[1] = _mm512_reduce_add_ps(_mm512_add_ps(e1, o1));
+  acc[2] = _mm512_reduce_add_ps(_mm512_add_ps(e2, o2));
+  acc[3] = _mm512_reduce_add_ps(_mm512_add_ps(e3, o3));
 }
 #endif
 
