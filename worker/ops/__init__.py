@@ -322,8 +322,8 @@ def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> tor
         return inv_freq
     if rope_type == "linear":  # positions interpolated: every frequency divided by the factor
         return inv_freq / rope_scaling["factor"]
-    if rope_type != "llama3":
-        raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported")
+    if rope_type != "llama3":  # config.py refuses any other type at load; this guards callers
+        raise ValueError(f"rope_scaling type {rope_type!r} is not one of default, linear, llama3")
     # transformers' _compute_llama3_parameters, operation for operation.
     factor = rope_scaling["factor"]
     low_freq_factor = rope_scaling["low_freq_factor"]

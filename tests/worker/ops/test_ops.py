@@ -167,7 +167,7 @@ def test_cos_sin_cache_rope_types():
     torch.testing.assert_close(cache[0], torch.tensor([1.0] * 4 + [0.0] * 4))
     legacy = {"type": "default"}  # pre-4.45 transformers spelling
     assert torch.equal(ops.compute_cos_sin_cache(8, 5, 10000.0, legacy), cache)
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(ValueError, match="yarn"):
         ops.compute_cos_sin_cache(8, 5, 10000.0, {"rope_type": "yarn", "factor": 2.0})
 
 
