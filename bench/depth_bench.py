@@ -5,7 +5,10 @@ ShardLM's engine runs with a float32 KV cache (the float32 model's default) and 
 llama.cpp keeps by default), llama.cpp in process (`llama-cpp-python`, `llama-bench -d` measures
 the same thing) on the same file and threads; the three are timed in alternation, `rounds` rounds,
 and the medians and spreads reported. The floor counts the step's weight bytes and its KV bytes (the
-whole context, every layer, K and V) against the read bandwidth measured in the same run.
+whole context, every layer, K and V) against the read bandwidth, measured in every round beside the
+engines: on a shared host it moves with the neighbours' load (30-53 GB/s within one session on the
+2-core VM), so each round's step is set against that round's bandwidth and the share is the median
+of the rounds' shares.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench import engine_bench as eb
-from bench import llamacpp
+from bench import llamacpp, roofline
 from shardlm_server.worker.engine import (
     DecodeItem,
     Engine,
@@ -54,17 +57,21 @@ def _engine_step_seconds(engine: Engine, prompt: list[int], steps: int) -> float
     return seconds / steps
 
 
-def _row(step_seconds: list[float], weight_bytes: int, kv_bytes: int, bandwidth: float) -> dict:
+def _row(step_seconds: list[float], weight_bytes: int, kv_bytes: int,
+         bandwidths: list[float]) -> dict:
+    """Medians over the rounds; round i's floor is its bytes over round i's bandwidth."""
     step = statistics.median(step_seconds)
-    floor = (weight_bytes + kv_bytes) / bandwidth
+    floors = [(weight_bytes + kv_bytes) / bw for bw in bandwidths]
+    shares = [floor / seconds for floor, seconds in zip(floors, step_seconds, strict=True)]
     return {"decode_tokens_per_s": 1 / step,
             "decode_tokens_per_s_spread": [1 / max(step_seconds), 1 / min(step_seconds)],
-            "kv_bytes": kv_bytes, "floor_ms_per_token": 1000 * floor,
-            "pct_of_floor": 100 * floor / step}
+            "kv_bytes": kv_bytes, "floor_ms_per_token": 1000 * statistics.median(floors),
+            "pct_of_floor": 100 * statistics.median(shares),
+            "pct_of_floor_spread": [100 * min(shares), 100 * max(shares)]}
 
 
 def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps: int,
-            rounds: int, weight_bytes: int, bandwidth: float) -> dict:
+            rounds: int, weight_bytes: int) -> dict:
     """Every figure of the depth section; see the module docstring."""
     threads = torch.get_num_threads()
     engines = {kv: _engine(path, dtype, kv, depth + steps + 1) for kv in KV_DTYPES}
@@ -80,18 +87,21 @@ def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps
         llama = llamacpp.LlamaCpp(gguf, threads, n_ctx=depth + steps + 16)
     times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
     theirs: list[float] = []
+    bandwidths: list[float] = []
     for engine in engines.values():  # warm-up: the first steps at depth allocate scratch
         _engine_step_seconds(engine, prompt[:256], 4)
     for _ in range(rounds):
+        bandwidths.append(roofline.read_bandwidth(repeats=4))
         for kv, engine in engines.items():
             times[kv].append(_engine_step_seconds(engine, prompt, steps))
         if llama is not None:
             theirs.append(llama.decode_seconds(prompt, steps) / steps)
     for kv in KV_DTYPES:
-        result[f"shardlm_kv_{kv}"] = _row(times[kv], weight_bytes, kv_bytes[kv], bandwidth)
+        result[f"shardlm_kv_{kv}"] = _row(times[kv], weight_bytes, kv_bytes[kv], bandwidths)
     if llama is not None:
         # llama.cpp keeps a float16 cache of the same shape by default.
-        result["llama_cpp"] = _row(theirs, weight_bytes, kv_bytes["float16"], bandwidth)
+        result["llama_cpp"] = _row(theirs, weight_bytes, kv_bytes["float16"], bandwidths)
+    result["bandwidth_gb_s"] = [bw / 1e9 for bw in bandwidths]
     del llama, engines
     gc.collect()
     return result
@@ -118,6 +128,9 @@ def print_rows(result: dict) -> None:
         rows.append(("llama.cpp, float16 KV", result["llama_cpp"]))
     for label, r in rows:
         lo, hi = r["decode_tokens_per_s_spread"]
+        low, high = r["pct_of_floor_spread"]
         print(f"  {label:<24}{r['decode_tokens_per_s']:>8.1f} tok/s ({lo:.1f}-{hi:.1f}); "
               f"KV {r['kv_bytes'] / 1e6:.0f} MB a step, floor {r['floor_ms_per_token']:.2f} ms "
-              f"({r['pct_of_floor']:.0f}% of it)")
+              f"({r['pct_of_floor']:.0f}% of it, rounds {low:.0f}-{high:.0f}%)")
+    bandwidths = result["bandwidth_gb_s"]
+    print(f"  read bandwidth by round: {', '.join(f'{bw:.1f}' for bw in bandwidths)} GB/s")
