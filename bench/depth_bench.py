@@ -6,9 +6,9 @@ llama.cpp keeps by default), llama.cpp in process (`llama-cpp-python`, `llama-be
 the same thing) on the same file and threads; the three are timed in alternation, `rounds` rounds,
 and the medians and spreads reported. The floor counts the step's weight bytes and its KV bytes (the
 whole context, every layer, K and V) against the read bandwidth, measured in every round beside the
-engines: on a shared host it moves with the neighbours' load (30-53 GB/s within one session on the
-2-core VM), so each round's step is set against that round's bandwidth and the share is the median
-of the rounds' shares.
+engines: on a shared host it moves with the neighbours' load (29-60 GB/s within one session on the
+2-core VM, from one second to the next in one process), so each round's step is set against that
+round's bandwidth and the share is the median of the rounds' shares.
 """
 
 from __future__ import annotations

@@ -1,0 +1,26 @@
+"""bench.depth_bench and bench.model_bench set each round's step against the read bandwidth
+measured in that round (a shared host's bandwidth moves between rounds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.depth_bench import _row
+from bench.model_bench import _floor_share
+
+
+def test_each_round_is_set_against_its_own_bandwidth():
+    # Round 1: 10 bytes at 10 B/s, a 1 s floor, stepped in 1 s; round 2: the host halved the
+    # bandwidth and the step took 2 s. Both rounds ran at their floor.
+    row = _row([1.0, 2.0], weight_bytes=6, kv_bytes=4, bandwidths=[10.0, 5.0])
+    assert row["pct_of_floor"] == pytest.approx(100.0)
+    assert row["pct_of_floor_spread"] == pytest.approx([100.0, 100.0])
+    assert row["decode_tokens_per_s"] == pytest.approx(1 / 1.5)
+    assert _floor_share(10, [10.0, 5.0], [1.0, 2.0]) == pytest.approx(100.0)
+
+
+def test_the_share_is_the_median_of_the_rounds():
+    row = _row([2.0, 1.0, 4.0], weight_bytes=10, kv_bytes=0, bandwidths=[10.0, 10.0, 10.0])
+    assert row["pct_of_floor"] == pytest.approx(50.0)  # shares 50%, 100%, 25%
+    assert row["pct_of_floor_spread"] == pytest.approx([25.0, 100.0])
+    assert row["floor_ms_per_token"] == pytest.approx(1000.0)
