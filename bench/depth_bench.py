@@ -5,10 +5,8 @@ ShardLM's engine runs with a float32 KV cache (the float32 model's default) and 
 llama.cpp keeps by default), llama.cpp in process (`llama-cpp-python`, `llama-bench -d` measures
 the same thing) on the same file and threads; the three are timed in alternation, `rounds` rounds,
 and the medians and spreads reported. The floor counts the step's weight bytes and its KV bytes (the
-whole context, every layer, K and V) against the read bandwidth, measured in every round beside the
-engines: on a shared host it moves with the neighbours' load (29-60 GB/s within one session on the
-2-core VM, from one second to the next in one process), so each round's step is set against that
-round's bandwidth and the share is the median of the rounds' shares.
+whole context, every layer, K and V) against the read bandwidth measured in the same round
+(`roofline.round_shares`); the share is the median of the rounds' shares.
 """
 
 from __future__ import annotations
@@ -61,13 +59,13 @@ def _row(step_seconds: list[float], weight_bytes: int, kv_bytes: int,
          bandwidths: list[float]) -> dict:
     """Medians over the rounds; round i's floor is its bytes over round i's bandwidth."""
     step = statistics.median(step_seconds)
-    floors = [(weight_bytes + kv_bytes) / bw for bw in bandwidths]
-    shares = [floor / seconds for floor, seconds in zip(floors, step_seconds, strict=True)]
+    floor = statistics.median((weight_bytes + kv_bytes) / bw for bw in bandwidths)
+    shares = roofline.round_shares(weight_bytes + kv_bytes, bandwidths, step_seconds)
     return {"decode_tokens_per_s": 1 / step,
             "decode_tokens_per_s_spread": [1 / max(step_seconds), 1 / min(step_seconds)],
-            "kv_bytes": kv_bytes, "floor_ms_per_token": 1000 * statistics.median(floors),
-            "pct_of_floor": 100 * statistics.median(shares),
-            "pct_of_floor_spread": [100 * min(shares), 100 * max(shares)]}
+            "kv_bytes": kv_bytes, "floor_ms_per_token": 1000 * floor,
+            "pct_of_floor": statistics.median(shares),
+            "pct_of_floor_spread": [min(shares), max(shares)]}
 
 
 def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps: int,

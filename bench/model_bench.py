@@ -86,12 +86,6 @@ def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: fl
                       "(its prefill subtracted), applied to the unprofiled step time"}
 
 
-def _floor_share(nbytes: int, bandwidths: list[float], step_s: list[float]) -> float:
-    """Percent of the read floor: the median over rounds of each round's floor (its bandwidth)
-    over its step."""
-    return 100 * statistics.median(nbytes / bw / s for bw, s in zip(bandwidths, step_s, strict=True))
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -146,10 +140,7 @@ def measure(args) -> dict:
     ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
     fast = args.activation_precision == "int8"
     fast_dec, fast_pre = [], []
-    # The read bandwidth of each round, beside the engines: on a shared host it moves with the
-    # neighbours' load, and a lone measure taken just after llama.cpp let go of its threads read
-    # 30-53 GB/s on the 2-core VM where these rounds read 57-59.
-    bandwidths: list[float] = []
+    bandwidths: list[float] = []  # each round's read bandwidth (roofline.round_shares)
     eb.engine_decode_seconds(engine, prompt, 4, cpu, 1)  # warm-up
     for _ in range(args.repeats + 1):
         bandwidths.append(roofline.read_bandwidth(repeats=4))
@@ -190,11 +181,12 @@ def measure(args) -> dict:
                           "bandwidth_gb_s_rounds": [bw / 1e9 for bw in bandwidths],
                           "floor_ms_per_token": floor_ms,
                           "achieved_gb_s": nbytes / (step_ms / 1000) / 1e9,
-                          "pct_of_floor": _floor_share(nbytes, bandwidths, ours_dec)}
+                          "pct_of_floor": _median(roofline.round_shares(nbytes, bandwidths, ours_dec))}
     if fast:
         fast_ms = result["shardlm_int8"]["decode_ms_per_step"]
         result["shardlm_int8"].update({"achieved_gb_s": nbytes / (fast_ms / 1000) / 1e9,
-                                       "pct_of_floor": _floor_share(nbytes, bandwidths, fast_dec)})
+                                       "pct_of_floor": _median(roofline.round_shares(nbytes, bandwidths,
+                                                                             fast_dec))})
 
     flops = linear_flops_per_token(engine)
     peak = roofline.fma_peak_flops()

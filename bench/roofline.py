@@ -70,6 +70,15 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 8) -> float:
     return nbytes / seconds
 
 
+def round_shares(nbytes: int, bandwidths: list[float], step_seconds: list[float]) -> list[float]:
+    """Percent of the floor each round reached: `nbytes` at that round's read bandwidth over its
+    step. The bandwidth is measured in every round beside the engines because a shared host's
+    moves with the neighbours' load (29-60 GB/s within one session on the 2-core VM, from one
+    second to the next in one process); a single measure would set every round against one
+    moment's figure."""
+    return [100 * nbytes / bw / s for bw, s in zip(bandwidths, step_seconds, strict=True)]
+
+
 def fma_peak_flops(iterations: int = 20_000_000, repeats: int = 3) -> float:
     """FLOP/s of float32 FMAs on every thread of this CPU (the best of a few runs)."""
     from shardlm_server.worker.ops.native import library

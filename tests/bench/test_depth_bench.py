@@ -1,12 +1,12 @@
-"""bench.depth_bench and bench.model_bench set each round's step against the read bandwidth
-measured in that round (a shared host's bandwidth moves between rounds)."""
+"""bench.depth_bench and bench.model_bench (both through roofline.round_shares) set each round's
+step against the read bandwidth measured in that round (a shared host's moves between rounds)."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.depth_bench import _row
-from bench.model_bench import _floor_share
+from bench.roofline import round_shares
 
 
 def test_each_round_is_set_against_its_own_bandwidth():
@@ -16,7 +16,7 @@ def test_each_round_is_set_against_its_own_bandwidth():
     assert row["pct_of_floor"] == pytest.approx(100.0)
     assert row["pct_of_floor_spread"] == pytest.approx([100.0, 100.0])
     assert row["decode_tokens_per_s"] == pytest.approx(1 / 1.5)
-    assert _floor_share(10, [10.0, 5.0], [1.0, 2.0]) == pytest.approx(100.0)
+    assert round_shares(10, [10.0, 5.0], [1.0, 2.0]) == pytest.approx([100.0, 100.0])
 
 
 def test_the_share_is_the_median_of_the_rounds():
