@@ -25,9 +25,10 @@ using quant::kSuperGroupBytes;
 
 // Where block b (32 weights) of a group's 8 rows keeps its 128 bytes of quant
 // words (and for the 5-bit layouts its 32 bytes of high bits), and its scale d
-// and offset m per row (w = d q + m), for each layout. kLead: bytes of the
-// block ahead of its quant words, where prefetching starts. kImpliedOffset:
-// for layouts that store no offset, m = kImpliedOffset * d (0: m is stored).
+// and offset m per row (w = d q + m), for each layout. stream_begin: where
+// block b's stretch of the group's bytes begins (the kernels look ahead over
+// it; its end is quants + 128). kImpliedOffset: for layouts that store no
+// offset, m = kImpliedOffset * d (0: m is stored).
 //
 // Q4x8 (Q4_1, `--quantize int4`), Q40x8 (Q4_0) and Q5x8 (Q5_0), per block of
 // 32 weights and group of 8 rows: the rows' float16 scales d[8], their offsets
@@ -47,6 +48,7 @@ struct BlockLayout {
     return kF ? header(w, b) + kScaleBytes : nullptr;
   }
   static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + kLead; }
+  static const uint8_t* stream_begin(const uint8_t* w, int64_t b) { return header(w, b); }
   static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
   static float m(const uint8_t* w, int64_t b, int64_t r) {
     if constexpr (kOff != 0.f) return kOff * d(w, b, r);
@@ -68,7 +70,6 @@ struct SuperLayout {
   static constexpr int64_t kType = kT;
   static constexpr bool kSuper = true, kFive = kF;
   static constexpr float kImpliedOffset = 0.f;
-  static constexpr int64_t kLead = 32;
   static constexpr int64_t kBlockBytes = kF ? 160 : 128;
   static constexpr int64_t kBytes = 160 + kSuperBlocks * kBlockBytes;
   static int64_t group_bytes(int64_t k) { return k / (kBlock * kSuperBlocks) * kBytes; }
@@ -77,6 +78,10 @@ struct SuperLayout {
     return super(w, b) + 160 + kBlockBytes * (b % kSuperBlocks);
   }
   static const uint8_t* quants(const uint8_t* w, int64_t b) { return highs(w, b) + (kF ? 32 : 0); }
+  // The super-block's header is read with its first block.
+  static const uint8_t* stream_begin(const uint8_t* w, int64_t b) {
+    return b % kSuperBlocks == 0 ? super(w, b) : highs(w, b);
+  }
   static float d(const uint8_t* w, int64_t b, int64_t r) {
     const uint8_t* h = super(w, b);
     return half_at(h + 2 * r) * static_cast<float>(h[32 + 8 * (b % kSuperBlocks) + r]);
@@ -182,17 +187,10 @@ SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m
 }
 
 // The lines of block b ahead of the one read (for AVX-512 pairs, next > 0,
-// those of both groups: grouped::prefetch_pair).
-template <class L>
+// those of both groups: grouped::prefetch_pair), into the cache kInto names.
+template <class L, cpu::avx2::Into kInto = cpu::avx2::Into::kL1>
 SHARDLM_AVX2 inline void prefetch_block(const uint8_t* w, int64_t b, int64_t next = 0) {
-  const uint8_t* start = L::quants(w, b) - L::kLead;
-  for (int64_t line = 0; line < 3 * 64; line += 64) {
-    if (next) {
-      grouped::prefetch_pair(w, start + line, next);
-    } else {
-      cpu::avx2::prefetch_ahead(start + line);
-    }
-  }
+  grouped::prefetch_span<kInto>(w, L::stream_begin(w, b), L::quants(w, b) + 128, next);
 }
 
 // The 8 bytes at p and the 8 at p + next as 16 floats.

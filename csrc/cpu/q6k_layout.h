@@ -28,6 +28,12 @@ inline const uint8_t* words_of(const uint8_t* w, int64_t b) {
   return super_of(w, b) + kHeaderBytes + kBlockBytes * (b % kSuperBlocks);
 }
 
+// Where block b's stretch of the group's bytes begins: the super-block's
+// header is read with its first block (the stretch ends at words_of + kBlockBytes).
+inline const uint8_t* stream_begin(const uint8_t* w, int64_t b) {
+  return b % kSuperBlocks == 0 ? super_of(w, b) : words_of(w, b);
+}
+
 // Byte offset, in the super-block, of the 8 rows' int8 scales of half h of block b.
 inline int64_t scales_at(int64_t b, int64_t h) { return 16 + 8 * (2 * (b % kSuperBlocks) + h); }
 

@@ -89,7 +89,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* q = words_of(w, b);
-    for (int64_t line = 0; line < kBlockBytes; line += 64) cpu::avx2::prefetch_ahead(q + line);
+    grouped::prefetch_span(w, stream_begin(w, b), q + kBlockBytes, 0);
     __m256 c[R][2][C];
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
@@ -141,9 +141,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* q = words_of(w, b);
-    for (int64_t line = 0; line < kBlockBytes; line += 64) {
-      grouped::prefetch_pair(w, q + line, next);
-    }
+    grouped::prefetch_span(w, stream_begin(w, b), q + kBlockBytes, next);
     __m512 c[R][2][C];
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {

@@ -70,6 +70,24 @@ inline void prefetch_ahead(const void* p) {
   prefetch_line(static_cast<const char*>(p) + kPrefetchBytes);
 }
 
+// Which cache a streaming kernel's look-ahead fills. The float-activation
+// kernels are bound by their own arithmetic (one thread unpacks about 16 GB/s
+// of 4-bit weights from cache), so a line must already be in L1 when they reach
+// it. The int8-activation ones unpack from cache three times as fast and wait
+// on memory instead: their look-ahead into L1 (two streams, 6 KiB each)
+// crowded out the lines being read, and one thread streamed 1B-shaped Q4_0
+// weights at 16-17 GB/s against 20-21 with the look-ahead into L2.
+enum class Into { kL1, kL2 };
+
+template <Into kInto>
+inline void prefetch_into(const void* p) {
+  if constexpr (kInto == Into::kL1) {
+    prefetch_line(p);
+  } else {
+    prefetch_line_l2(p);
+  }
+}
+
 // ---- 8 lanes of T <-> 8 floats ------------------------------------------------------
 // Conversions round to nearest even exactly like c10::BFloat16 / c10::Half, so
 // vector and scalar code produce the same bits.
