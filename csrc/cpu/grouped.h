@@ -134,7 +134,7 @@ SHARDLM_AVX2 inline void prefetch_span(const uint8_t* w, const uint8_t* begin, c
     if (next) {
       prefetch_pair<kInto>(w, p, next);
     } else {
-      cpu::avx2::prefetch_into<kInto>(p + cpu::avx2::kPrefetchBytes);
+      cpu::avx2::prefetch_ahead<kInto>(p);
     }
   }
 }

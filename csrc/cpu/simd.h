@@ -66,10 +66,6 @@ inline void prefetch_line(const void* p) {
 inline void prefetch_line_l2(const void* p) {
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 }
-inline void prefetch_ahead(const void* p) {
-  prefetch_line(static_cast<const char*>(p) + kPrefetchBytes);
-}
-
 // Which cache a streaming kernel's look-ahead fills. The float-activation
 // kernels are bound by their own arithmetic (one thread unpacks about 16 GB/s
 // of 4-bit weights from cache), so a line must already be in L1 when they reach
@@ -86,6 +82,12 @@ inline void prefetch_into(const void* p) {
   } else {
     prefetch_line_l2(p);
   }
+}
+
+// The line kPrefetchBytes past p, into kInto.
+template <Into kInto = Into::kL1>
+inline void prefetch_ahead(const void* p) {
+  prefetch_into<kInto>(static_cast<const char*>(p) + kPrefetchBytes);
 }
 
 // ---- 8 lanes of T <-> 8 floats ------------------------------------------------------
