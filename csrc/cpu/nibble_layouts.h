@@ -34,12 +34,14 @@ using quant::kSuperGroupBytes;
 // 32 weights and group of 8 rows: the rows' float16 scales d[8], their offsets
 // m[8] unless implied (Q4_0's m = -8 d, Q5_0's -16 d, exact in float32), for
 // 5-bit quants the high-bit words h[8], then the quant words q[4][8].
-template <int64_t kT, bool kF, float kOff>
+// kOff is an int: a float template parameter is C++20 (GCC 12 let it through in C++17, GCC 13
+// does not).
+template <int64_t kT, bool kF, int kOff>
 struct BlockLayout {
   static constexpr int64_t kType = kT;
   static constexpr bool kSuper = false, kFive = kF;
-  static constexpr float kImpliedOffset = kOff;
-  static constexpr int64_t kScaleBytes = kOff != 0.f ? 16 : 32;
+  static constexpr float kImpliedOffset = static_cast<float>(kOff);
+  static constexpr int64_t kScaleBytes = kOff != 0 ? 16 : 32;
   static constexpr int64_t kLead = kScaleBytes + (kF ? 32 : 0);
   static constexpr int64_t kBytes = kLead + 128;
   static int64_t group_bytes(int64_t k) { return k / kBlock * kBytes; }
@@ -51,13 +53,13 @@ struct BlockLayout {
   static const uint8_t* stream_begin(const uint8_t* w, int64_t b) { return header(w, b); }
   static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
   static float m(const uint8_t* w, int64_t b, int64_t r) {
-    if constexpr (kOff != 0.f) return kOff * d(w, b, r);
+    if constexpr (kOff != 0) return kImpliedOffset * d(w, b, r);
     return half_at(header(w, b) + 16 + 2 * r);
   }
 };
-using Q4x8Layout = BlockLayout<quant::kQ4x8, false, 0.f>;
-using Q40x8Layout = BlockLayout<quant::kQ40x8, false, -8.f>;
-using Q5x8Layout = BlockLayout<quant::kQ5x8, true, -16.f>;
+using Q4x8Layout = BlockLayout<quant::kQ4x8, false, 0>;
+using Q40x8Layout = BlockLayout<quant::kQ40x8, false, -8>;
+using Q5x8Layout = BlockLayout<quant::kQ5x8, true, -16>;
 static_assert(Q4x8Layout::kBytes == kGroupBlockBytes && Q40x8Layout::kBytes == kQ40GroupBlockBytes &&
               Q5x8Layout::kBytes == kQ5GroupBlockBytes);
 
