@@ -264,7 +264,11 @@ print("ops load with CUDA kernels; torch", torch.__version__, "on", torch.cuda.g
 # ------------------------------------------------------------------ parts
 JUNITS=()
 part_tests() {
-  pytest_step "CUDA tests" junit-cuda.xml -- "${KERNEL_TESTS[@]}"
+  # In 4 worker processes where pytest-xdist is installed (the GPU image has it): a test that
+  # crashes its process (a segfault in an op) is then reported as failed and the rest still run.
+  local spread=()
+  "$PYTHON" -c 'import xdist' 2>/dev/null && spread=(-n 4)
+  pytest_step "CUDA tests" junit-cuda.xml -- "${spread[@]}" "${KERNEL_TESTS[@]}"
   pytest_step "full stack on the GPU" junit-stack.xml "${STACK_ENV[@]}" -- "${STACK_TESTS[@]}"
 }
 

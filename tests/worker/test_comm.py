@@ -603,22 +603,30 @@ class _FakeNccl:
     NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
     NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8  # no NCCL_BFLOAT16: like old cupy
 
-    def __init__(self, hold_init: bool = False, signed_char: bool = True) -> None:
+    def __init__(self, hold_init: bool = False, signed_char: bool = True,
+                 bytes_ids: bool = False) -> None:
         """``hold_init``: ncclCommInitRank blocks (a peer that never starts) until
-        ``release_init`` is set."""
+        ``release_init`` is set. ``bytes_ids``: unique ids are bytes, as CuPy 14 has them, not
+        tuples of C chars."""
         self.signed_char = signed_char
+        self.bytes_ids = bytes_ids
         self.release_init = threading.Event()
         if not hold_init:
             self.release_init.set()
         self.comms: list[_FakeComm] = []
-        self.uids: list[tuple[int, ...]] = []
+        self.uids: list[tuple[int, ...] | bytes] = []
 
-    def get_unique_id(self) -> tuple[int, ...]:
+    def get_unique_id(self) -> tuple[int, ...] | bytes:
+        if self.bytes_ids:
+            return bytes(range(64, 192))
         return tuple(range(-64, 64))
 
-    def NcclCommunicator(self, ndev: int, uid: tuple, rank: int) -> _FakeComm:
+    def NcclCommunicator(self, ndev: int, uid: tuple | bytes, rank: int) -> _FakeComm:
+        # What CuPy's argument parsing does with the other form: a TypeError, before NCCL runs.
+        if isinstance(uid, bytes) != self.bytes_ids:
+            raise TypeError("Argument 'commId' has incorrect type")
         lo, hi = (-128, 127) if self.signed_char else (0, 255)
-        if not all(lo <= v <= hi for v in uid):
+        if not self.bytes_ids and not all(lo <= v <= hi for v in uid):
             raise OverflowError("value too large to convert to char")
         self.release_init.wait(timeout=60)  # the bound only stops a hung test
         self.uids.append(uid)
@@ -772,6 +780,15 @@ def test_nccl_fake_unsigned_char_platform(fake_cupy: Callable[..., _FakeNccl]) -
     uid = bytes(range(128, 256))
     comm = _fake_comm(uid=uid)
     assert nccl.uids == [tuple(range(128, 256))]
+    comm.close()
+
+
+def test_nccl_fake_cupy_14_takes_bytes(fake_cupy: Callable[..., _FakeNccl]) -> None:
+    nccl = fake_cupy(bytes_ids=True)
+    uid = new_nccl_unique_id()
+    assert uid == bytes(range(64, 192))
+    comm = _fake_comm(uid=uid)
+    assert nccl.uids == [uid]
     comm.close()
 
 

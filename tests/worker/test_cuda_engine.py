@@ -54,7 +54,7 @@ def greedy(engine: Engine, prompts: list[list[int]], steps: int, chunk: int,
            per_seq: int = PER_SEQ) -> list[list[int]]:
     """Prefill all prompts as one batch, then decode `steps` tokens in calls of `chunk` steps."""
     engine.reset()
-    stop = StopParams(max_new_tokens=steps + 1, ignore_eos=True)
+    stop = StopParams(max_new_tokens=steps + 1)
     first = engine.prefill([PrefillItem(i, p, 0, table(i, per_seq), stop=stop)
                             for i, p in enumerate(prompts)])
     out = [[t.token.token_id] for t in first.tokens]
@@ -96,7 +96,7 @@ def test_bfloat16_logits_within_rounding_of_the_cpu_engine(family, cpu_engines):
     name, folder = family
     gpu, cpu = load(folder, "cuda", "bfloat16"), cpu_engines[name]
     prompts = [prompt(n, gpu.cfg.vocab_size, 100 + n) for n in BOUNDARY_LENGTHS]
-    stop = StopParams(max_new_tokens=4, ignore_eos=True)
+    stop = StopParams(max_new_tokens=4)
     logits = {}
     for label, engine in (("gpu", gpu), ("cpu", cpu)):
         engine.reset()

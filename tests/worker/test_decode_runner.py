@@ -20,7 +20,7 @@ from shardlm_server.worker.sampling import SamplerSettings
 from tests.worker.eager_steps import graph_steps_run_eagerly
 
 BLOCK = 8
-PER_SEQ = 12  # blocks per sequence: 96 tokens
+PER_SEQ = 20  # blocks per sequence: 160 tokens (batch 17: a 117-token prompt and 24 steps)
 
 
 def table(seq: int) -> list[int]:

@@ -93,6 +93,14 @@ def unique_id_to_tuple(data: bytes, *, signed: bool = True) -> tuple[int, ...]:
     return tuple(data)
 
 
+def unique_id_forms(data: bytes) -> list[Any]:
+    """The forms CuPy's ``NcclCommunicator`` has taken a unique id in, the newest first: bytes
+    (CuPy 14), then a tuple of C chars, signed where char is (x86-64) or unsigned (aarch64).
+    A form CuPy does not take fails its argument parsing (TypeError, OverflowError) before NCCL
+    is called, so the next one can be tried."""
+    return [bytes(data), unique_id_to_tuple(data), unique_id_to_tuple(data, signed=False)]
+
+
 def _nccl_dtypes(nccl: Any) -> dict[torch.dtype, int]:
     return {
         torch.float32: nccl.NCCL_FLOAT32,
@@ -144,11 +152,11 @@ class NcclCommunicator(Communicator):
         torch.cuda.set_device(dev)
         self._dtypes = _nccl_dtypes(nccl)
         self._barrier_buf: torch.Tensor | None = None  # allocated by the first barrier()
-        self._comm = self._init_comm(unique_id_to_tuple(unique_id))
+        self._comm = self._init_comm(unique_id_forms(unique_id))
 
     # -- set-up -----------------------------------------------------------------
 
-    def _init_comm(self, uid: tuple[int, ...]) -> Any:
+    def _init_comm(self, uid_forms: list[Any]) -> Any:
         nccl = self._nccl
         index = self.device.index
         state: dict[str, Any] = {"comm": None, "error": None, "abandoned": False}
@@ -159,12 +167,13 @@ class NcclCommunicator(Communicator):
             error = None
             try:
                 torch.cuda.set_device(index)  # the current device is per thread
-                try:
-                    comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)
-                except OverflowError:
-                    # C char is unsigned on this platform: cupy wants 0..255.
-                    unsigned = tuple(v & 0xFF for v in uid)
-                    comm = nccl.NcclCommunicator(self.world_size, unsigned, self.rank)
+                for i, uid in enumerate(uid_forms):
+                    try:
+                        comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+                        break
+                    except (TypeError, OverflowError):
+                        if i == len(uid_forms) - 1:
+                            raise
             except Exception as e:  # reported to the caller below
                 error = f"{type(e).__name__}: {e}"
             with lock:
