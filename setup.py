@@ -78,6 +78,36 @@ except ImportError as exc:
     )
 
 
+def _load_libstdcxx():
+    # scripts/ is no package: the module is loaded from its file, as its tests do.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("libstdcxx", ROOT / "scripts" / "libstdcxx.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+libstdcxx = _load_libstdcxx()
+
+
+class ShardLMBuildExtension(BuildExtension):
+    """torch's builder, then a check that the library links libstdc++ shared
+    (scripts/libstdcxx.py says what a private copy breaks)."""
+
+    def build_extension(self, ext) -> None:
+        super().build_extension(ext)
+        built = Path(self.get_ext_fullpath(ext.name))
+        copies = libstdcxx.private_copies(built) if built.exists() else None
+        if copies:
+            _die(
+                f"The C++ compiler ({_find_cxx()}) linked a private copy of libstdc++ into "
+                f"{built.name} (it defines {copies[0]} and {len(copies) - 1} more of libstdc++'s "
+                "symbols), so its error messages would crash the process. Build with a compiler "
+                "that links the shared libstdc++, e.g. CXX=/usr/bin/g++."
+            )
+
+
 def _find_cxx() -> str | None:
     candidates = [os.environ.get("CXX", "").split(" ")[0], "c++", "g++", "clang++"]
     for cand in candidates:
@@ -141,6 +171,11 @@ def _extension():
     # (scripts/gpu_check.sh), and nothing a user of the ops needs. The last -g flag wins.
     cxx_flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", "-g0"]
     link_flags = ["-fopenmp"]
+    # The shared libstdc++'s folder first, so that a wrapper's folder holding only the static
+    # library is not taken (scripts/libstdcxx.py).
+    shared = libstdcxx.shared_library_dir(_find_cxx())
+    if shared:
+        link_flags.append(f"-L{shared}")
     if _want_cuda():
         _set_arch_list()
         sources += [*_sources("csrc/cuda", "*.cu"), "csrc/cuda/registration.cpp"]
@@ -186,5 +221,5 @@ setup(
     package_dir=PACKAGE_FOLDERS,
     package_data={"": ["py.typed", "*.pyi"]},
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": ShardLMBuildExtension},
 )
