@@ -206,13 +206,13 @@ copy_tree() {
   ln -s "$TREE/worker" "$VIEW/shardlm_server/worker"
 }
 
-# The build's identity: sources, build script, torch, Python and GPU architecture.
+# The build's identity: sources, build scripts, torch, Python and GPU architecture.
 build_stamp() {
   local facts=dry-run
   (( DRY_RUN )) || facts=$("$PYTHON" -c 'import sys, torch
 cap = ".".join(map(str, torch.cuda.get_device_capability(0))) if torch.cuda.is_available() else "none"
 print(torch.__version__, sys.implementation.cache_tag, cap)' 2>/dev/null || echo unknown)
-  { (cd "$ROOT" && find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum); echo "$facts"; } \
+  { (cd "$ROOT" && find csrc setup.py scripts/libstdcxx.py -type f | LC_ALL=C sort | xargs sha256sum); echo "$facts"; } \
     | sha256sum | cut -c1-12
 }
 
