@@ -178,20 +178,20 @@ inline void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2)
 // out[m, n] = x @ W^T (+ bias) for a weight of groups of `group_bytes` each.
 // dot(acc, g, width, m0, rows) fills acc[i * width + l] with feature l of the
 // `width` features from group g on (8, or 16 for a pair under AVX-512) for
-// input rows m0 + i, i < rows (at most kMaxRows); later input rows find the
-// groups' weights in cache.
-template <typename T, class Dot>
+// input rows m0 + i, i < rows (at most kRows, kMaxRows unless a kernel takes
+// more); later input rows find the groups' weights in cache.
+template <int64_t kRows = kMaxRows, typename T, class Dot>
 void gemv(T* out, const T* bias, int64_t m, int64_t n, int64_t group_bytes, const Dot& dot) {
   const int64_t groups = n / kGroupRows;
   const int64_t span = cpu::use_avx512() ? 2 : 1;  // an odd last group goes alone
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (span * group_bytes));
   at::parallel_for(0, (groups + span - 1) / span, grain, [&](int64_t begin, int64_t end) {
-    float acc[kMaxRows * 2 * kGroupRows];
+    float acc[kRows * 2 * kGroupRows];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit * span;
       const int64_t width = std::min(span, groups - g) * kGroupRows;
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, m - m0);
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int64_t rows = std::min(kRows, m - m0);
         dot(acc, g, width, m0, rows);
         for (int64_t i = 0; i < rows; ++i) {
           for (int64_t l = 0; l < width; ++l) {

@@ -14,8 +14,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_utils.h"
@@ -347,15 +349,29 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
   }
 }
 
-// Calls kernel(std::integral_constant<int, R>) for R = rows (1 .. kMaxRows).
-template <class K>
+// Input rows one pass of the AVX-512 kernels takes (grouped::gemv's kRows).
+// Q6Kx8's kernel spends as much on each block's unpacking and on its two
+// halves' scaling as on its dot products, and 6 rows share the unpacking; the
+// nibble kernels, at the machine's vpdpbusd rate with 4 rows, gain nothing
+// from more (2 threads, the 1B file's matrices at 512 rows, alternated: Q6Kx8
+// 306-326 -> 351 GOP/s, Q4Kx8 419-479 either way). The AVX2 kernels (16
+// registers) take at most 4 rows at a time of a pass.
+template <class L>
+constexpr int64_t kPassRows = std::is_same_v<L, Q6KLayout> ? 6 : grouped::kMaxRows;
+
+// Calls kernel(std::integral_constant<int, R>) for R = rows (1 .. kMax).
+template <int64_t kMax, class K>
 void with_rows(int64_t rows, const K& kernel) {
-  static_assert(grouped::kMaxRows == 4);
+  static_assert(kMax == 4 || kMax == 6);
   switch (rows) {
     case 1: return kernel(std::integral_constant<int, 1>{});
     case 2: return kernel(std::integral_constant<int, 2>{});
     case 3: return kernel(std::integral_constant<int, 3>{});
-    default: return kernel(std::integral_constant<int, 4>{});
+    case 4: return kernel(std::integral_constant<int, 4>{});
+  }
+  if constexpr (kMax == 6) {
+    if (rows == 5) return kernel(std::integral_constant<int, 5>{});
+    return kernel(std::integral_constant<int, 6>{});
   }
 }
 
@@ -365,9 +381,12 @@ void group_dot(float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, 
                int64_t rows, int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
-    return with_rows(rows, [&](auto r) {
-      rows_avx2<decltype(r)::value>(L{}, acc, stride, w, x, m0, k);
-    });
+    for (int64_t i = 0; i < rows; i += grouped::kMaxRows) {
+      with_rows<grouped::kMaxRows>(std::min(grouped::kMaxRows, rows - i), [&](auto r) {
+        rows_avx2<decltype(r)::value>(L{}, acc + i * stride, stride, w, x, m0 + i, k);
+      });
+    }
+    return;
   }
 #endif
   (void)avx2;
@@ -380,12 +399,12 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
   const int64_t group_bytes = L::group_bytes(k);
   const bool avx2 = cpu::use_avx2();
   const bool vnni = cpu::use_avx512_vnni();
-  grouped::gemv(out, bias, m, n, group_bytes,
+  grouped::gemv<kPassRows<L>>(out, bias, m, n, group_bytes,
                 [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
     const uint8_t* wg = w + g * group_bytes;
 #if SHARDLM_HAVE_AVX2
     if (width == 2 * kGroupRows && vnni) {
-      return with_rows(rows, [&](auto r) {
+      return with_rows<kPassRows<L>>(rows, [&](auto r) {
         pair_vnni<decltype(r)::value>(L{}, acc, wg, group_bytes, x, m0, k);
       });
     }
