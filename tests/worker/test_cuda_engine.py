@@ -5,6 +5,10 @@ bfloat16 rounding. Prefill and decode cross block boundaries (prompts one short 
 past a block), chunked prefills agree with whole ones, and a 16k-token context runs through the
 captured graphs' largest context bucket with the CPU's tokens. Needs a GPU and a CUDA build of
 shardlm_server.worker._C; selected by `pytest -m cuda` (scripts/gpu_check.sh).
+
+The short tests also run with a second CPU engine in the GPU's place (`target` "cpu"), so that
+their own code runs in CI: the first GPU run found two of them broken by API changes that no
+CPU run had reached.
 """
 
 from __future__ import annotations
@@ -19,11 +23,9 @@ from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import LLAMA, build_checkpoint
 from tests.worker.eager_steps import graph_steps_run_eagerly
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (torch.cuda.is_available() and ops.CUDA_BUILT),
-                       reason="needs a GPU and a CUDA build of shardlm_server.worker._C"),
-]
+ON_GPU = [pytest.mark.cuda,
+          pytest.mark.skipif(not (torch.cuda.is_available() and ops.CUDA_BUILT),
+                             reason="needs a GPU and a CUDA build of shardlm_server.worker._C")]
 
 BLOCK = 16
 PER_SEQ = 8  # blocks per short sequence: 128 tokens
@@ -83,18 +85,24 @@ def family(request, llama_dir, qwen2_dir):
     return request.param, {"llama": llama_dir, "qwen2": qwen2_dir}[request.param]
 
 
-def test_float32_greedy_tokens_equal_the_cpu_engine(family, cpu_engines):
+@pytest.fixture(params=[pytest.param("cuda", marks=ON_GPU), "cpu"])
+def target(request) -> str:
+    """The device of the engine under test: the GPU, or the CPU standing in for it."""
+    return request.param
+
+
+def test_float32_greedy_tokens_equal_the_cpu_engine(family, cpu_engines, target):
     name, folder = family
-    gpu = load(folder, "cuda", "float32")
-    assert gpu.runner.graphs is not None
+    gpu = load(folder, target, "float32")
+    assert (gpu.runner.graphs is not None) == (target == "cuda")
     prompts = [prompt(n, gpu.cfg.vocab_size, n) for n in BOUNDARY_LENGTHS]
     # 40 steps in calls of 7: decode crosses block boundaries mid-call and between calls.
     assert greedy(gpu, prompts, 40, 7) == greedy(cpu_engines[name], prompts, 40, 7)
 
 
-def test_bfloat16_logits_within_rounding_of_the_cpu_engine(family, cpu_engines):
+def test_bfloat16_logits_within_rounding_of_the_cpu_engine(family, cpu_engines, target):
     name, folder = family
-    gpu, cpu = load(folder, "cuda", "bfloat16"), cpu_engines[name]
+    gpu, cpu = load(folder, target, "bfloat16"), cpu_engines[name]
     prompts = [prompt(n, gpu.cfg.vocab_size, 100 + n) for n in BOUNDARY_LENGTHS]
     stop = StopParams(max_new_tokens=4)
     logits = {}
@@ -113,8 +121,8 @@ def test_bfloat16_logits_within_rounding_of_the_cpu_engine(family, cpu_engines):
     assert torch.isfinite(logits["gpu"][1]).all()
 
 
-def test_chunked_prefill_across_block_boundaries_equals_one_prefill(llama_dir):
-    engine = load(llama_dir, "cuda", "float32")
+def test_chunked_prefill_across_block_boundaries_equals_one_prefill(llama_dir, target):
+    engine = load(llama_dir, target, "float32")
     ids = prompt(70, engine.cfg.vocab_size, 3)
     whole = engine.prefill([PrefillItem(0, ids, 0, table(0))], taps=["logits"]).taps["logits"]
     for cut in (15, 16, 17, 32):
@@ -130,6 +138,8 @@ def long_dir(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("llama-16k"), spec)
 
 
+@pytest.mark.cuda
+@ON_GPU[1]
 def test_16k_context_prefill_and_decode_equal_the_cpu_engine(long_dir):
     per_seq = (LONG_CONTEXT + BLOCK - 1) // BLOCK
     graphs = GraphConfig(max_batch=2, max_context=LONG_CONTEXT)
