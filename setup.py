@@ -172,10 +172,16 @@ def _extension():
     cxx_flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", "-g0"]
     link_flags = ["-fopenmp"]
     # The shared libstdc++'s folder first, so that a wrapper's folder holding only the static
-    # library is not taken (scripts/libstdcxx.py).
-    shared = libstdcxx.shared_library_dir(_find_cxx())
-    if shared:
-        link_flags.append(f"-L{shared}")
+    # library is not taken; failing that, the distribution's compiler (scripts/libstdcxx.py).
+    cxx = _find_cxx()
+    chosen, flags = libstdcxx.choose(cxx)
+    link_flags += flags
+    if chosen != cxx:
+        _log(f"{cxx} links a private copy of libstdc++ into libraries -> building with {chosen}.")
+        os.environ["CXX"] = chosen
+        c_compiler = libstdcxx.c_compiler_beside(chosen)
+        if c_compiler:
+            os.environ["CC"] = c_compiler
     if _want_cuda():
         _set_arch_list()
         sources += [*_sources("csrc/cuda", "*.cu"), "csrc/cuda/registration.cpp"]

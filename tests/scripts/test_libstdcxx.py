@@ -1,6 +1,7 @@
 """The ops library links the shared libstdc++: a compiler wrapper whose first library folder holds
-only libstdc++.a (as one GPU image's has) makes a private copy, which setup.py's link folder
-avoids and its check refuses; the library CI built has none."""
+only libstdc++.a (as one GPU image's has) makes a private copy, which the shared library's folder
+first on the link line avoids; a compiler that no link flag mends gives way to the distribution's
+(`choose`, which setup.py asks); and the library CI built has none."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def static_only_wrapper(tmp_path: Path) -> Path:
     return wrapper
 
 
+@pytest.fixture
+def always_static_wrapper(tmp_path: Path) -> Path:
+    """A g++ that links libstdc++ statically whatever folders come first: no link flag helps."""
+    wrapper = tmp_path / "static" / "g++"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {GXX} -static-libstdc++ "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def build(cxx: Path | str, tmp_path: Path, *flags: str) -> Path:
     src, out = tmp_path / "f.cpp", tmp_path / f"f{len(flags)}.so"
     src.write_text(SOURCE)
@@ -60,6 +71,31 @@ def test_a_static_only_folder_makes_a_private_copy_and_the_link_folder_prevents_
 @needs_gxx
 def test_a_plain_build_has_no_private_copy(tmp_path):
     assert libstdcxx.private_copies(build(GXX, tmp_path)) == []
+
+
+@needs_gxx
+def test_choose_keeps_a_compiler_that_the_link_folder_mends(static_only_wrapper):
+    assert libstdcxx.links_shared(str(static_only_wrapper), []) is False
+    chosen, flags = libstdcxx.choose(str(static_only_wrapper), fallbacks=(GXX,))
+    assert chosen == str(static_only_wrapper) and flags[0].startswith("-L")
+    assert libstdcxx.links_shared(chosen, flags) is True
+
+
+@needs_gxx
+def test_choose_falls_back_to_a_compiler_that_links_shared(always_static_wrapper):
+    assert libstdcxx.choose(str(always_static_wrapper), fallbacks=(GXX,))[0] == GXX
+    # With no fallback it keeps the compiler; setup.py's check after the build then refuses.
+    assert libstdcxx.choose(str(always_static_wrapper), fallbacks=()) == (
+        str(always_static_wrapper), [])
+
+
+def test_the_c_compiler_beside(tmp_path):
+    for name in ("g++", "gcc", "clang++"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    assert libstdcxx.c_compiler_beside(str(tmp_path / "g++")) == str(tmp_path / "gcc")
+    assert libstdcxx.c_compiler_beside(str(tmp_path / "clang++")) is None  # no clang beside it
+    assert libstdcxx.c_compiler_beside(str(tmp_path / "icpx")) is None
 
 
 def test_a_compiler_that_cannot_say_gives_no_folder(tmp_path):
