@@ -26,6 +26,10 @@ struct Int8Rows {
   const float* sum16;  // [M, K / 16]: dx * sum(xq) per half block
 };
 
+// Where element i of a block sits in Int8Rows' order.
+constexpr int64_t position(int64_t i) { return 8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2; }
+
+// Rounds x [m, k] (int8_rows.cpp).
 Int8Rows quantize_rows(const float* x, int64_t m, int64_t k);
 
 // Whether the fast mode covers weights of `qtype` (the grouped layouts).
