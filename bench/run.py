@@ -261,9 +261,10 @@ def stack_section(folder: Path, args, shape, dtype, device, engine=None) -> dict
         in_process=in_process)
 
 
-def run_shape(name: str, args, dtype: torch.dtype, device: torch.device) -> dict:
+def run_shape(name: str, args, dtype: torch.dtype, device: torch.device, result: dict) -> dict:
+    """Fills `result` section by section, so an interrupted run keeps the sections it finished."""
     shape = SHAPES[name]
-    result: dict = {"shape": name, "architecture": shape.architecture, "note": shape.note}
+    result.update({"shape": name, "architecture": shape.architecture, "note": shape.note})
     print(f"\n== {name}: building a random {shape.architecture} in {args.dtype} on {device}",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="shardlm-bench-") as tmp:
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.no_cuda_graphs:
         os.environ["SHARDLM_CUDA_GRAPHS"] = "0"  # the stack section's `shardlm serve` reads it
     dtype = getattr(torch, args.dtype)
+    interrupted = False
     started = dt.datetime.now(dt.UTC)
     load_start = list(os.getloadavg())  # the machine may be shared: keep its load beside the figures
     if args.model:
@@ -355,7 +357,17 @@ def main(argv: list[str] | None = None) -> dict:
         goals = model_bench.targets(results[0])
         model_bench.print_model_report(results[0], goals)
     else:
-        results = [run_shape(name, args, dtype, device) for name in args.shapes]
+        # A run stopped by SIGINT (scripts/gpu_check.sh stops a step at its time limit so) still
+        # writes the sections it finished, marked, and then exits 130 as an interrupted run does.
+        results: list[dict] = []
+        try:
+            for name in args.shapes:
+                results.append({})
+                run_shape(name, args, dtype, device, results[-1])
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: writing the sections finished so far", flush=True)
+            results = [r for r in results if "shape" in r]
         goals = targets(results, device)
         print_report(results, goals)
     report = {
@@ -370,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "prefill_lens": args.prefill_lens, "repeats": args.repeats,
                    "sections": args.section_list},
-        "results": results, "targets": goals,
+        "results": results, "targets": goals, "interrupted": interrupted,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -379,6 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = out / f"run-{args.device}-{what}-{stamp}.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {path}")
+    if interrupted:
+        raise SystemExit(130)
     return report
 
 

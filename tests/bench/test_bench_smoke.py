@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,32 @@ def test_model_must_exist(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_an_interrupted_run_writes_the_sections_it_finished(tmp_path):
+    """SIGINT (how scripts/gpu_check.sh stops a bench step at its time limit) after the engine
+    section: the JSON holds that section and says the run was interrupted; the exit status is
+    130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.run", "--device", "cpu", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("-- baselines"):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output[-3000:]
+    (file,) = tmp_path.glob("run-cpu-*.json")
+    report = json.loads(file.read_text())
+    assert report["interrupted"] is True
+    (shape,) = report["results"]
+    assert shape["shape"] == "tiny" and shape["engine"]["decode"]
+    assert "stack" not in shape

@@ -242,6 +242,14 @@ def test_bench_rows_show_figures_errors_and_targets():
     assert targets[-1] == "- not measured: t (big): -"
 
 
+def test_bench_rows_name_what_an_interrupted_run_left_out():
+    run = summary.synthetic_bench("tiny")
+    for r in run["results"]:
+        del r["stack"]
+    lines, _ = summary.bench_rows({"runs": [dict(run, interrupted=True)]})
+    assert "interrupted: stack not run" in lines[0]
+
+
 def test_layout_problems_name_what_would_not_come_back(tmp_path):
     for i in range(9):
         (tmp_path / f"f{i}.txt").write_text("x")
