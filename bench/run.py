@@ -261,7 +261,7 @@ def stack_section(folder: Path, args, shape, dtype, device, engine=None) -> dict
         in_process=in_process)
 
 
-def run_shape(name: str, args, dtype: torch.dtype, device: torch.device, result: dict) -> dict:
+def run_shape(name: str, args, dtype: torch.dtype, device: torch.device, result: dict) -> None:
     """Fills `result` section by section, so an interrupted run keeps the sections it finished."""
     shape = SHAPES[name]
     result.update({"shape": name, "architecture": shape.architecture, "note": shape.note})
@@ -296,7 +296,6 @@ def run_shape(name: str, args, dtype: torch.dtype, device: torch.device, result:
                 result["stack"] = _error(exc)
         del engine
         _free(device)
-    return result
 
 
 # ----------------------------------------------------------------------------- targets

@@ -118,8 +118,9 @@ def bench_rows(bench: dict) -> tuple[list[str], list[str]]:
             errors = [f"{k}: {v['error']}" for k, v in r.items()
                       if isinstance(v, dict) and "error" in v]
             if run.get("interrupted"):  # stopped at its time limit: the sections it finished
-                errors.append("interrupted: " + ", ".join(
-                    k for k in ("engine", "baselines", "stack") if k not in r) + " not run")
+                asked = run.get("config", {}).get("sections", ["engine", "baselines", "stack"])
+                errors.append("interrupted: " + ", ".join(k for k in asked if k not in r)
+                              + " not run")
             one_1 = _row(decode, "batch", 1)
             lines.append(
                 f"| {r['shape']} | {_fmt(one_1.get('tokens_per_s'))} "

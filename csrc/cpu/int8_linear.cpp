@@ -31,7 +31,7 @@ using quant::kBlock;
 namespace nib = q4x8::nibble;
 namespace q6 = q6kx8::layout;
 
-constexpr int64_t kHalf = 16;
+static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are Q6_K's scale spans");
 
 #if SHARDLM_HAVE_AVX2
 // These kernels unpack from cache about three times as fast as memory
@@ -316,12 +316,12 @@ void with_rows(int64_t rows, const K& kernel) {
     case 1: return kernel(std::integral_constant<int, 1>{});
     case 2: return kernel(std::integral_constant<int, 2>{});
     case 3: return kernel(std::integral_constant<int, 3>{});
-    case 4: return kernel(std::integral_constant<int, 4>{});
   }
   if constexpr (kMax == 6) {
+    if (rows == 4) return kernel(std::integral_constant<int, 4>{});
     if (rows == 5) return kernel(std::integral_constant<int, 5>{});
-    return kernel(std::integral_constant<int, 6>{});
   }
+  return kernel(std::integral_constant<int, static_cast<int>(kMax)>{});
 }
 
 // One group (8 rows) against `rows` input rows from m0: acc[i * stride + r].

@@ -26,6 +26,9 @@ struct Int8Rows {
   const float* sum16;  // [M, K / 16]: dx * sum(xq) per half block
 };
 
+// Elements per sum16 entry: half a block, the span of a Q6_K scale.
+constexpr int64_t kHalf = 16;
+
 // Where element i of a block sits in Int8Rows' order.
 constexpr int64_t position(int64_t i) { return 8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2; }
 

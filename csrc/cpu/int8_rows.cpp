@@ -20,8 +20,6 @@ namespace {
 
 using quant::kBlock;
 
-constexpr int64_t kHalf = 16;
-
 // The scale both paths use: 127 / max|x| (0 for an all-zero block), so the
 // scalar and the vector rounding give the same bytes.
 inline float inverse_scale(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }

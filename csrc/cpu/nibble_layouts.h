@@ -34,8 +34,8 @@ using quant::kSuperGroupBytes;
 // 32 weights and group of 8 rows: the rows' float16 scales d[8], their offsets
 // m[8] unless implied (Q4_0's m = -8 d, Q5_0's -16 d, exact in float32), for
 // 5-bit quants the high-bit words h[8], then the quant words q[4][8].
-// kOff is an int: a float template parameter is C++20 (GCC 12 let it through in C++17, GCC 13
-// does not).
+// kOff is an int: a float template parameter is C++20, and torch up to 2.13
+// builds extensions as C++17 (tests/test_cxx_standard.py).
 template <int64_t kT, bool kF, int kOff>
 struct BlockLayout {
   static constexpr int64_t kType = kT;

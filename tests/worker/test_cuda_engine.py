@@ -23,9 +23,9 @@ from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import LLAMA, build_checkpoint
 from tests.worker.eager_steps import graph_steps_run_eagerly
 
-ON_GPU = [pytest.mark.cuda,
-          pytest.mark.skipif(not (torch.cuda.is_available() and ops.CUDA_BUILT),
-                             reason="needs a GPU and a CUDA build of shardlm_server.worker._C")]
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and ops.CUDA_BUILT),
+                               reason="needs a GPU and a CUDA build of shardlm_server.worker._C")
+ON_GPU = [pytest.mark.cuda, needs_gpu]
 
 BLOCK = 16
 PER_SEQ = 8  # blocks per short sequence: 128 tokens
@@ -139,7 +139,7 @@ def long_dir(tmp_path_factory):
 
 
 @pytest.mark.cuda
-@ON_GPU[1]
+@needs_gpu
 def test_16k_context_prefill_and_decode_equal_the_cpu_engine(long_dir):
     per_seq = (LONG_CONTEXT + BLOCK - 1) // BLOCK
     graphs = GraphConfig(max_batch=2, max_context=LONG_CONTEXT)
