@@ -52,19 +52,31 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
   return pos + 1 - window_first_key(pos, window);
 }
 
-// Decode with few (sequence, kv head) pairs and long contexts: rather than
-// leave threads idle, or split the GQA group's heads over tasks (each task
-// then reads every key of its kv head: the cache read group times), each
-// sequence's keys are cut into slices of at least kMinSliceKeys. A task
-// attends all of the sequence's heads to one slice (whole token rows: one
-// contiguous read per token) into float partials with their log-sum-exp, and
-// merge_slices() combines a row's slices (flash-decoding). The cache is read
-// once, by every thread.
-constexpr int64_t kMinSliceKeys = 256;
+// Decode with few (sequence, kv head) pairs: rather than leave threads idle,
+// or split the GQA group's heads over tasks (each task then reads every key of
+// its kv head: the cache read group times), the sequences' keys are cut into
+// slices. A task attends all of the sequence's heads to one slice (whole
+// token rows: one contiguous read per token) into float partials with their
+// log-sum-exp, and merge_slices() combines a row's slices (flash-decoding).
+// The cache is read once, by every thread.
+//
+// at::parallel_for hands each thread one contiguous run of slices, so the
+// keys are cut into a whole number of equal slices a thread: one for every
+// kKeysPerSliceTask keys a thread, up to kSliceTasksPerThread (each slice
+// starts with a tile whose rows were not asked for ahead, so fewer and longer
+// slices read faster). One sequence of 300 keys on two threads is 2 slices of
+// 150, not 256 + 44 with one thread doing the 256 while the other waits; 1,200
+// keys, 600 + 600 rather than 3 x 256 on one thread and 256 + 176 on the
+// other. Slices shorter than
+// kMinSliceKeys do not pay for their merge: such contexts take a task per
+// query head.
+constexpr int64_t kMinSliceKeys = 128;
+constexpr int64_t kKeysPerSliceTask = 2048;
 constexpr int64_t kSliceTasksPerThread = 4;
 
-// Keys per slice, or 0 where slicing does not pay (enough pairs already, or
-// one thread, or contexts that fit in one slice).
+// Keys per slice, or 0 where slicing does not pay (enough pairs already, one
+// thread, slices that would be shorter than kMinSliceKeys, or a longest
+// sequence that fits in one).
 int64_t slice_length(const AttnDims& d, const int32_t* ctx_lens) {
   const int64_t threads = at::get_num_threads();
   if (threads < 2 || d.num_seqs * d.num_kv_heads >= 2 * threads) return 0;
@@ -75,9 +87,10 @@ int64_t slice_length(const AttnDims& d, const int32_t* ctx_lens) {
     keys += n;
     longest = std::max(longest, n);
   }
-  const int64_t tasks = kSliceTasksPerThread * threads;
-  const int64_t length = std::max(kMinSliceKeys, (keys + tasks - 1) / tasks);
-  return longest > length ? length : 0;
+  const int64_t per_thread =
+      std::clamp<int64_t>(keys / (threads * kKeysPerSliceTask), 1, kSliceTasksPerThread);
+  const int64_t length = (keys + threads * per_thread - 1) / (threads * per_thread);
+  return length >= kMinSliceKeys && longest > length ? length : 0;
 }
 
 // out row = the softmax-weighted mean over all of its slices: each slice's

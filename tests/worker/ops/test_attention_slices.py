@@ -32,6 +32,8 @@ CASES = [
     (9, 3, 64, 16, [4100]),  # the default model's heads at a 4k depth
     (4, 1, 36, 3, [1500, 0]),  # one kv head, a padding row, odd block and head sizes
     (8, 2, 80, 16, [700, 1, 2049]),  # one sequence shorter than a slice
+    (9, 3, 64, 16, [300]),  # just past the shortest slice: one slice a thread
+    (4, 1, 32, 16, [9000]),  # long enough for several slices a thread
 ]
 
 
