@@ -1,6 +1,7 @@
 // The Q4x8 kernels (q4x8.cpp): the matrix-vector product of decode
-// (one group of 8 weight rows, quant_blocks.h, or with AVX-512 two groups,
-// against up to 4 input rows at a time, on AVX-512, AVX2 or portably), and a
+// (one group of 8 weight rows, quant_blocks.h, against up to 4 input rows at a
+// time, or with AVX-512 two groups against up to 8; on AVX-512, AVX2 or
+// portably), and a
 // group's rows unpacked to floats for the panel and tiled paths of more input
 // rows (panel_linear.cpp, quant_linear.cpp). `qtype` is kQ4x8, kQ4Kx8, kQ5x8
 // or kQ5Kx8 (the layouts: nibble_layouts.h).

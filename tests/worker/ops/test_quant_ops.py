@@ -110,7 +110,7 @@ def test_q4x8_holds_the_same_weights(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("m", [1, 2, 3, 6, 9, 40, 70, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 40, 70, 300])
 @pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
 def test_q4x8_linear_matches_reference(qtype, m, n, k):
     w = to_q4x8(ggml_weight(n, k, qtype, seed=m))
@@ -254,7 +254,7 @@ def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     k_layouts = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0"}
     for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q40x8 in 5 groups", "Q8_0 in groups",
                   *k_layouts):
-        for m in (1, 2, 3, 4, 5, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
+        for m in (1, 2, 3, 4, 5, 8, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled
             if qtype in k_layouts:
                 w = k_weight(56, 512, k_layouts[qtype], seed=m)
             elif qtype.startswith("Q4x8") or qtype.startswith("Q40x8"):
