@@ -65,6 +65,12 @@ TORCH_LIBRARY(shardlm, m) {
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
       "float scale, int max_query_len, int max_seq_len, int sliding_window=0) -> ()");
+  // CPU only: one token per row of float32 logits, drawn with one uniform
+  // number a row after temperature, top-k, top-p and min-p (temperature 0:
+  // greedy); a GPU samples with torch ops (worker/sampling.py).
+  m.def(
+      "sample_rows(Tensor(a!) out, Tensor logits, Tensor temperature, Tensor top_k, "
+      "Tensor top_p, Tensor min_p, Tensor uniform) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
@@ -80,6 +86,7 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);
   m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
   m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);
+  m.impl("sample_rows", &shardlm::sample_rows_cpu);
 }
 
 namespace {

@@ -145,6 +145,10 @@ void paged_attention_prefill_cpu(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                  double scale, int64_t max_query_len, int64_t max_seq_len,
                                  int64_t sliding_window);
+// out[r]: row r of logits sampled (cpu/sampling.cpp); temperature 0 is greedy.
+void sample_rows_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature,
+                     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                     const at::Tensor& uniform);
 
 // ---------------------------------------------------------------------------
 // CUDA implementations (cuda/*.cu); only compiled and registered when the

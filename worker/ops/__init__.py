@@ -49,6 +49,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "sample_rows",
     "set_activation_precision",
     "set_cpu_simd",
     "silu_and_mul",
@@ -307,6 +308,20 @@ def paged_attention_prefill(
         max_seq_len,
         sliding_window,
     )
+    return out
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token id per row of float32 logits [B, V] on CPU (int64 [B]): row r divided by
+    temperature[r], truncated by top_k[r] (0: off), top_p[r] (1: off) and min_p[r] (0: off) as
+    worker/sampling.py defines them, then drawn with the uniform number uniform[r] (float64, in
+    [0, 1)) from the survivors' distribution in token order; temperature 0 takes the first largest
+    logit."""
+    if USE_REFERENCE:
+        return reference.sample_rows(logits, temperature, top_k, top_p, min_p, uniform)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _ops.sample_rows(out, logits, temperature, top_k, top_p, min_p, uniform)
     return out
 
 

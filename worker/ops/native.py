@@ -45,6 +45,7 @@ _OP_NAMES = (
     "paged_attention_prefill",
     "attention_block",
     "mlp_block",
+    "sample_rows",
 )
 
 

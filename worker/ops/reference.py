@@ -329,3 +329,38 @@ def decoder_stack(
         hidden = mlp_block(hidden, residual, post_norm, eps, gate_up, gate_up_bias, down,
                            down_bias)
     return hidden, residual
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The sampling kernel's definition, row by row: x = logits / T ranked by a stable
+    descending sort (larger x first, ties by index); top-k keeps the first k; top-p drops a
+    token when the kept mass ranked before it passes top_p times the kept total; min-p drops
+    tokens below min_p times the top token's probability; the top token always stays. The
+    survivors, in token order, are drawn by the first whose running mass passes uniform times
+    their total. Temperature 0 is torch.argmax."""
+    ids = []
+    for r in range(logits.shape[0]):
+        if float(temperature[r]) == 0.0:
+            ids.append(int(logits[r].argmax()))
+            continue
+        x = logits[r].float() / temperature[r]
+        ranked = torch.sort(x, descending=True, stable=True).indices
+        e = torch.exp((x[ranked] - x[ranked[0]]).double())
+        keep = torch.ones_like(e, dtype=torch.bool)
+        k = int(top_k[r])
+        if 0 < k < len(e):
+            keep[k:] = False
+        kept = torch.where(keep, e, torch.zeros_like(e))
+        p = float(top_p[r])
+        if p < 1.0:
+            keep &= ~((kept.cumsum(0) - kept) > p * kept.sum())
+        if float(min_p[r]) > 0.0:
+            keep &= e >= float(min_p[r])
+        keep[0] = True
+        tokens, order = ranked[keep].sort()
+        cumulative = e[keep][order].cumsum(0)
+        pick = int(torch.searchsorted(cumulative, float(uniform[r]) * float(cumulative[-1]),
+                                      right=True))
+        ids.append(int(tokens[min(pick, len(tokens) - 1)]))
+    return torch.tensor(ids, dtype=torch.int64)
