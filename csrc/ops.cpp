@@ -71,6 +71,11 @@ TORCH_LIBRARY(shardlm, m) {
   m.def(
       "sample_rows(Tensor(a!) out, Tensor logits, Tensor temperature, Tensor top_k, "
       "Tensor top_p, Tensor min_p, Tensor uniform) -> ()");
+  // CPU only: the repetition, frequency and presence penalties in place, one
+  // history (seen: bool [vocab], counts: int32 [vocab]; empty for none) a row.
+  m.def(
+      "penalize_rows(Tensor(a!) logits, Tensor[] seen, Tensor[] counts, Tensor repetition, "
+      "Tensor frequency, Tensor presence) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
@@ -87,6 +92,7 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("paged_attention_decode", &shardlm::paged_attention_decode_cpu);
   m.impl("paged_attention_prefill", &shardlm::paged_attention_prefill_cpu);
   m.impl("sample_rows", &shardlm::sample_rows_cpu);
+  m.impl("penalize_rows", &shardlm::penalize_rows_cpu);
 }
 
 namespace {

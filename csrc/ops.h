@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace shardlm {
 
@@ -149,6 +150,10 @@ void paged_attention_prefill_cpu(at::Tensor& out, const at::Tensor& query,
 void sample_rows_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature,
                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
                      const at::Tensor& uniform);
+// The sampling penalties, in place on float32 logits (cpu/penalties.cpp).
+void penalize_rows_cpu(at::Tensor& logits, const std::vector<at::Tensor>& seen,
+                       const std::vector<at::Tensor>& counts, const at::Tensor& repetition,
+                       const at::Tensor& frequency, const at::Tensor& presence);
 
 // ---------------------------------------------------------------------------
 // CUDA implementations (cuda/*.cu); only compiled and registered when the

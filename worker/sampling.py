@@ -108,6 +108,21 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The rows' penalties on a copy of `logits` (the caller keeps the raw ones for logprobs).
+    On CPU one compiled pass (ops.penalize_rows); on a GPU these torch ops, which stack the
+    rows' histories into [B, V] tensors (on CPU that cost a third of a 32-row decode step)."""
+    if not any((r.params.uses_repetition_penalty or r.params.uses_output_penalties)
+               and r.history is not None for r in rows):
+        return logits
+    if logits.device.type == "cpu":
+        empty = torch.empty(0)
+        return ops.penalize_rows(
+            logits.float().clone(),
+            [r.history.seen if r.history is not None else empty for r in rows],
+            [r.history.output_counts if r.history is not None else empty for r in rows],
+            torch.tensor([r.params.repetition_penalty for r in rows], dtype=torch.float32),
+            torch.tensor([r.params.frequency_penalty for r in rows], dtype=torch.float32),
+            torch.tensor([r.params.presence_penalty for r in rows], dtype=torch.float32))
     device = logits.device
     if any(r.params.uses_repetition_penalty and r.history for r in rows):
         seen = torch.stack([

@@ -45,6 +45,7 @@ __all__ = [
     "mlp_block",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "penalize_rows",
     "quant_linear",
     "reshape_and_cache",
     "rms_norm",
@@ -323,6 +324,19 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     _ops.sample_rows(out, logits, temperature, top_k, top_p, min_p, uniform)
     return out
+
+
+def penalize_rows(logits: torch.Tensor, seen: list[torch.Tensor], counts: list[torch.Tensor],
+                  repetition: torch.Tensor, frequency: torch.Tensor,
+                  presence: torch.Tensor) -> torch.Tensor:
+    """The sampling penalties in place on float32 logits [B, V] on CPU, returned: row r's seen
+    tokens (bool [V]) by repetition[r] (a positive logit divided, else multiplied), then
+    ``- frequency[r] * counts[r] - presence[r] * (counts[r] > 0)`` (int32 [V]); a row whose seen
+    and counts are empty tensors is left as it is."""
+    if USE_REFERENCE:
+        return reference.penalize_rows(logits, seen, counts, repetition, frequency, presence)
+    _ops.penalize_rows(logits, seen, counts, repetition, frequency, presence)
+    return logits
 
 
 def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:

@@ -46,6 +46,7 @@ _OP_NAMES = (
     "attention_block",
     "mlp_block",
     "sample_rows",
+    "penalize_rows",
 )
 
 

@@ -364,3 +364,19 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                                       right=True))
         ids.append(int(tokens[min(pick, len(tokens) - 1)]))
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def penalize_rows(logits: torch.Tensor, seen: list[torch.Tensor], counts: list[torch.Tensor],
+                  repetition: torch.Tensor, frequency: torch.Tensor,
+                  presence: torch.Tensor) -> torch.Tensor:
+    """The penalty kernel's definition, in place, row by row (Hugging Face's repetition penalty,
+    then OpenAI's frequency and presence penalties)."""
+    for r in range(logits.shape[0]):
+        row = logits[r]
+        if float(repetition[r]) != 1.0 and seen[r].numel():
+            row.copy_(torch.where(seen[r], torch.where(row > 0, row / repetition[r],
+                                                       row * repetition[r]), row))
+        if (float(frequency[r]) != 0.0 or float(presence[r]) != 0.0) and counts[r].numel():
+            c = counts[r].float()
+            row.copy_(row - frequency[r] * c - presence[r] * (c > 0).float())
+    return logits

@@ -2,7 +2,7 @@
 (worker/ops/reference.py): the same token for the same uniform number on random rows at every
 SIMD level, the truncations' edge cases (ties, peaked rows whose cut lies far down the ranking,
 masked and non-finite rows), the drawn frequencies against the truncated distribution, and
-clear errors for malformed inputs."""
+clear errors for malformed inputs; and the penalty kernel (csrc/cpu/penalties.cpp) likewise."""
 
 from __future__ import annotations
 
@@ -128,3 +128,30 @@ def test_clear_errors():
         ops.sample_rows(logits, *cols, uniform.float())
     with pytest.raises(RuntimeError, match="top_k must be a contiguous Long \\[2\\]"):
         ops.sample_rows(logits, cols[0], torch.zeros(3, dtype=torch.int64), *cols[2:], uniform)
+
+
+def test_penalties_match_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 6, 700
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    seen = [torch.rand(vocab, generator=gen) < 0.2 for _ in range(rows)]
+    counts = [torch.randint(0, 3, (vocab,), generator=gen, dtype=torch.int32) for _ in range(rows)]
+    seen[4] = counts[4] = torch.empty(0)  # a row without a history
+    repetition = torch.tensor([1.3, 1.0, 0.8, 1.3, 1.3, 1.1])
+    frequency = torch.tensor([0.0, 0.5, 0.0, -0.4, 0.5, 0.2])
+    presence = torch.tensor([0.0, 0.3, 0.0, 0.6, 0.3, -0.1])
+    args = (seen, counts, repetition, frequency, presence)
+    got = ops.penalize_rows(logits.clone(), *args)
+    expected = ref.penalize_rows(logits.clone(), *args)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert torch.equal(got[4], logits[4]) and not torch.equal(got[0], logits[0])
+
+
+def test_penalty_errors():
+    logits = torch.randn(2, 8)
+    ones = torch.ones(2)
+    with pytest.raises(RuntimeError, match="one seen and one counts tensor per row"):
+        ops.penalize_rows(logits, [torch.zeros(8, dtype=torch.bool)], [], ones, ones, ones)
+    with pytest.raises(RuntimeError, match="seen\\[1\\] must be empty or a contiguous bool \\[8\\]"):
+        ops.penalize_rows(logits, [torch.empty(0), torch.zeros(7, dtype=torch.bool)],
+                          [torch.empty(0)] * 2, ones, ones, ones)
