@@ -5,7 +5,8 @@ GPU path uses (a sort of the vocabulary and a random number per token), in alter
     python -m bench.sampling_bench --batches 1 --rounds 5 --model FILE.gguf
 
 Two tables. Per call: the median time to choose one token for each of B rows of the default
-model's vocabulary (49,152 logits a row) with each sampling setting. In process: `Engine.decode`
+model's vocabulary (49,152 logits a row) with each sampling setting, the penalties included
+(each row's history: a 300-token prompt). In process: `Engine.decode`
 tokens/s at batch B (32-token prompts, 128 steps, speculation off) for greedy rows (the same
 with either sampler) and for sampled ones, each sampler in turn; median [min-max] of the rounds.
 """
@@ -22,15 +23,20 @@ import torch
 from bench.engine_bench import load_engine
 from shardlm_server.worker import sampling
 from shardlm_server.worker.engine_types import DecodeItem, PrefillItem, StopParams
-from shardlm_server.worker.sampling import SamplerSettings, SamplingRow
+from shardlm_server.worker.sampling import SamplerSettings, SamplingRow, TokenHistory
 
 SETTINGS = {
     "greedy": SamplerSettings(),
     "temperature 0.7": SamplerSettings(temperature=0.7),
     "0.7, top-p 0.9": SamplerSettings(temperature=0.7, top_p=0.9),
     "0.7, top-k 40": SamplerSettings(temperature=0.7, top_k=40),
+    "top-p, rep. 1.1": SamplerSettings(temperature=0.7, top_p=0.9, repetition_penalty=1.1),
+    "top-p, pres. 0.5": SamplerSettings(temperature=0.7, top_p=0.9, presence_penalty=0.5),
 }
-SAMPLERS = {"torch ops": sampling.sample_with_torch_ops, "compiled": sampling.sample_on_cpu}
+# Each sampler: how it draws and how it applies the penalties (what sample_on_device calls on
+# CPU, swapped in turn).
+SAMPLERS = {"torch ops": (sampling.sample_with_torch_ops, sampling.penalize_with_torch_ops),
+            "compiled": (sampling.sample_on_cpu, sampling.penalize_on_cpu)}
 PROMPT_TOKENS, STEPS = 32, 128
 
 
@@ -41,12 +47,15 @@ def per_call(batches: list[int], vocab: int, calls: int) -> None:
     for batch in batches:
         logits = torch.randn(batch, vocab, generator=gen) * 3
         for name, settings in SETTINGS.items():
-            rows = [SamplingRow(settings) for _ in range(batch)]
+            rows = [SamplingRow(settings, history=TokenHistory.from_prompt(
+                list(range(100, 400)), vocab, torch.device("cpu"))) for _ in range(batch)]
             times: dict[str, list[float]] = {s: [] for s in SAMPLERS}
             for _ in range(calls):  # the samplers alternate call by call
-                for sampler, draw in SAMPLERS.items():
+                for sampler, (draw, penalize) in SAMPLERS.items():
                     start = time.perf_counter()
-                    draw(logits, rows).tolist()
+                    penalized = (penalize(logits, rows) if settings.uses_repetition_penalty
+                                 or settings.uses_output_penalties else logits)
+                    draw(penalized, rows).tolist()
                     times[sampler].append(time.perf_counter() - start)
             print(f"{batch:>5} {name:18}" + "".join(
                 f"{statistics.median(t) * 1e3:12.3f}" for t in times.values()))
@@ -74,15 +83,15 @@ def in_process(model: Path, batches: list[int], rounds: int) -> None:
         rates: dict[tuple[str, str], list[float]] = {}
         for _ in range(rounds):
             for name, settings in SETTINGS.items():
-                for sampler, draw in SAMPLERS.items():
+                for sampler, (draw, penalize) in SAMPLERS.items():
                     if settings.greedy and sampler != "compiled":
                         continue  # greedy rows take the same argmax either way
-                    sampling.sample_on_cpu = draw  # what sample_on_device calls on CPU
+                    sampling.sample_on_cpu, sampling.penalize_on_cpu = draw, penalize
                     try:
                         rates.setdefault((name, sampler), []).append(
                             decode_rate(engine, batch, settings))
                     finally:
-                        sampling.sample_on_cpu = SAMPLERS["compiled"]
+                        sampling.sample_on_cpu, sampling.penalize_on_cpu = SAMPLERS["compiled"]
         for (name, sampler), r in rates.items():
             print(f"{batch:>5} {name:18} {sampler:10} {statistics.median(r):9.1f} "
                   f"[{min(r):.1f}-{max(r):.1f}]")

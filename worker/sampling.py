@@ -11,7 +11,8 @@ On CPU those torch ops cost 1 to 6 ms a row (a sort of the whole vocabulary and 
 per token: as much as a decode step of the default model), so rows are drawn by the compiled
 `ops.sample_rows` instead: the same truncations, then the inverse of the survivors' cumulative
 distribution at one uniform number a row (from the row's own generator when seeded), in tens to
-about a hundred microseconds a row.
+about a hundred microseconds a row; and the penalties are one compiled pass
+(`ops.penalize_rows`).
 """
 
 from __future__ import annotations
@@ -108,21 +109,30 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The rows' penalties on a copy of `logits` (the caller keeps the raw ones for logprobs).
-    On CPU one compiled pass (ops.penalize_rows); on a GPU these torch ops, which stack the
-    rows' histories into [B, V] tensors (on CPU that cost a third of a 32-row decode step)."""
+    """The rows' penalties on a copy of `logits` (the caller keeps the raw ones for logprobs):
+    one compiled pass on CPU, torch ops on a GPU."""
     if not any((r.params.uses_repetition_penalty or r.params.uses_output_penalties)
                and r.history is not None for r in rows):
         return logits
-    if logits.device.type == "cpu":
-        empty = torch.empty(0)
-        return ops.penalize_rows(
-            logits.float().clone(),
-            [r.history.seen if r.history is not None else empty for r in rows],
-            [r.history.output_counts if r.history is not None else empty for r in rows],
-            torch.tensor([r.params.repetition_penalty for r in rows], dtype=torch.float32),
-            torch.tensor([r.params.frequency_penalty for r in rows], dtype=torch.float32),
-            torch.tensor([r.params.presence_penalty for r in rows], dtype=torch.float32))
+    penalize = penalize_on_cpu if logits.device.type == "cpu" else penalize_with_torch_ops
+    return penalize(logits, rows)
+
+
+def penalize_on_cpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`apply_penalties` by ops.penalize_rows, on a copy."""
+    empty = torch.empty(0)
+    return ops.penalize_rows(
+        logits.float().clone(),
+        [r.history.seen if r.history is not None else empty for r in rows],
+        [r.history.output_counts if r.history is not None else empty for r in rows],
+        torch.tensor([r.params.repetition_penalty for r in rows], dtype=torch.float32),
+        torch.tensor([r.params.frequency_penalty for r in rows], dtype=torch.float32),
+        torch.tensor([r.params.presence_penalty for r in rows], dtype=torch.float32))
+
+
+def penalize_with_torch_ops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`apply_penalties` by torch ops over the rows' histories stacked into [B, V] tensors (on
+    CPU about a third of a 32-row decode step of the default model)."""
     device = logits.device
     if any(r.params.uses_repetition_penalty and r.history for r in rows):
         seen = torch.stack([
