@@ -5,8 +5,9 @@
 //   frequency f and presence p (OpenAI): l - f * count - p * (count > 0), with
 //     count the times the token was generated.
 // On CPU the torch version stacks every row's history into [rows, vocab]
-// tensors and makes half a dozen temporaries of that size a step: 20-26 ms at
-// 32 rows of the default model's vocabulary, a third of a decode step.
+// tensors and makes half a dozen temporaries of that size a step: 9-18 ms at
+// 32 rows of the default model's vocabulary (a seventh to a quarter of a
+// decode step), against 0.6-1.3 ms here.
 #include <ATen/Parallel.h>
 
 #include <cstdint>
