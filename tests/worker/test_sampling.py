@@ -1,6 +1,8 @@
 """worker/sampling.py against plain references written here, on random inputs: which tokens top-k,
 top-p and min-p keep, what the repetition, presence and frequency penalties do to the logits, and
-that a seeded draw only ever picks a token the truncation kept, and repeats itself."""
+that a seeded draw only ever picks a token the truncation kept, and repeats itself. The penalty
+and draw tests run both ways sampling is done: the compiled ops a CPU uses and the torch ops a
+GPU uses (run here on CPU, so that path cannot rot unseen)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,16 @@ import torch
 from shardlm_server.worker import sampling
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["compiled", "torch ops"])
+def path(request, monkeypatch):
+    """Runs a test with the CPU's compiled sampling, or with the GPU path's torch ops in its
+    place (sample_on_device and apply_penalties call whichever the module holds)."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(sampling, "sample_on_cpu", sampling.sample_with_torch_ops)
+        monkeypatch.setattr(sampling, "penalize_on_cpu", sampling.penalize_with_torch_ops)
+    return request.param
 VOCAB = 24
 # A parameter this close to a value it is compared with could go either way in float32: the
 # random parameters keep clear of them, so the reference (in float64) and the code agree exactly.
@@ -159,7 +171,7 @@ def test_truncation_keeps_what_the_reference_keeps(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_penalties_adjust_the_logits_like_the_reference(seed):
+def test_penalties_adjust_the_logits_like_the_reference(seed, path):
     rng = random.Random(seed)
     for _ in range(50):
         rows, expected = [], []
@@ -204,7 +216,7 @@ def draw(logits: torch.Tensor, rows: list, times: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_seeded_sampling_only_picks_kept_tokens_and_repeats_itself(seed):
+def test_seeded_sampling_only_picks_kept_tokens_and_repeats_itself(seed, path):
     rng = random.Random(seed)
     torch.manual_seed(seed)  # the unseeded rows share torch's generator
     for _ in range(5):
