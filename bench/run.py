@@ -27,6 +27,7 @@ import datetime as dt
 import gc
 import json
 import os
+import signal
 import tempfile
 import traceback
 from pathlib import Path
@@ -358,6 +359,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         # A run stopped by SIGINT (scripts/gpu_check.sh stops a step at its time limit so) still
         # writes the sections it finished, marked, and then exits 130 as an interrupted run does.
+        # Python leaves SIGINT ignored when it started so, as a non-interactive shell starts its
+        # background jobs: take it back, or such a run could not be stopped this way.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         results: list[dict] = []
         try:
             for name in args.shapes:
