@@ -67,9 +67,8 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
 // slices read faster). One sequence of 300 keys on two threads is 2 slices of
 // 150, not 256 + 44 with one thread doing the 256 while the other waits; 1,200
 // keys, 600 + 600 rather than 3 x 256 on one thread and 256 + 176 on the
-// other. Slices shorter than
-// kMinSliceKeys do not pay for their merge: such contexts take a task per
-// query head.
+// other. Slices shorter than kMinSliceKeys do not pay for their merge: such
+// contexts take a task per query head.
 constexpr int64_t kMinSliceKeys = 128;
 constexpr int64_t kKeysPerSliceTask = 2048;
 constexpr int64_t kSliceTasksPerThread = 4;

@@ -32,8 +32,6 @@ namespace {
 
 using grouped::halves_pair;
 using grouped::kMaxRows;
-// Input rows one pass of the AVX-512 pair kernel takes (pair_avx512).
-constexpr int64_t kPairRows = 8;
 using grouped::kNibbleScale;
 using grouped::load_pair;
 using quant::half_at;
@@ -41,6 +39,9 @@ using quant::kBlock;
 using quant::kGroupRows;
 using quant::kSuperBlocks;
 using namespace nibble;
+
+// Input rows one pass of the AVX-512 pair kernel takes (pair_avx512).
+constexpr int64_t kPairRows = 8;
 
 template <class L>
 void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs, int64_t k) {

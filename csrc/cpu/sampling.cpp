@@ -120,39 +120,35 @@ struct Workspace {
   std::vector<int64_t> ranked;
 };
 
-// The tokens ranked first, enough of them to hold a cut: those within `gap`
-// nats of the top x for the narrowest gap of 8, 16 and 32 nats (then every
-// token) where enough(count, mass) holds. Every other token ranks after them
-// all, and is dropped. Most rows are decided by a few hundred tokens, so the
-// vocabulary is scanned, not sorted.
-template <class Enough>
-std::vector<int64_t>& leaders(Workspace& w, int64_t vocab, float top, const Enough& enough) {
+// Drops every token from the first, in rank order, for which stop(count,
+// mass) holds of the tokens ranked before it (stop grows with both).
+//
+// Only the leaders are ranked: the tokens within `gap` nats of the top x, for
+// the narrowest gap of 8, 16 and 32 nats (then every token) whose leaders
+// already make stop hold; every other token ranks after them all and is
+// dropped. Most rows are decided by a few hundred tokens, so the vocabulary is
+// scanned, not sorted. The leaders are then selected by partitions, as
+// std::nth_element, with the running count and mass of the part already kept:
+// only the last few tokens around the cut are sorted.
+template <class Stop>
+void keep_first(Workspace& w, int64_t vocab, float top, const Stop& stop) {
   const float* x = w.x.data();
   float* e = w.e.data();
+  std::vector<int64_t>& v = w.ranked;
   for (const float gap : {8.f, 16.f, 32.f, std::numeric_limits<float>::infinity()}) {
     const float floor = top - gap;
-    w.ranked.clear();
+    v.clear();
     double mass = 0.0;
     for (int64_t i = 0; i < vocab; ++i) {
       if (x[i] >= floor) {
-        w.ranked.push_back(i);
+        v.push_back(i);
         mass += e[i];
       }
     }
-    if (!std::isinf(gap) && !enough(static_cast<int64_t>(w.ranked.size()), mass)) continue;
+    if (!std::isinf(gap) && !stop(static_cast<int64_t>(v.size()), mass)) continue;
     for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] >= floor ? e[i] : 0.f;
     break;
   }
-  return w.ranked;
-}
-
-// Drops every token of `v` from the first, in rank order, for which
-// stop(count, mass) holds of the tokens ranked before it (stop grows with
-// both). A selection by partitions, as std::nth_element, with the running
-// count and mass of the part already kept: only the last few tokens around
-// the cut are sorted.
-template <class Stop>
-void keep_until(std::vector<int64_t>& v, const float* x, float* e, const Stop& stop) {
   const Before before{x};
   size_t lo = 0, hi = v.size(), end = v.size();  // v[lo, hi): undecided; v[hi, end): dropped
   int64_t count = 0;
@@ -189,16 +185,13 @@ void keep_until(std::vector<int64_t>& v, const float* x, float* e, const Stop& s
 
 // Keeps the k tokens ranked first.
 void top_k(Workspace& w, int64_t vocab, float top, int64_t k) {
-  auto& ranked = leaders(w, vocab, top, [k](int64_t count, double) { return count >= k; });
-  keep_until(ranked, w.x.data(), w.e.data(), [k](int64_t count, double) { return count >= k; });
+  keep_first(w, vocab, top, [k](int64_t count, double) { return count >= k; });
 }
 
 // Drops each token whose mass ranked before it passes p times the total.
 void top_p(Workspace& w, int64_t vocab, float top, double p) {
   const double target = p * sum(w.e.data(), vocab);
-  auto& ranked = leaders(w, vocab, top, [target](int64_t, double mass) { return mass > target; });
-  keep_until(ranked, w.x.data(), w.e.data(),
-             [target](int64_t, double mass) { return mass > target; });
+  keep_first(w, vocab, top, [target](int64_t, double mass) { return mass > target; });
 }
 
 // The first token (in order) whose running mass passes u times the total.
