@@ -140,4 +140,36 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
   return d;
 }
 
+QuantRowsDims check_quant_rows(const at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
+                               const at::Tensor& ids) {
+  const char* op = "quant_rows";
+  int64_t block_bytes = 0, weights_per_block = 32;
+  TORCH_CHECK(block_geometry(qtype, &block_bytes, &weights_per_block), op, ": block type ",
+              qtype, " is not supported (", kTypeNames, " but not Mixed)");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
+              ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
+              " ", blocks.sizes());
+  TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
+              " bytes is not a whole number of ", block_bytes, "-byte blocks");
+  const QuantRowsDims d{ids.numel(), blocks.size(0) * (qtype >= 100 ? 8 : 1),
+                        blocks.size(1) / block_bytes * weights_per_block};
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
+              ": ids must be an int64 [count] tensor, got ", ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == d.count &&
+                  out.size(1) == d.k,
+              op, ": out must be a float32 [", d.count, ", ", d.k, "] tensor, got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(blocks.is_contiguous() && ids.is_contiguous() && out.is_contiguous(), op,
+              ": blocks, ids and out must be contiguous");
+  TORCH_CHECK(blocks.device().is_cpu(), op, ": runs on CPU only");
+  check_same_device(blocks, ids, "ids", op);
+  check_same_device(blocks, out, "out", op);
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < d.count; ++i) {
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < d.n, op, ": id ", id[i], " is out of range for ",
+                      d.n, " rows");
+  }
+  return d;
+}
+
 }  // namespace shardlm

@@ -37,6 +37,9 @@ TORCH_LIBRARY(shardlm, m) {
   // CPU only: W stays in GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8); on a GPU
   // quantized weights are dequantized at load.
   m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor blocks, int qtype, Tensor? bias) -> ()");
+  // CPU only: rows `ids` of such a W as float32, the dequantized table's values
+  // exactly (an embedding lookup that leaves the table packed).
+  m.def("quant_rows(Tensor(a!) out, Tensor blocks, int qtype, Tensor ids) -> ()");
   // CPU only: a decoder layer's attention and MLP halves (cpu/decoder_block.cpp);
   // a weight's qtype is -1 when it is dense.
   m.def(
@@ -86,6 +89,7 @@ TORCH_LIBRARY_IMPL(shardlm, CPU, m) {
   m.impl("gelu_tanh_and_mul", &shardlm::gelu_tanh_and_mul_cpu);
   m.impl("skinny_linear", &shardlm::skinny_linear_cpu);
   m.impl("quant_linear", &shardlm::quant_linear_cpu);
+  m.impl("quant_rows", &shardlm::quant_rows_cpu);
   m.impl("attention_block", &shardlm::attention_block_cpu);
   m.impl("mlp_block", &shardlm::mlp_block_cpu);
   m.impl("reshape_and_cache", &shardlm::reshape_and_cache_cpu);

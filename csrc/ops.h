@@ -40,6 +40,14 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
                               const at::Tensor& blocks, int64_t qtype,
                               const std::optional<at::Tensor>& bias);
 
+// quant_rows: out [count, K] float32 = rows ids [count] (int64, each in [0, N))
+// of W, blocks as for quant_linear (not Mixed).
+struct QuantRowsDims {
+  int64_t count, n, k;
+};
+QuantRowsDims check_quant_rows(const at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
+                               const at::Tensor& ids);
+
 struct RopeDims {
   int64_t num_tokens;
   int64_t q_heads, k_heads;
@@ -112,6 +120,8 @@ void skinny_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tenso
                        const std::optional<at::Tensor>& bias);
 void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
                       int64_t qtype, const std::optional<at::Tensor>& bias);
+void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
+                    const at::Tensor& ids);
 // The most input rows for which skinny_linear beats torch's GEMM on a dense
 // weight of this dtype (0: never); the one source of that rule, read by
 // Python through shardlm_server.worker._C.skinny_max_rows.

@@ -18,6 +18,7 @@ from shardlm_server.worker.checkpoint import CheckpointReader
 from shardlm_server.worker.comm import Communicator
 from shardlm_server.worker.errors import TensorParallelError
 from shardlm_server.worker.quant import (
+    KERNEL_LAYOUTS,
     QuantizedWeight,
     dequantize_rows,
     fuse_rows,
@@ -182,7 +183,11 @@ class VocabParallelEmbedding:
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.weight, QuantizedWeight):
             return F.embedding(ids, self.weight)
-        rows = dequantize_rows(self.weight, ids.reshape(-1).to(torch.int64))
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.device.type == "cpu" and self.weight.qtype in KERNEL_LAYOUTS:
+            rows = ops.quant_rows(self.weight, flat.contiguous())  # one compiled call a step
+        else:
+            rows = dequantize_rows(self.weight, flat)
         return rows.to(self.dtype).reshape(*ids.shape, rows.shape[-1])
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

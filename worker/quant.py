@@ -33,6 +33,8 @@ from shardlm_server.worker.errors import InvalidRequestError
 #: (ShardLM's own, see `regrouped`).
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102,
               "Q5x8": 103, "Q5Kx8": 104, "Q40x8": 105, "Mixed": 106}
+#: The layouts of one type the compiled ops read (quant_linear, and quant_rows for a lookup).
+KERNEL_LAYOUTS = tuple(t for t in GGML_TYPES if t != "Mixed")
 #: GGML types the kernels read only regrouped into an 8-row layout (`regrouped`), so kept packed
 #: where a weight's rows fill groups of 8.
 K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6kx8),

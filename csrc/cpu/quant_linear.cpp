@@ -114,6 +114,27 @@ void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64
   });
 }
 
+// Rows ids[0..count) of W as float32 into out ([count, K]): an embedding lookup,
+// one row of a grouped layout taken from its whole dequantized group.
+template <int64_t kType>
+void rows_at(float* out, const uint8_t* w, const int64_t* ids, int64_t count, int64_t k) {
+  // A decode step looks up a row or a few; a prefill spreads its ids over the threads (the
+  // dequantize_rows calls inside run inline there).
+  at::parallel_for(0, count, 32, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> group;
+    for (int64_t i = begin; i < end; ++i) {
+      if constexpr (grouped(kType)) {
+        if (static_cast<int64_t>(group.size()) < kGroupRows * k) group.resize(kGroupRows * k);
+        const int64_t first = ids[i] / kGroupRows * kGroupRows;
+        dequantize_rows<kType>(group.data(), w, first, first + kGroupRows, k);
+        std::copy_n(group.data() + (ids[i] - first) * k, k, out + i * k);
+      } else {
+        dequantize_rows<kType>(out + i * k, w, ids[i], ids[i] + 1, k);
+      }
+    }
+  });
+}
+
 // Tiles of about 4 MiB of float weights: dequantizing costs O(N K), the GEMM O(M N K).
 template <int64_t kType>
 void tiled_gemm(at::Tensor& out, const Activations& a, const uint8_t* w,
@@ -168,6 +189,25 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
 }
 
 }  // namespace
+
+void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
+                    const at::Tensor& ids) {
+  const QuantRowsDims d = check_quant_rows(out, blocks, qtype, ids);
+  float* o = out.data_ptr<float>();
+  const auto* w = blocks.const_data_ptr<uint8_t>();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  switch (qtype) {
+    case kQ4_0: return rows_at<kQ4_0>(o, w, id, d.count, d.k);
+    case kQ4_1: return rows_at<kQ4_1>(o, w, id, d.count, d.k);
+    case kQ4x8: return rows_at<kQ4x8>(o, w, id, d.count, d.k);
+    case kQ4Kx8: return rows_at<kQ4Kx8>(o, w, id, d.count, d.k);
+    case kQ6Kx8: return rows_at<kQ6Kx8>(o, w, id, d.count, d.k);
+    case kQ5x8: return rows_at<kQ5x8>(o, w, id, d.count, d.k);
+    case kQ40x8: return rows_at<kQ40x8>(o, w, id, d.count, d.k);
+    case kQ5Kx8: return rows_at<kQ5Kx8>(o, w, id, d.count, d.k);
+    default: return rows_at<kQ8_0>(o, w, id, d.count, d.k);
+  }
+}
 
 void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& blocks,
                       int64_t qtype, const std::optional<at::Tensor>& bias) {

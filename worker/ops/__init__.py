@@ -47,6 +47,7 @@ __all__ = [
     "paged_attention_prefill",
     "penalize_rows",
     "quant_linear",
+    "quant_rows",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -188,6 +189,17 @@ def quant_linear(
     if out is None:
         out = x.new_empty((x.shape[0], weight.shape[0]))
     _ops.quant_linear(out, x, weight.blocks, weight.ggml_type, bias)
+    return out
+
+
+def quant_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), K]: the rows `ids` (int64 [n], each in [0, N)) of W, equal bit for bit
+    to those rows of ``W.dequantize()``; an embedding lookup that leaves the table packed. CPU,
+    for W in a layout quant_linear reads (``QuantizedWeight.ggml_type``), Mixed excepted."""
+    if USE_REFERENCE:
+        return reference.quant_rows(weight, ids)
+    out = torch.empty((ids.shape[0], weight.shape[1]), dtype=torch.float32)
+    _ops.quant_rows(out, weight.blocks, weight.ggml_type, ids)
     return out
 
 

@@ -40,6 +40,7 @@ _OP_NAMES = (
     "gelu_tanh_and_mul",
     "skinny_linear",
     "quant_linear",
+    "quant_rows",
     "reshape_and_cache",
     "paged_attention_decode",
     "paged_attention_prefill",

@@ -230,6 +230,14 @@ def quant_linear(
     return out
 
 
+def quant_rows(weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a QuantizedWeight as float32: its dequantized table's rows (quant.dequantize_rows
+    reads only those rows' blocks, or their whole groups in the 8-row layouts)."""
+    from shardlm_server.worker.quant import dequantize_rows
+
+    return dequantize_rows(weight, ids)
+
+
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     from shardlm_server.worker.quant import QuantizedWeight
 
