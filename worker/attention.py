@@ -25,7 +25,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [B+1] prefix sums of new tokens per sequence
     max_query_len: int
     max_seq_len: int
-    logits_indices: torch.Tensor  # int64 [B] row of each sequence's last token in the packed batch
+    # int64 [B] row of each sequence's last token in the packed batch (a decode step: every row)
+    logits_indices: torch.Tensor
 
 
 class PagedAttention:

@@ -103,7 +103,10 @@ class StepBuffers:
     def feed_ids(self, live: list[int], ids: torch.Tensor) -> None:
         """Rows `live` take their input ids from a device tensor (the previous step's samples)."""
         if live == list(range(len(live))):
-            self.inputs[IDS, : len(live)].copy_(ids)
+            if self.inputs is self.host:  # CPU: one numpy write, no tensor views
+                self._staged[IDS, : len(live)] = ids.numpy()
+            else:
+                self.inputs[IDS, : len(live)].copy_(ids)
         else:
             self.inputs[IDS].index_copy_(0, to_device(live, torch.int64, self.device), ids)
 

@@ -287,7 +287,8 @@ class TransformerModel:
                     hidden, residual = layer.forward(hidden, residual, cos_sin, kv, meta, taps)
         assert residual is not None
         ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        last = hidden.index_select(0, meta.logits_indices)
+        # A decode step's rows are its sequences' last tokens: nothing to select.
+        last = hidden if meta.is_decode else hidden.index_select(0, meta.logits_indices)
         logits = self.lm_head(last).float()
         cap = self.cfg.final_logit_softcapping
         if cap is not None:

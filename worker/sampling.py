@@ -217,7 +217,11 @@ def sample_with_torch_ops(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
 
 def sample_on_cpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The CPU path's choice (int64 [B]): ops.sample_rows with one uniform number per sampled
-    row, a seeded row's from its own generator (its state after the draw kept when asked)."""
+    row, a seeded row's from its own generator (its state after the draw kept when asked).
+    A batch of greedy rows only takes torch's argmax, which the kernel's greedy rows equal (the
+    first largest logit), without building the kernel's parameter tensors."""
+    if all(r.params.greedy for r in rows):
+        return logits.argmax(dim=1)
     uniform = torch.zeros(len(rows), dtype=torch.float64)
     shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
     if shared:
