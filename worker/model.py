@@ -256,6 +256,7 @@ class TransformerModel:
                             layer.o_proj.weight, layer.o_proj.fused_bias, layer.gate_up.weight,
                             layer.gate_up.bias, layer.down.weight, layer.down.fused_bias,
                             layer.attn.sliding_window)
+        stack.set_head(self.norm, self.cfg.rms_norm_eps, self.lm_head.weight)
         return stack
 
     @property
@@ -274,25 +275,31 @@ class TransformerModel:
         hidden = self.embed(input_ids)
         if self.embed_scale is not None:
             hidden.mul_(self.embed_scale)  # the lookup's output is a fresh tensor
-        residual: torch.Tensor | None = None
         fused = self.fused_cpu and taps is None
-        if fused and self.stack is not None:
-            hidden, residual = self.stack.forward(hidden, self.cos_sin, kv_caches, meta)
+        if fused and self.stack is not None:  # the layers, final norm and head in one call
+            logits = self.stack.logits(hidden, self.cos_sin, kv_caches, meta).float()
         else:
-            for layer, kv, cos_sin in zip(self.layers, kv_caches, self.layer_cos_sin,
-                                          strict=True):
-                if fused:
-                    hidden, residual = layer.forward_blocks(hidden, residual, cos_sin, kv, meta)
-                else:
-                    hidden, residual = layer.forward(hidden, residual, cos_sin, kv, meta, taps)
-        assert residual is not None
-        ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        # A decode step's rows are its sequences' last tokens: nothing to select.
-        last = hidden if meta.is_decode else hidden.index_select(0, meta.logits_indices)
-        logits = self.lm_head(last).float()
+            logits = self._layers_and_head(hidden, meta, kv_caches, fused, taps)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         if taps is not None and "logits" in taps:
             taps["logits"] = logits.cpu()
         return logits
+
+    def _layers_and_head(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], fused: bool,
+                         taps: Taps | None) -> torch.Tensor:
+        """`forward`'s logits one layer at a time (tensor parallelism, debug taps, and the
+        layers the fused blocks do not cover)."""
+        residual: torch.Tensor | None = None
+        for layer, kv, cos_sin in zip(self.layers, kv_caches, self.layer_cos_sin, strict=True):
+            if fused:
+                hidden, residual = layer.forward_blocks(hidden, residual, cos_sin, kv, meta)
+            else:
+                hidden, residual = layer.forward(hidden, residual, cos_sin, kv, meta, taps)
+        assert residual is not None
+        ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        # A decode step's rows are its sequences' last tokens: nothing to select.
+        last = hidden if meta.is_decode else hidden.index_select(0, meta.logits_indices)
+        return self.lm_head(last).float()

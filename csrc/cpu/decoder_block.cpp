@@ -33,7 +33,18 @@ namespace {
 // splits a decode step by these names); costs a flag test when not profiling.
 #define SHARDLM_SCOPE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
 
-// out = x W^T (+ bias), the kernel ops.linear picks for the same inputs.
+// Output features of a weight as linear_into takes it: a dense [N, K] tensor
+// (qtype -1), blocks of which a row holds 8 weight rows in the grouped
+// layouts, or a Mixed weight, whose header says.
+int64_t out_features(const at::Tensor& weight, int64_t qtype) {
+  if (qtype == mixed::kType) {
+    return mixed::total_rows(weight.const_data_ptr<uint8_t>(), weight.numel());
+  }
+  return weight.size(0) * (qtype < 0 ? 1 : cpu::quant::rows_per_blocks_row(qtype));
+}
+
+}  // namespace
+
 void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                  const std::optional<at::Tensor>& bias) {
   SHARDLM_SCOPE("shardlm::linear");
@@ -47,18 +58,6 @@ void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
     at::mm_out(out, x, weight.t());
   }
 }
-
-// Output features of a weight as linear_into takes it: a dense [N, K] tensor
-// (qtype -1), blocks of which a row holds 8 weight rows in the grouped
-// layouts, or a Mixed weight, whose header says.
-int64_t out_features(const at::Tensor& weight, int64_t qtype) {
-  if (qtype == mixed::kType) {
-    return mixed::total_rows(weight.const_data_ptr<uint8_t>(), weight.numel());
-  }
-  return weight.size(0) * (qtype < 0 ? 1 : cpu::quant::rows_per_blocks_row(qtype));
-}
-
-}  // namespace
 
 bool reuse_rows(at::Tensor& buffer, const at::Tensor& like, int64_t rows, int64_t cols) {
   if (buffer.defined() && buffer.size(0) == rows && buffer.size(1) == cols &&

@@ -19,6 +19,11 @@ struct BlockScratch {
   at::Tensor gate_up, act;
 };
 
+// out = x W^T (+ bias), the kernel ops.linear picks for the same inputs; W is
+// dense (qtype -1) or GGML blocks of type qtype (quant_linear).
+void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                 const std::optional<at::Tensor>& bias);
+
 // Makes `buffer` a [rows, cols] tensor of like's dtype and device unless it
 // already is one; true when it made a new one.
 bool reuse_rows(at::Tensor& buffer, const at::Tensor& like, int64_t rows, int64_t cols);

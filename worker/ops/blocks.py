@@ -69,6 +69,7 @@ class DecoderStack:
     def __init__(self, eps: float, heads: tuple[int, int, int], scale: float) -> None:
         self.eps, self.heads, self.scale = eps, heads, scale
         self._layers: list[tuple] = []  # the reference's
+        self._head: tuple | None = None  # the reference's (norm, eps, weight)
         self._native = (None if native.USE_REFERENCE
                         else torch.classes.shardlm.DecoderStack(eps, *heads, scale))
 
@@ -88,6 +89,32 @@ class DecoderStack:
                                *_weight_args(o), o_bias, o.shape[0], *_weight_args(gate_up),
                                gate_up_bias, *_weight_args(down), down_bias, down.shape[0],
                                sliding_window)
+
+    def set_head(self, norm: torch.Tensor, eps: float,
+                 weight: torch.Tensor | QuantizedWeight) -> None:
+        """The model's final rms norm and its output head (no bias), for `logits`."""
+        self._head = (norm, eps, weight)
+        if self._native is not None:
+            self._native.set_head(norm, eps, *_weight_args(weight), weight.shape[0])
+
+    def logits(self, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """`forward`, then the final norm and the head over the rows meta.logits_indices (a
+        decode step: every row), in one call: logits [rows, vocab] in hidden's dtype."""
+        if self._native is None:
+            assert self._head is not None, "DecoderStack.logits: no head set (set_head)"
+            norm, eps, weight = self._head
+            last, residual = self.forward(hidden, cos_sin_cache, kv_caches, meta)
+            reference.fused_add_rms_norm(last, residual, norm, eps)
+            if not meta.is_decode:
+                last = last.index_select(0, meta.logits_indices)
+            return reference.linear_of(last, weight)
+        return self._native.logits(
+            hidden, meta.positions, cos_sin_cache, [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, meta.is_decode, meta.max_query_len, meta.max_seq_len,
+            meta.logits_indices)
 
     def forward(self, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

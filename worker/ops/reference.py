@@ -238,7 +238,8 @@ def quant_rows(weight, ids: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(weight, ids)
 
 
-def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_of(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for a dense W or a QuantizedWeight (then quant_linear's reference)."""
     from shardlm_server.worker.quant import QuantizedWeight
 
     if isinstance(weight, QuantizedWeight):
@@ -270,7 +271,7 @@ def attention_block(
     num_heads, num_kv_heads, head_dim = heads
     tokens = hidden.shape[0]
     fused_add_rms_norm(hidden, residual, norm_weight, eps)
-    qkv = _linear(hidden, qkv_weight, qkv_bias)
+    qkv = linear_of(hidden, qkv_weight, qkv_bias)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k = q.clone(), k.clone()
@@ -285,7 +286,7 @@ def attention_block(
         attn = paged_attention_prefill(q3, k_cache, v_cache, meta.block_tables,
                                        meta.query_start_loc, meta.seq_lens, scale,
                                        meta.max_query_len, meta.max_seq_len, sliding_window)
-    result = _linear(attn.reshape(tokens, q_size), o_weight, o_bias)
+    result = linear_of(attn.reshape(tokens, q_size), o_weight, o_bias)
     if out is None:
         return result
     out.copy_(result)
@@ -305,7 +306,7 @@ def mlp_block(
 ) -> torch.Tensor:
     """A decoder layer's MLP half: add and norm, gate_up, silu_and_mul, down."""
     fused_add_rms_norm(hidden, residual, norm_weight, eps)
-    result = _linear(silu_and_mul(_linear(hidden, gate_up_weight, gate_up_bias)), down_weight,
+    result = linear_of(silu_and_mul(linear_of(hidden, gate_up_weight, gate_up_bias)), down_weight,
                      down_bias)
     if out is None:
         return result

@@ -175,6 +175,48 @@ def test_stack_equals_the_blocks_layer_by_layer_and_the_reference(kind, dtype, n
         torch.testing.assert_close(g, w, **TOL[dtype])
 
 
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens,cached,is_decode", CASES)
+def test_stack_logits_equal_forward_then_the_norm_and_head(kind, dtype, new_tokens, cached,
+                                                          is_decode):
+    """DecoderStack.logits is forward, the final norm, the last rows and the head, bit for bit
+    as the model's Python runs them, and as the reference within rounding."""
+    gen = torch.Generator().manual_seed(7)
+    layers = [_layer(kind, dtype, bias=False, seed=i) for i in range(2)]
+    norm = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
+    head = _weight(200, HIDDEN, kind, dtype, gen)
+    seq_lens = [n + c for n, c in zip(new_tokens, cached, strict=True)]
+    caches = [make_paged_cache(seq_lens, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu") for _ in layers]
+    meta = _meta(new_tokens, cached, caches[0][2], is_decode)
+    cos_sin = ops.compute_cos_sin_cache(HEAD_DIM, 128, 10000.0)
+    hidden = torch.randn(sum(new_tokens), HIDDEN, generator=gen).to(dtype)
+    stack = ops.DecoderStack(1e-5, (HEADS, KV_HEADS, HEAD_DIM), HEAD_DIM**-0.5)
+    for layer in layers:
+        stack.add_layer(*_stack_args(layer))
+    with pytest.raises(RuntimeError, match="no head set"):
+        stack.logits(hidden.clone(), cos_sin, [(k.clone(), v.clone()) for k, v, _ in caches],
+                     meta)
+    stack.set_head(norm, 1e-6, head)
+
+    got = stack.logits(hidden.clone(), cos_sin, [(k.clone(), v.clone()) for k, v, _ in caches],
+                       meta)
+    last, residual = stack.forward(hidden.clone(), cos_sin,
+                                   [(k.clone(), v.clone()) for k, v, _ in caches], meta)
+    ops.fused_add_rms_norm(last, residual, norm, 1e-6)
+    want = ops.linear(last.index_select(0, meta.logits_indices), head)
+    assert got.shape == (len(new_tokens), 200) and got.dtype == dtype
+    assert torch.equal(got, want)
+
+    last, residual = reference.decoder_stack(
+        hidden.clone(), [_stack_args(layer) for layer in layers], 1e-5,
+        (HEADS, KV_HEADS, HEAD_DIM), HEAD_DIM**-0.5, cos_sin,
+        [(k.clone(), v.clone()) for k, v, _ in caches], meta)
+    reference.fused_add_rms_norm(last, residual, norm, 1e-6)
+    ref = reference.linear_of(last.index_select(0, meta.logits_indices), head)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
 def test_stack_rejects_a_cache_count_that_does_not_match_its_layers():
     stack = ops.DecoderStack(1e-5, (HEADS, KV_HEADS, HEAD_DIM), HEAD_DIM**-0.5)
     stack.add_layer(*_stack_args(_layer("dense", torch.float32, False)))
