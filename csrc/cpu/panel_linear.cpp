@@ -214,16 +214,10 @@ int64_t rows_per_pass(int64_t k) {
   return std::clamp<int64_t>((384 << 10) / (4 * k), 2 * kTileRows, 16 * kTileRows);
 }
 
-}  // namespace
-
-bool takes(int64_t qtype, int64_t m, int64_t n) {
-  return m >= kMinRows && m <= kMaxRows &&
-         (grouped(qtype) || (qtype == kQ8_0 && n % kGroupRows == 0));
-}
-
+// linear for at most kMaxRows input rows.
 template <typename T>
-void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
-            int64_t n, int64_t k) {
+void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias,
+                 int64_t m, int64_t n, int64_t k) {
   const bool avx2 = cpu::use_avx2();
   // With AVX-512 four groups are unpacked side by side and multiplied
   // together (tile_avx512); the last one to three take panels of two and one.
@@ -265,6 +259,24 @@ void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bi
       }
     });
     first = last;
+  }
+}
+
+}  // namespace
+
+bool takes(int64_t qtype, int64_t m, int64_t n) {
+  return m >= kMinRows && (grouped(qtype) || (qtype == kQ8_0 && n % kGroupRows == 0));
+}
+
+template <typename T>
+void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
+            int64_t n, int64_t k) {
+  // Equal chunks of at most kMaxRows rows (a long prompt's last one not left a few rows).
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
+    const int64_t rows = (m - r0) / (chunks - c);
+    linear_rows(out + r0 * n, qtype, w, x + r0 * k, bias, rows, n, k);
+    r0 += rows;
   }
 }
 

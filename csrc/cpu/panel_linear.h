@@ -1,4 +1,4 @@
-// The panel path of quant_linear for batched decode and short prefills:
+// The panel path of quant_linear for batched decode and prefills:
 // out[M, N] = x[M, K] @ W[N, K]^T (+ bias), accumulated in float32.
 //
 // With more than a few input rows the product is bound by arithmetic, not by
@@ -6,19 +6,24 @@
 // into a float panel ([K][8], lane = output feature; exactly the reference's
 // dequantized values), and the panel is multiplied with tiles of up to 12
 // input rows held in registers: one load and up to twelve FMAs per 8 weights,
-// the unpacking paid once per group instead of once per input row. With
-// AVX-512 four groups are unpacked side by side ([K][32]) and a tile of up to
-// 12 rows holds 32 features in two vectors per row.
+// the unpacking paid once per group per pass of input rows. With AVX-512 four
+// groups are unpacked side by side ([K][32]) and a tile of up to 12 rows holds
+// 32 features in two vectors per row.
 #pragma once
 
 #include <cstdint>
 
 namespace shardlm::cpu::panel {
 
-// The input rows the panel path runs for. Below, the matrix-vector kernels
-// win (bench.quant_bench: about even at 12 rows on SmolLM2's shapes); above,
-// torch's GEMM on dequantized tiles is as fast or faster (10% at 1024 rows of
-// K = 1536), its dequantizing cost spread over enough rows.
+// The panel path takes kMinRows input rows or more. Below, the matrix-vector
+// kernels win (bench.quant_bench: about even at 12 rows on SmolLM2's shapes).
+// Above, it beats torch's GEMM on dequantized tiles, which prefills of more
+// than 256 rows took until 2026-11-28: at 512 rows 162-209 against 136-196
+// GFLOP/s on SmolLM2's and Llama-3.2-1B's matrices (K of 512 to 8192), ahead
+// on all but the down projections of K = 1536 (within 3% at 512 rows, 5-15%
+// behind from 1024 rows).
+// Longer inputs go through in chunks of at most kMaxRows rows, which bounds
+// the transposed copy of the input a chunk makes.
 constexpr int64_t kMinRows = 16;
 constexpr int64_t kMaxRows = 256;
 

@@ -18,11 +18,11 @@
 // With int8 activations (the opt-in fast mode, int8_linear.h) the grouped
 // layouts take integer dot products for every number of input rows.
 //
-// Batches and prefills (many rows) are compute bound. From 16 to 256 rows,
-// Q4x8 weights and Q8_0 ones whose rows fill groups of 8 take the panel path
-// (panel_linear.h); past that, and for other weights, tiles of rows are
-// dequantized to a float buffer once and multiplied with every input row by
-// torch's GEMM.
+// Batches and prefills (many rows) are compute bound. From 16 rows on, the
+// grouped layouts and Q8_0 weights whose rows fill groups of 8 take the panel
+// path (panel_linear.h); other weights (the one-row layouts) past a few rows
+// have tiles of rows dequantized to a float buffer once and multiplied with
+// every input row by torch's GEMM.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
