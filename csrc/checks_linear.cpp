@@ -93,6 +93,21 @@ std::pair<int64_t, int64_t> check_mixed(const at::Tensor& blocks, const char* op
   }
   return {n, k};
 }
+
+// (N, K) of a weight held as GGML blocks of one type: a uint8 [rows, bytes per row] tensor of
+// whole blocks, a row holding 8 weight rows in the grouped layouts (types from 100 on).
+std::pair<int64_t, int64_t> blocks_dims(const at::Tensor& blocks, int64_t qtype,
+                                        int64_t block_bytes, int64_t weights_per_block,
+                                        const char* op) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
+              ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
+              " ", blocks.sizes());
+  TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
+              " bytes is not a whole number of ", block_bytes, "-byte blocks");
+  return {blocks.size(0) * (qtype >= 100 ? 8 : 1),
+          blocks.size(1) / block_bytes * weights_per_block};
+}
+
 }  // namespace
 
 LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
@@ -110,13 +125,8 @@ LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& input,
     const auto [n, k] = check_mixed(blocks, op);
     d = {input.size(0), n, k};
   } else {
-    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
-                ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
-                " ", blocks.sizes());
-    TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
-                " bytes is not a whole number of ", block_bytes, "-byte blocks");
-    d = {input.size(0), blocks.size(0) * (qtype >= 100 ? 8 : 1),
-         blocks.size(1) / block_bytes * weights_per_block};
+    const auto [n, k] = blocks_dims(blocks, qtype, block_bytes, weights_per_block, op);
+    d = {input.size(0), n, k};
   }
   TORCH_CHECK(input.size(1) == d.k, op, ": input has ", input.size(1),
               " features but the blocks hold ", d.k);
@@ -146,13 +156,8 @@ QuantRowsDims check_quant_rows(const at::Tensor& out, const at::Tensor& blocks, 
   int64_t block_bytes = 0, weights_per_block = 32;
   TORCH_CHECK(block_geometry(qtype, &block_bytes, &weights_per_block), op, ": block type ",
               qtype, " is not supported (", kTypeNames, " but not Mixed)");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
-              ": blocks must be a uint8 [N, bytes per row] tensor, got ", blocks.scalar_type(),
-              " ", blocks.sizes());
-  TORCH_CHECK(blocks.size(1) % block_bytes == 0, op, ": a row of ", blocks.size(1),
-              " bytes is not a whole number of ", block_bytes, "-byte blocks");
-  const QuantRowsDims d{ids.numel(), blocks.size(0) * (qtype >= 100 ? 8 : 1),
-                        blocks.size(1) / block_bytes * weights_per_block};
+  const auto [n, k] = blocks_dims(blocks, qtype, block_bytes, weights_per_block, op);
+  const QuantRowsDims d{ids.numel(), n, k};
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
               ": ids must be an int64 [count] tensor, got ", ids.scalar_type(), " ", ids.sizes());
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == d.count &&

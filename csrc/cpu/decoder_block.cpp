@@ -69,18 +69,17 @@ bool reuse_rows(at::Tensor& buffer, const at::Tensor& like, int64_t rows, int64_
 }
 
 void attention_block_into(BlockScratch& s, at::Tensor& out, at::Tensor& hidden,
-                          at::Tensor& residual,
-                         const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_weight,
-                         int64_t qkv_type, const std::optional<at::Tensor>& qkv_bias,
-                         const at::Tensor& o_weight, int64_t o_type,
-                         const std::optional<at::Tensor>& o_bias, const at::Tensor& positions,
-                         const at::Tensor& cos_sin_cache, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, at::Tensor& key_cache,
-                         at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, bool is_decode,
-                         int64_t max_query_len, int64_t max_seq_len, double scale,
-                         int64_t sliding_window) {
+                          at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+                          const at::Tensor& qkv_weight, int64_t qkv_type,
+                          const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                          int64_t o_type, const std::optional<at::Tensor>& o_bias,
+                          const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          at::Tensor& key_cache, at::Tensor& value_cache,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                          bool is_decode, int64_t max_query_len, int64_t max_seq_len,
+                          double scale, int64_t sliding_window) {
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
@@ -94,7 +93,9 @@ void attention_block_into(BlockScratch& s, at::Tensor& out, at::Tensor& hidden,
     s.v3 = s.v.view({tokens, num_kv_heads, head_dim});
   }
   linear_into(s.qkv, hidden, qkv_weight, qkv_type, qkv_bias);
-  if (reuse_rows(s.attn, hidden, tokens, q_size)) s.attn3 = s.attn.view({tokens, num_heads, head_dim});
+  if (reuse_rows(s.attn, hidden, tokens, q_size)) {
+    s.attn3 = s.attn.view({tokens, num_heads, head_dim});
+  }
   {
     SHARDLM_SCOPE("shardlm::attention");
     rotary_embedding_cpu(positions, s.q, s.k, head_dim, cos_sin_cache);

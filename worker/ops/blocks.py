@@ -59,6 +59,15 @@ def attention_block(
     return out
 
 
+def _step_args(hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               meta: AttentionMetadata) -> tuple:
+    """A step's arguments to the native DecoderStack's forward and logits."""
+    return (hidden, meta.positions, cos_sin_cache, [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, meta.is_decode, meta.max_query_len, meta.max_seq_len)
+
+
 class DecoderStack:
     """Every decoder layer of a single-rank CPU model in one call (csrc/cpu/decoder_stack.cpp):
     each layer's attention_block then mlp_block in a C++ loop, without a Python and dispatcher
@@ -110,11 +119,8 @@ class DecoderStack:
             if not meta.is_decode:
                 last = last.index_select(0, meta.logits_indices)
             return reference.linear_of(last, weight)
-        return self._native.logits(
-            hidden, meta.positions, cos_sin_cache, [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, meta.is_decode, meta.max_query_len, meta.max_seq_len,
-            meta.logits_indices)
+        return self._native.logits(*_step_args(hidden, cos_sin_cache, kv_caches, meta),
+                                   meta.logits_indices)
 
     def forward(self, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -124,10 +130,7 @@ class DecoderStack:
         if self._native is None:
             return reference.decoder_stack(hidden, self._layers, self.eps, self.heads,
                                            self.scale, cos_sin_cache, kv_caches, meta)
-        return self._native.forward(
-            hidden, meta.positions, cos_sin_cache, [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, meta.is_decode, meta.max_query_len, meta.max_seq_len)
+        return self._native.forward(*_step_args(hidden, cos_sin_cache, kv_caches, meta))
 
 
 def mlp_block(
