@@ -9,8 +9,9 @@ round runs both engines back to back and the medians are reported):
   * the GB/s ShardLM streams against the read bandwidth measured in every round (bench.roofline);
   * with --depth N, batch-1 decode after an N-token context, KV bytes counted in the floor
     (bench.depth_bench);
-  * with --activation-precision int8, ShardLM's decode and prefill also with int8 activations (the
-    opt-in fast mode), timed in the same rounds, and its own top-1 agreement;
+  * with --activation-precision int8 and/or int16, ShardLM's decode and prefill also with those
+    activation precisions (the opt-in modes), timed in the same rounds, each with its own top-1
+    agreement;
   * teacher-forced top-1 agreement of both engines with the float32 reference (bench.agreement);
   * the full stack, 1/8/32 concurrent streams: `shardlm serve` against llama.cpp's `llama-server`
     with as many parallel slots (bench.model_stack; the "stack" section).
@@ -138,27 +139,28 @@ def measure(args) -> dict:
     prompt = eb.random_prompts(1, args.prompt_len, vocab)
     long_prompt = eb.random_prompts(1, prefill_len, vocab, seed=1)
     ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
-    fast = args.activation_precision == "int8"
-    fast_dec, fast_pre = [], []
+    modes = [m for m in args.precisions if m != "exact"]  # the opt-in precisions, in order
+    mode_dec: dict[str, list[float]] = {m: [] for m in modes}
+    mode_pre: dict[str, list[float]] = {m: [] for m in modes}
     bandwidths: list[float] = []  # each round's read bandwidth (roofline.round_shares)
     eb.engine_decode_seconds(engine, prompt, 4, cpu, 1)  # warm-up
     for _ in range(args.repeats + 1):
         bandwidths.append(roofline.read_bandwidth(repeats=4))
         ours_dec.append(eb.engine_decode_seconds(engine, prompt, args.new_tokens, cpu, 1) / steps)
         ours_pre.append(eb.engine_prefill_seconds(engine, long_prompt, cpu, 1))
-        if fast:
-            with activations.using("int8"):
-                fast_dec.append(eb.engine_decode_seconds(engine, prompt, args.new_tokens, cpu, 1)
-                                / steps)
-                fast_pre.append(eb.engine_prefill_seconds(engine, long_prompt, cpu, 1))
+        for mode in modes:
+            with activations.using(mode):
+                mode_dec[mode].append(
+                    eb.engine_decode_seconds(engine, prompt, args.new_tokens, cpu, 1) / steps)
+                mode_pre[mode].append(eb.engine_prefill_seconds(engine, long_prompt, cpu, 1))
         if llama is not None:
             theirs_dec.append(llama.decode_seconds(prompt[0].tolist(), steps) / steps)
             theirs_pre.append(llama.prefill_seconds(long_prompt[0].tolist()))
     result["shardlm"] = _rates(ours_dec, ours_pre, prefill_len)
     step_ms = result["shardlm"]["decode_ms_per_step"]
     result["shardlm"]["breakdown"] = step_breakdown(engine, prompt, min(steps, 48), step_ms)
-    if fast:
-        result["shardlm_int8"] = _rates(fast_dec, fast_pre, prefill_len)
+    for mode in modes:
+        result[f"shardlm_{mode}"] = _rates(mode_dec[mode], mode_pre[mode], prefill_len)
     # Decode batches (ShardLM alone: llama.cpp's batches are measured through its server).
     result["shardlm"]["decode_batches"] = [
         eb.decode_row(b, eb.engine_decode_seconds(
@@ -182,17 +184,17 @@ def measure(args) -> dict:
                           "floor_ms_per_token": floor_ms,
                           "achieved_gb_s": nbytes / (step_ms / 1000) / 1e9,
                           "pct_of_floor": _median(roofline.round_shares(nbytes, bandwidths, ours_dec))}
-    if fast:
-        fast_ms = result["shardlm_int8"]["decode_ms_per_step"]
-        result["shardlm_int8"].update({"achieved_gb_s": nbytes / (fast_ms / 1000) / 1e9,
-                                       "pct_of_floor": _median(roofline.round_shares(nbytes, bandwidths,
-                                                                             fast_dec))})
+    for mode in modes:
+        mode_ms = result[f"shardlm_{mode}"]["decode_ms_per_step"]
+        result[f"shardlm_{mode}"].update({
+            "achieved_gb_s": nbytes / (mode_ms / 1000) / 1e9,
+            "pct_of_floor": _median(roofline.round_shares(nbytes, bandwidths, mode_dec[mode]))})
 
     flops = linear_flops_per_token(engine)
     peak = roofline.fma_peak_flops()
     rates = {"shardlm": result["shardlm"]["prefill_tokens_per_s"]}
-    if fast:
-        rates["shardlm_int8"] = result["shardlm_int8"]["prefill_tokens_per_s"]
+    for mode in modes:
+        rates[f"shardlm_{mode}"] = result[f"shardlm_{mode}"]["prefill_tokens_per_s"]
     if isinstance(result["llama_cpp"], dict):
         rates["llama_cpp"] = result["llama_cpp"]["prefill_tokens_per_s"]
     result["compute"] = {"fma_peak_gflops": peak / 1e9, "flops_per_token": flops,
@@ -217,16 +219,17 @@ def measure(args) -> dict:
     if args.agreement_tokens:
         ids = agreement.text_ids(path, args.agreement_tokens)
         ours = agreement.engine_top1(engine, ids)
-        if fast:
-            with activations.using("int8"):
-                ours_fast = agreement.engine_top1(engine, ids)
+        ours_modes = {}
+        for mode in modes:
+            with activations.using(mode):
+                ours_modes[mode] = agreement.engine_top1(engine, ids)
         del engine
         reference_engine = eb.load_engine(path, torch.float32, cpu, 1, 1, len(ids))
         reference = agreement.engine_top1(reference_engine, ids)
         del reference_engine
         result["agreement"] = {"tokens": len(ids), "shardlm": agreement.agreement(ours, reference)}
-        if fast:
-            result["agreement"]["shardlm_int8"] = agreement.agreement(ours_fast, reference)
+        for mode, top1 in ours_modes.items():
+            result["agreement"][f"shardlm_{mode}"] = agreement.agreement(top1, reference)
         if llama_ran:
             scorer = llamacpp.LlamaCpp(gguf, threads, n_ctx=len(ids) + 16, logits_all=True)
             result["agreement"]["llama_cpp"] = agreement.agreement(scorer.top1(ids), reference)
@@ -258,6 +261,14 @@ def targets(result: dict) -> list[dict]:
                 fast["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 1.0)
         add("int8 activations: batch-1 decode >= 90% of the read floor",
             fast["pct_of_floor"] / 100, 0.9)
+    near = result.get("shardlm_int16")
+    if near:  # the near-exact precision against the exact engine's own targets
+        if isinstance(theirs, dict):
+            add("int16 activations: prefill vs llama.cpp >= 2x",
+                near["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"], 2.0)
+        if result.get("agreement"):
+            add("int16 activations: top-1 agreement with float32 >= 99.5%",
+                result["agreement"]["shardlm_int16"], 0.995)
     if "depth" in result:
         for name, value, goal in depth_bench.targets(result["depth"]):
             add(name, value, goal)
@@ -288,10 +299,10 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
 
     row("batch-1 decode tok/s", "decode_tokens_per_s")
     row(f"{ours['prefill_tokens']}-token prefill tok/s", "prefill_tokens_per_s")
-    fast = result.get("shardlm_int8")
-    if fast:
-        row("int8 activations: decode", "decode_tokens_per_s", fast)
-        row("int8 activations: prefill", "prefill_tokens_per_s", fast)
+    modes = [k.removeprefix("shardlm_") for k in result if k.startswith("shardlm_")]
+    for mode in modes:
+        row(f"{mode} activations: decode", "decode_tokens_per_s", result[f"shardlm_{mode}"])
+        row(f"{mode} activations: prefill", "prefill_tokens_per_s", result[f"shardlm_{mode}"])
     batches = ours.get("decode_batches") or []
     if batches:
         print("ShardLM decode batches: " + ", ".join(
@@ -306,8 +317,9 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
     print(f"weights {r['weight_bytes'] / 1e6:.0f} MB; read bandwidth {r['bandwidth_gb_s']:.1f} GB/s "
           f"(median of the rounds') -> floor {r['floor_ms_per_token']:.2f} ms/token; ShardLM streams "
           f"{r['achieved_gb_s']:.1f} GB/s ({r['pct_of_floor']:.0f}% of the floor)")
-    if fast:
-        print(f"with int8 activations ShardLM streams {fast['achieved_gb_s']:.1f} GB/s "
+    for mode in modes:
+        fast = result[f"shardlm_{mode}"]
+        print(f"with {mode} activations ShardLM streams {fast['achieved_gb_s']:.1f} GB/s "
               f"({fast['pct_of_floor']:.0f}% of the floor)")
     c = result["compute"]
     print(f"prefill GFLOP/s (linear layers) against the float32 FMA peak of "
@@ -317,8 +329,8 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
     a = result.get("agreement")
     if a:
         line = f"top-1 agreement with float32 over {a['tokens']} tokens: ShardLM {100 * a['shardlm']:.1f}%"
-        if "shardlm_int8" in a:
-            line += f", ShardLM with int8 activations {100 * a['shardlm_int8']:.1f}%"
+        for mode in modes:
+            line += f", ShardLM with {mode} activations {100 * a[f'shardlm_{mode}']:.1f}%"
         if "llama_cpp" in a:
             line += f", llama.cpp {100 * a['llama_cpp']:.1f}%"
         print(line)

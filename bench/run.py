@@ -56,9 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=0,
                    help="--model: also batch-1 decode after a context of this many tokens "
                    "(e.g. 4096), ShardLM's float32 and float16 KV caches against llama.cpp")
-    p.add_argument("--activation-precision", choices=ACTIVATION_PRECISIONS, default="exact",
-                   help="--model: int8 also times ShardLM in process with int8 activations (the "
-                   "opt-in fast mode), in the same rounds, with its own top-1 agreement")
+    p.add_argument("--activation-precision", default="exact",
+                   help="--model: any of int8, int16 (comma-separated) also times ShardLM in "
+                   "process with those activation precisions (the opt-in modes), in the same "
+                   "rounds, each with its own top-1 agreement")
     p.add_argument("--agreement-tokens", type=int,
                    help="--model: teacher-forced text length for top-1 agreement (default 512)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few tokens, seconds")
@@ -100,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--depth must be a token count >= 0")
         if not Path(args.model).exists():
             p.error(f"--model {args.model}: no such file or folder")
+        args.precisions = [x for x in args.activation_precision.split(",") if x]
+        unknown = sorted(set(args.precisions) - set(ACTIVATION_PRECISIONS))
+        if unknown:
+            p.error(f"--activation-precision: {', '.join(unknown)} not among "
+                    f"{', '.join(ACTIVATION_PRECISIONS)}")
         default_agreement = 64 if args.smoke else 512
         args.agreement_tokens = (default_agreement if args.agreement_tokens is None
                                  else args.agreement_tokens)

@@ -122,11 +122,12 @@ PyObject* set_cpu_simd(PyObject* /*self*/, PyObject* arg) {
 }
 
 // set_activation_precision(precision: int) -> None: how quant_linear treats its
-// input on CPU for the grouped layouts, for the whole process: 0 exact
-// (float32), 1 rounded to int8 per block of 32 (cpu_utils.h).
+// input on CPU, for the whole process: 0 exact (float32), 1 rounded to int8
+// per block of 32 for the grouped layouts, 2 rounded to 14-bit integers per
+// block of 32, with the weights, in the panel path (cpu_utils.h).
 PyObject* set_activation_precision(PyObject* /*self*/, PyObject* arg) {
-  return store_setting(arg, 1, shardlm::cpu::activation_precision_setting(),
-                       "set_activation_precision: precision must be 0 or 1");
+  return store_setting(arg, 2, shardlm::cpu::activation_precision_setting(),
+                       "set_activation_precision: precision must be 0, 1 or 2");
 }
 
 // cpu_fma_peak(iterations: int) -> float: the CPU's float32 FMA throughput in
@@ -177,7 +178,7 @@ PyMethodDef shardlm_methods[] = {
      "2 AVX-512)."},
     {"set_activation_precision", set_activation_precision, METH_O,
      "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
-     "grouped layouts (0 exact float32, 1 int8 per block of 32)."},
+     "grouped layouts (0 exact float32, 1 int8 per block of 32, 2 int16 panels)."},
     {"cpu_fma_peak", cpu_fma_peak, METH_O,
      "cpu_fma_peak(iterations: int) -> float: measured float32 FMA FLOP/s of all threads."},
     {"cpu_simd_active", cpu_simd_active, METH_NOARGS,

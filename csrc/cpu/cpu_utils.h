@@ -72,11 +72,12 @@ inline bool cpu_has_avx512_vnni() {
 
 inline bool use_avx512_vnni() { return use_avx512() && cpu_has_avx512_vnni(); }
 
-// How quant_linear treats its input for the 8-row grouped weight layouts:
-// exact (float32, the default) or rounded to int8 per block of 32
-// (int8_linear.h). Process-wide, like simd_cap(): set_activation_precision()
+// How quant_linear treats its input: exact (float32, the default), rounded to
+// int8 per block of 32 for the 8-row grouped weight layouts (int8_linear.h),
+// or, with the weights too, to 14-bit integers per block of 32 in the panel
+// path (panel_int16.h). Process-wide, like simd_cap(): set_activation_precision()
 // (ops.cpp) sets it from the worker's EngineOptions; read once per call.
-enum class ActivationPrecision { kExact = 0, kInt8 = 1 };
+enum class ActivationPrecision { kExact = 0, kInt8 = 1, kInt16 = 2 };
 
 inline std::atomic<int>& activation_precision_setting() {
   static std::atomic<int> setting{static_cast<int>(ActivationPrecision::kExact)};

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu_utils.h"
+#include "panel_int16.h"
 #include "q4x8.h"
 #include "q6kx8.h"
 #include "quant_blocks.h"
@@ -175,26 +176,50 @@ void multiply(float* acc, const float* panel, int64_t groups, const float* xt, i
   kTiles[rows - 1](acc, panel, xt, k, avx2);
 }
 
-// Input rows [begin, begin + rows) of one tile, interleaved ([K][rows]).
+// Input rows [begin, begin + rows) of one tile: interleaved ([K][rows]) for
+// the exact product, or rounded to integer pairs for the int16 one
+// (panel_int16.h).
 struct Tile {
   int64_t begin, rows;
   const float* xt;
+  const int32_t* words;
+  const float* scales;
 };
 
 // The input split into tiles of near-equal size (32 rows: 10, 11, 11, not
-// 12, 12, 8, so every tile keeps enough FMA chains in flight), interleaved
-// into a thread-local buffer by the threads together.
-std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k) {
+// 12, 12, 8, so every tile keeps enough FMA chains in flight), interleaved or
+// rounded into thread-local buffers by the threads together.
+std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k, bool rounded) {
   thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < m * k) buffer.resize(m * k);
-  float* base = buffer.data();  // the pool's threads see their own thread_locals
+  thread_local std::vector<int32_t> words;
+  thread_local std::vector<float> scales;
+  if (rounded) {
+    if (static_cast<int64_t>(words.size()) < m * k / 2) words.resize(m * k / 2);
+    if (static_cast<int64_t>(scales.size()) < m * k / kBlock) scales.resize(m * k / kBlock);
+  } else if (static_cast<int64_t>(buffer.size()) < m * k) {
+    buffer.resize(m * k);
+  }
+  // The pool's threads see their own thread_locals.
+  float* base = buffer.data();
+  int32_t* word_base = words.data();
+  float* scale_base = scales.data();
   const int64_t count = (m + kTileRows - 1) / kTileRows;
   std::vector<Tile> out;
   int64_t begin = 0;
   for (int64_t t = 0; t < count; ++t) {
     const int64_t rows = (m - begin) / (count - t);
-    out.push_back({begin, rows, base + begin * k});
+    out.push_back({begin, rows, base + begin * k, word_base + begin * k / 2,
+                   scale_base + begin * k / kBlock});
     begin += rows;
+  }
+  if (rounded) {
+    at::parallel_for(0, k / kBlock, 8, [&](int64_t b0, int64_t b1) {
+      for (const Tile& t : out) {
+        panel16::round_rows(word_base + t.begin * k / 2, scale_base + t.begin * k / kBlock,
+                            x + t.begin * k, t.rows, k, b0, b1);
+      }
+    });
+    return out;
   }
   at::parallel_for(0, k, 256, [&](int64_t i0, int64_t i1) {
     for (const Tile& t : out) {
@@ -207,59 +232,61 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k) {
   return out;
 }
 
-// Input rows per pass over the weights: the pass's interleaved rows (K floats
-// each) stay within about 384 KiB, in L2 beside the panel; each pass unpacks
-// every group again, which costs far less than fetching the rows from L3.
-int64_t rows_per_pass(int64_t k) {
-  return std::clamp<int64_t>((384 << 10) / (4 * k), 2 * kTileRows, 16 * kTileRows);
-}
-
-// linear for at most kMaxRows input rows.
+// linear for at most kMaxRows input rows: each group of weight rows is
+// unpacked (and, for the int16 precision, rounded) once and multiplied with
+// every tile. The tiles' inputs (up to 4 MiB for 512 rows of K = 2048) come
+// from L3 rather than L2, but the groups are unpacked once instead of once per
+// pass of a few dozen rows, as until 2026-11-28: at 512 rows, 2 threads, the
+// exact product of a 2048 x 8192 Q4Kx8 matrix rose from 165-168 to 217-218
+// GFLOP/s, 8192 x 2048 from 188-196 to 219-220, SmolLM2's matrices by 0-15%
+// (with chunks of 512 rows, not 256, another 0-7%).
 template <typename T>
 void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias,
                  int64_t m, int64_t n, int64_t k) {
   const bool avx2 = cpu::use_avx2();
+  const bool rounded = cpu::activation_precision() == cpu::ActivationPrecision::kInt16;
   // With AVX-512 four groups are unpacked side by side and multiplied
   // together (tile_avx512); the last one to three take panels of two and one.
   const int64_t span = cpu::use_avx512() ? 4 : 1;
   const int64_t groups = n / kGroupRows;
-  const std::vector<Tile> tiles = tiles_of(x, m, k);
-  const int64_t pass_rows = rows_per_pass(k);
-  for (size_t first = 0; first < tiles.size();) {
-    size_t last = first + 1;  // tiles [first, last) make this pass
-    while (last < tiles.size() && tiles[last].begin + tiles[last].rows - tiles[first].begin <=
-                                      pass_rows) {
-      ++last;
+  const std::vector<Tile> tiles = tiles_of(x, m, k, rounded);
+  at::parallel_for(0, (groups + span - 1) / span, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> panel;
+    thread_local std::vector<int32_t> words;  // the panel rounded (int16 precision)
+    thread_local std::vector<float> scales;
+    if (static_cast<int64_t>(panel.size()) < k * kGroupRows * span) {
+      panel.resize(k * kGroupRows * span);
     }
-    at::parallel_for(0, (groups + span - 1) / span, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> panel;
-      if (static_cast<int64_t>(panel.size()) < k * kGroupRows * span) {
-        panel.resize(k * kGroupRows * span);
+    if (rounded && static_cast<int64_t>(words.size()) < k / 2 * kGroupRows * span) {
+      words.resize(k / 2 * kGroupRows * span);
+      scales.resize(k / kBlock * kGroupRows * span);
+    }
+    float acc[kTileRows * kGroupRows * 4];
+    for (int64_t g = begin * span; g < std::min(groups, end * span);) {
+      const int64_t left = std::min(groups, end * span) - g;
+      const int64_t width = span == 1 ? 1 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const int64_t lanes = width * kGroupRows;
+      for (int64_t i = 0; i < width; ++i) {
+        unpack(panel.data() + i * kGroupRows, qtype, w, g + i, k, lanes, avx2);
       }
-      float acc[kTileRows * kGroupRows * 4];
-      for (int64_t g = begin * span; g < std::min(groups, end * span);) {
-        const int64_t left = std::min(groups, end * span) - g;
-        const int64_t width = span == 1 ? 1 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        const int64_t lanes = width * kGroupRows;
-        for (int64_t i = 0; i < width; ++i) {
-          unpack(panel.data() + i * kGroupRows, qtype, w, g + i, k, lanes, avx2);
-        }
-        for (size_t i = first; i < last; ++i) {
-          const Tile& t = tiles[i];
+      if (rounded) panel16::round_panel(words.data(), scales.data(), panel.data(), lanes, k);
+      for (const Tile& t : tiles) {
+        if (rounded) {
+          panel16::multiply(acc, words.data(), scales.data(), lanes, t.words, t.scales, t.rows, k);
+        } else {
           multiply(acc, panel.data(), width, t.xt, t.rows, k, avx2);
-          for (int64_t r = 0; r < t.rows; ++r) {
-            for (int64_t l = 0; l < lanes; ++l) {
-              const int64_t j = g * kGroupRows + l;
-              out[(t.begin + r) * n + j] =
-                  from_f<T>(acc[r * lanes + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
-            }
+        }
+        for (int64_t r = 0; r < t.rows; ++r) {
+          for (int64_t l = 0; l < lanes; ++l) {
+            const int64_t j = g * kGroupRows + l;
+            out[(t.begin + r) * n + j] =
+                from_f<T>(acc[r * lanes + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
           }
         }
-        g += width;
       }
-    });
-    first = last;
-  }
+      g += width;
+    }
+  });
 }
 
 }  // namespace

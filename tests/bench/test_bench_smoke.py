@@ -62,7 +62,7 @@ def test_smoke_run_writes_every_section(tmp_path):
 
 
 def test_smoke_run_on_a_model_file(tmp_path):
-    """`--model FILE.gguf`: ShardLM's figures (exact and with int8 activations), the breakdown,
+    """`--model FILE.gguf`: ShardLM's figures (exact, int8 and int16 activations), the breakdown,
     the roofline, the agreement, decode at depth, the full stack and the targets land in the JSON;
     llama.cpp's columns are there or say why not."""
     from tests.gguf_files import GGUFSpec, T, write_gguf
@@ -71,7 +71,7 @@ def test_smoke_run_on_a_model_file(tmp_path):
     write_gguf(model, GGUFSpec("llama", default_type=T.Q4_0))  # 4-bit: the int8 mode applies
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "--model", str(model), "--smoke",
-         "--agreement-tokens", "32", "--depth", "48", "--activation-precision", "int8",
+         "--agreement-tokens", "32", "--depth", "48", "--activation-precision", "int8,int16",
          "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
         # No llama-server even where one is built: the run must say so and go on.
@@ -91,11 +91,13 @@ def test_smoke_run_on_a_model_file(tmp_path):
     assert result["roofline"]["weight_bytes"] > 0 and result["roofline"]["achieved_gb_s"] > 0
     assert result["agreement"]["tokens"] == 32
     assert 0.0 <= result["agreement"]["shardlm"] <= 1.0
-    fast = result["shardlm_int8"]
-    assert fast["decode_tokens_per_s"] > 0 and fast["prefill_tokens_per_s"] > 0
-    assert fast["pct_of_floor"] > 0 and 0.0 <= result["agreement"]["shardlm_int8"] <= 1.0
+    for mode in ("int8", "int16"):
+        fast = result[f"shardlm_{mode}"]
+        assert fast["decode_tokens_per_s"] > 0 and fast["prefill_tokens_per_s"] > 0
+        assert fast["pct_of_floor"] > 0 and 0.0 <= result["agreement"][f"shardlm_{mode}"] <= 1.0
     assert result["compute"]["fma_peak_gflops"] > 0 and result["compute"]["prefill_gflops"]["shardlm"] > 0
     assert any("int8 activations" in t["target"] for t in report["targets"])
+    assert any("int16 activations: top-1" in t["target"] for t in report["targets"])
     llama = result["llama_cpp"]
     assert llama.startswith("not run") if isinstance(llama, str) else llama["decode_tokens_per_s"] > 0
     assert any("agreement" in t["target"] for t in report["targets"])

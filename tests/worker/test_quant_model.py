@@ -138,18 +138,22 @@ def test_a_k_quant_file_stays_packed(tmp_path, tied):
     assert tokens == dense_tokens
 
 
-def test_int8_activations_stay_close_to_the_exact_model(gguf_path):
-    """The opt-in fast mode (EngineOptions.activation_precision) runs the whole model with its
-    4-bit linears on int8 inputs: logits move, by little, and the process returns to exact."""
+@pytest.mark.parametrize("precision,bound", [("int8", 0.05), ("int16", 1e-3)])
+def test_rounded_activations_stay_close_to_the_exact_model(gguf_path, precision, bound):
+    """The opt-in precisions (EngineOptions.activation_precision) run the whole model with its
+    4-bit linears on int8 inputs, or its 23-token prefill's linears on 14-bit integers: logits
+    move, by little (int16 by far less), and the process returns to exact."""
     path, _, _ = gguf_path
     exact = Engine.load(path, dtype="float32", cache_config=CACHE)
-    logits, _ = _logits_and_tokens(exact)
+    logits, tokens = _logits_and_tokens(exact)
     try:
         fast = Engine.load(path, dtype="float32", cache_config=CACHE,
-                           options=EngineOptions(activation_precision="int8"))
+                           options=EngineOptions(activation_precision=precision))
         fast_logits, fast_tokens = _logits_and_tokens(fast)
     finally:
         ops.set_activation_precision("exact")
     assert not torch.equal(fast_logits, logits)
-    assert (fast_logits - logits).norm() / logits.norm() < 0.05
+    assert (fast_logits - logits).norm() / logits.norm() < bound
     assert len(fast_tokens) == 12
+    if precision == "int16":
+        assert fast_tokens == tokens

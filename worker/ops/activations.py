@@ -1,7 +1,11 @@
-"""How the CPU quantized linears treat their input: exact (float32, the default) or, the opt-in
+"""How the CPU quantized linears treat their input: exact (float32, the default); or, the opt-in
 fast mode, rounded to int8 per block of 32 elements the way GGML's Q8_0 rounds it, so the kernels
-take integer dot products (``csrc/cpu/int8_linear.h``). The fast mode covers the 8-row grouped
-layouts (``INT8_LAYOUTS``: every 4-, 5- and 6-bit weight kept packed); other weights stay exact.
+take integer dot products (``csrc/cpu/int8_linear.h``), for the 8-row grouped layouts
+(``INT8_LAYOUTS``: every 4-, 5- and 6-bit weight kept packed); or, near-exact, int16: in the
+panel path (``PANEL_LAYOUTS``, products of ``PANEL_MIN_ROWS`` rows or more: prefills and large
+batches) each 32-element block of the input and of the dequantized weight is rounded to 14-bit
+integers, whose pair products VNNI sums at twice the float32 FMA rate
+(``csrc/cpu/panel_int16.h``). Other weights and shorter products stay exact.
 
 A process-wide setting, like the SIMD cap: the worker sets it on Load from its EngineOptions, and
 both the compiled ops and the reference (:mod:`worker.ops.reference`) read it here.
@@ -19,10 +23,17 @@ from shardlm_server.worker.quant import BLOCK, GROUPED_LAYOUTS
 
 from .native import library as _C
 
-__all__ = ["ACTIVATION_PRECISIONS", "INT8_LAYOUTS", "activation_precision", "round_to_int8",
-           "rounds_input", "set_activation_precision", "using"]
+__all__ = ["ACTIVATION_PRECISIONS", "INT16_LEVELS", "INT8_LAYOUTS", "PANEL_LAYOUTS",
+           "PANEL_MIN_ROWS", "activation_precision", "round_blocks", "round_to_int8",
+           "rounds_input", "rounds_panel", "set_activation_precision", "using"]
 #: The weight layouts the int8 fast mode covers: every 8-row grouped one (csrc: quant::grouped).
 INT8_LAYOUTS = ("Q4x8", *GROUPED_LAYOUTS)
+#: The layouts the panel path takes (csrc/cpu/panel_linear.h: takes), Q8_0 only in whole groups
+#: of 8 output rows, from PANEL_MIN_ROWS input rows (its kMinRows).
+PANEL_LAYOUTS = (*INT8_LAYOUTS, "Q8_0")
+PANEL_MIN_ROWS = 16
+#: The int16 precision's integer range, +-INT16_LEVELS (csrc/cpu/panel_int16.h: kLevels).
+INT16_LEVELS = 8191
 
 _current = "exact"
 
@@ -59,14 +70,25 @@ def rounds_input(qtype: str) -> bool:
     return _current == "int8" and qtype in INT8_LAYOUTS
 
 
-def round_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (K a multiple of 32) as the fast mode sees it, in float32: per block of 32,
-    dx = max|x| / 127 and x = dx * round(x * (127 / max|x|)), to nearest even (0 for a zero
-    block)."""
+def rounds_panel(qtype: str, m: int, n: int) -> bool:
+    """Whether quant_linear of m input rows against an [n, K] weight of `qtype` rounds both its
+    input and the weight to 14-bit integers now (the int16 precision's panel path)."""
+    return (_current == "int16" and m >= PANEL_MIN_ROWS and qtype in PANEL_LAYOUTS
+            and (qtype != "Q8_0" or n % 8 == 0))
+
+
+def round_blocks(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded per block of 32 in float32: step = max|x| / levels
+    and x = step * round(x * (levels / max|x|)), to nearest even (0 for a zero block)."""
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
     # Divisions of tensors, each rounded once as the kernels' are (a number divided by a tensor
     # would be its reciprocal times the number: two roundings).
-    levels = torch.full_like(amax, 127.0)
-    inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inverse) * (amax / levels)).reshape(x.shape)
+    level = torch.full_like(amax, float(levels))
+    inverse = torch.where(amax > 0, level / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / level)).reshape(x.shape)
+
+
+def round_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the int8 fast mode sees it: round_blocks to +-127, as GGML's Q8_0."""
+    return round_blocks(x, 127)

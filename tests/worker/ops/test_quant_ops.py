@@ -83,11 +83,12 @@ def test_q8_0_rows_do_not_depend_on_the_batch(n, k):
         assert torch.equal(ops.quant_linear(x[i:i + 1], w), together[i:i + 1])
 
 
-@pytest.mark.parametrize("m", [16, 17, 40, 130, 300])
+@pytest.mark.parametrize("m", [16, 17, 40, 130, 300, 1100])
 @pytest.mark.parametrize("n,k", [(8, 32), (64, 576), (136, 1536)])
 def test_q8_0_in_whole_groups_matches_reference(m, n, k):
-    """From 16 to 256 rows, Q8_0 weights whose rows fill groups of 8 take the panel path
-    (csrc/cpu/panel_linear.h): eight rows transposed into one panel."""
+    """From 16 rows, Q8_0 weights whose rows fill groups of 8 take the panel path
+    (csrc/cpu/panel_linear.h): eight rows transposed into one panel; 1100 rows go through in
+    three chunks."""
     w = ggml_weight(n, k, "Q8_0", seed=m)
     gen = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, k, generator=gen) * 2
