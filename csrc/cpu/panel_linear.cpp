@@ -240,11 +240,11 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k, bool rounded) {
 // exact product of a 2048 x 8192 Q4Kx8 matrix rose from 165-168 to 217-218
 // GFLOP/s, 8192 x 2048 from 188-196 to 219-220, SmolLM2's matrices by 0-15%
 // (with chunks of 512 rows, not 256, another 0-7%).
+// `rounded`: the int16 precision's integer product (panel_int16.h).
 template <typename T>
 void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias,
-                 int64_t m, int64_t n, int64_t k) {
+                 int64_t m, int64_t n, int64_t k, bool rounded) {
   const bool avx2 = cpu::use_avx2();
-  const bool rounded = cpu::activation_precision() == cpu::ActivationPrecision::kInt16;
   // With AVX-512 four groups are unpacked side by side and multiplied
   // together (tile_avx512); the last one to three take panels of two and one.
   const int64_t span = cpu::use_avx512() ? 4 : 1;
@@ -299,10 +299,12 @@ template <typename T>
 void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
             int64_t n, int64_t k) {
   // Equal chunks of at most kMaxRows rows (a long prompt's last one not left a few rows).
+  const bool rounded = cpu::activation_precision() == cpu::ActivationPrecision::kInt16 &&
+                       m >= panel16::kMinRows;
   const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
   for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
     const int64_t rows = (m - r0) / (chunks - c);
-    linear_rows(out + r0 * n, qtype, w, x + r0 * k, bias, rows, n, k);
+    linear_rows(out + r0 * n, qtype, w, x + r0 * k, bias, rows, n, k, rounded);
     r0 += rows;
   }
 }

@@ -2,7 +2,7 @@
 fast mode, rounded to int8 per block of 32 elements the way GGML's Q8_0 rounds it, so the kernels
 take integer dot products (``csrc/cpu/int8_linear.h``), for the 8-row grouped layouts
 (``INT8_LAYOUTS``: every 4-, 5- and 6-bit weight kept packed); or, near-exact, int16: in the
-panel path (``PANEL_LAYOUTS``, products of ``PANEL_MIN_ROWS`` rows or more: prefills and large
+panel path (``PANEL_LAYOUTS``, products of ``INT16_MIN_ROWS`` rows or more: prefills and large
 batches) each 32-element block of the input and of the dequantized weight is rounded to 14-bit
 integers, whose pair products VNNI sums at twice the float32 FMA rate
 (``csrc/cpu/panel_int16.h``). Other weights and shorter products stay exact.
@@ -24,14 +24,15 @@ from shardlm_server.worker.quant import BLOCK, GROUPED_LAYOUTS
 from .native import library as _C
 
 __all__ = ["ACTIVATION_PRECISIONS", "INT16_LEVELS", "INT8_LAYOUTS", "PANEL_LAYOUTS",
-           "PANEL_MIN_ROWS", "activation_precision", "round_blocks", "round_to_int8",
+           "INT16_MIN_ROWS", "activation_precision", "round_blocks", "round_to_int8",
            "rounds_input", "rounds_panel", "set_activation_precision", "using"]
 #: The weight layouts the int8 fast mode covers: every 8-row grouped one (csrc: quant::grouped).
 INT8_LAYOUTS = ("Q4x8", *GROUPED_LAYOUTS)
 #: The layouts the panel path takes (csrc/cpu/panel_linear.h: takes), Q8_0 only in whole groups
-#: of 8 output rows, from PANEL_MIN_ROWS input rows (its kMinRows).
+#: of 8 output rows; the int16 precision rounds there from INT16_MIN_ROWS input rows
+#: (csrc/cpu/panel_int16.h: kMinRows).
 PANEL_LAYOUTS = (*INT8_LAYOUTS, "Q8_0")
-PANEL_MIN_ROWS = 16
+INT16_MIN_ROWS = 32
 #: The int16 precision's integer range, +-INT16_LEVELS (csrc/cpu/panel_int16.h: kLevels).
 INT16_LEVELS = 8191
 
@@ -73,7 +74,7 @@ def rounds_input(qtype: str) -> bool:
 def rounds_panel(qtype: str, m: int, n: int) -> bool:
     """Whether quant_linear of m input rows against an [n, K] weight of `qtype` rounds both its
     input and the weight to 14-bit integers now (the int16 precision's panel path)."""
-    return (_current == "int16" and m >= PANEL_MIN_ROWS and qtype in PANEL_LAYOUTS
+    return (_current == "int16" and m >= INT16_MIN_ROWS and qtype in PANEL_LAYOUTS
             and (qtype != "Q8_0" or n % 8 == 0))
 
 

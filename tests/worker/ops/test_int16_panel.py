@@ -1,5 +1,5 @@
 """The int16 activation precision of quant_linear (ops.activations, csrc/cpu/panel_int16.cpp):
-products the panel path takes (16 input rows or more) round each 32-element block of the input
+products the panel path takes from 32 input rows round each 32-element block of the input
 and of the dequantized weight to 14-bit integers; its AVX-512 VNNI, AVX2 and portable kernels
 against the reference on every panel layout, the rounding, the integer range's worst case, and
 that shorter products and other weights stay exact.
@@ -53,7 +53,7 @@ def test_rounding_is_per_block_to_the_nearest_of_16383_levels():
 
 
 @pytest.mark.parametrize("layout", activations.PANEL_LAYOUTS)
-@pytest.mark.parametrize("m", [16, 29, 300, 1030])  # 1030: three chunks of the panel path
+@pytest.mark.parametrize("m", [32, 45, 300, 1030])  # 1030: three chunks of the panel path
 def test_kernel_matches_reference(int16_mode, layout, m):
     w = panel_weight(layout, seed=m)
     x, bias = torch.randn(m, w.shape[1]), torch.randn(w.shape[0])
@@ -83,13 +83,13 @@ def test_int16_is_near_exact_but_not_equal(layout):
 
 def test_decode_rows_and_other_weights_stay_exact(int16_mode):
     w = layout_weight("Q4Kx8")
-    x = torch.randn(15, w.shape[1])  # under the panel path's 16 rows
+    x = torch.randn(31, w.shape[1])  # under the int16 precision's 32 rows: the exact panel
     with activations.using("exact"):
         exact = ops.quant_linear(x, w)
     torch.testing.assert_close(ops.quant_linear(x, w), exact, atol=0, rtol=0)
     odd = ggml_weight(37, 288, "Q8_0")  # not whole groups of 8 rows: no panel
-    x = torch.randn(20, 288)
-    assert not activations.rounds_panel(odd.qtype, 20, 37)
+    x = torch.randn(40, 288)
+    assert not activations.rounds_panel(odd.qtype, 40, 37)
     torch.testing.assert_close(ops.quant_linear(x, odd),
                                x @ dequantize_blocks(odd.blocks, odd.qtype).T,
                                **TOL[torch.float32])
@@ -99,7 +99,7 @@ def test_the_integer_sums_cannot_overflow(int16_mode):
     """Every input and weight at the top of its range, all of one sign: 32 products of 8191^2 a
     block, the most an int32 sum takes."""
     w = quantize(torch.full((64, 256), 0.5), "int8")
-    x = torch.full((16, 256), 3.0)
+    x = torch.full((32, 256), 3.0)
     out = ops.quant_linear(x, w)
     with activations.using("exact"):
         exact = ops.quant_linear(x, w)
@@ -110,7 +110,7 @@ def test_the_integer_sums_cannot_overflow(int16_mode):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(int16_mode, dtype):
     w = layout_weight("Q5x8")
-    x = torch.randn(20, w.shape[1]).to(dtype)
+    x = torch.randn(40, w.shape[1]).to(dtype)
     expected = reference.quant_linear(x, w.blocks, w.qtype)
     torch.testing.assert_close(ops.quant_linear(x, w), expected, **TOL[dtype])
 
@@ -118,7 +118,7 @@ def test_half_precision_inputs(int16_mode, dtype):
 @pytest.mark.parametrize("scale", [1e-20, 1e20])
 def test_tiny_and_huge_activations(int16_mode, scale):
     w = layout_weight("Q40x8")
-    x = torch.randn(17, w.shape[1]) * scale
+    x = torch.randn(33, w.shape[1]) * scale
     expected = reference.quant_linear(x, w.blocks, w.qtype)
     torch.testing.assert_close(ops.quant_linear(x, w) / scale, expected / scale,
                                **TOL[torch.float32])
@@ -142,7 +142,7 @@ torch.save(out, sys.argv[2])
 def test_vnni_avx2_and_portable_paths_agree(tmp_path, int16_mode):
     inputs = {}
     for layout in activations.PANEL_LAYOUTS:
-        for m in (16, 43):
+        for m in (32, 43):
             w = panel_weight(layout, seed=m)
             inputs[f"{layout} m={m}"] = {"x": torch.randn(m, w.shape[1]), "qtype": w.qtype,
                                          "blocks": w.blocks, "shape": w.shape,

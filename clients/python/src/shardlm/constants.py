@@ -42,7 +42,7 @@ DEFAULT_WORKER_START_TIMEOUT_S = 120.0
 # exact float32 (the default, and what an empty EngineOptions field means); int8, the opt-in
 # fast mode that rounds each 32-element block of the input as GGML's Q8_0 does; or int16, which
 # rounds each 32-element block of the input and of the weights to 14-bit integers in prefills and
-# batched steps (16 rows or more), near-exact.
+# batched steps (32 rows or more), near-exact.
 ACTIVATION_PRECISIONS = ("exact", "int8", "int16")
 # Speculative decoding without a draft model (`serve --speculation`, EngineOptions): "ngram"
 # verifies prompt-lookup drafts, "off" decodes one token per step, "auto" (the default, and what
