@@ -254,7 +254,9 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
       }
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, D};
-      attend_rows(rows, n, kv, scale, ws, simd);
+      // A full query tile takes the blocked AVX-512 steps; a shorter one (a
+      // verify step's few tokens, a prompt's last tile) the per-row steps.
+      attend_rows(rows, n, kv, scale, ws, simd, nt == kQueryTile);
     }
   });
 }

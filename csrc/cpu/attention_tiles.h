@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_blocks.h"
 #include "cpu_utils.h"
 
 namespace shardlm::cpu::attn {
@@ -98,14 +99,16 @@ struct Row {
 };
 
 // Float scratch for up to `max_rows` rows: q, acc [rows][D]; k, v [kKeyTile][D];
-// scores [kKeyTile]; running max / sum [rows]. Views into a thread_local
-// buffer that grows to the largest shape seen and is then reused.
+// scores [kKeyTile]; running max / sum [rows]; for the blocked steps the
+// tile's keys transposed, kt [D][kKeyTile], and every row's scores, sb
+// [rows][kKeyTile]. Views into a thread_local buffer that grows to the largest
+// shape seen and is then reused.
 struct Workspace {
-  float *q, *acc, *k, *v, *s, *m, *l;
+  float *q, *acc, *k, *v, *s, *m, *l, *kt, *sb;
   Workspace(int64_t max_rows, int64_t d) {
     thread_local std::vector<float> buf;
-    const size_t need =
-        static_cast<size_t>(2 * max_rows * d + 2 * kKeyTile * d + kKeyTile + 2 * max_rows);
+    const size_t need = static_cast<size_t>(2 * max_rows * d + 3 * kKeyTile * d + kKeyTile +
+                                            2 * max_rows + max_rows * kKeyTile);
     if (buf.size() < need) {
       buf.resize(need);
     }
@@ -116,6 +119,8 @@ struct Workspace {
     s = v + kKeyTile * d;
     m = s + kKeyTile;
     l = m + max_rows;
+    kt = l + max_rows;
+    sb = kt + kKeyTile * d;
   }
 };
 
@@ -350,6 +355,49 @@ void attend_tile(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int6
   }
 }
 
+#if SHARDLM_HAVE_AVX2
+static_assert(blocks::kKeys == kKeyTile);
+
+// attend_tile over blocks of rows (attention_blocks.h), AVX-512, float key and
+// value rows, D a multiple of 16. A row's keys outside [lo, hi) score -inf, so
+// they weigh 0; a row that sees none of the tile is left as it was.
+template <typename T, typename O, typename Each>
+void attend_tile_blocks(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int64_t nk,
+                        const float* const* kr, const float* const* vr, int64_t D,
+                        const Workspace& ws, const Each& each_row) {
+  using blocks::kBlockRows;
+  blocks::transpose_keys(ws.kt, kr, nk, D);
+  const int64_t calls = 2 * ((r1 - r0 + kBlockRows - 1) / kBlockRows);
+  for (int64_t b0 = r0, call = 0; b0 < r1; b0 += kBlockRows, call += 2) {
+    const int64_t n = std::min(kBlockRows, r1 - b0);
+    each_row(call, calls);
+    blocks::scores_of(n, ws.sb, ws.q + b0 * D, ws.kt, D);
+    float alpha[kBlockRows];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = b0 + i;
+      float* s = ws.sb + i * kKeyTile;
+      const int64_t lo = std::max<int64_t>(0, rows[r].first - k0);
+      const int64_t hi = std::min(nk, rows[r].pos - k0 + 1);
+      if (hi <= lo) {
+        std::fill(s, s + kKeyTile, 0.f);
+        alpha[i] = 1.f;
+        continue;
+      }
+      std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
+      std::fill(s + hi, s + kKeyTile, -std::numeric_limits<float>::infinity());
+      // As in attend_tile: hi > lo makes m_new finite, so exp gives no NaN.
+      const float m_new = std::max(ws.m[r], Avx2::max(s + lo, hi - lo));
+      alpha[i] = m_new == ws.m[r] ? 1.f : std::exp(ws.m[r] - m_new);
+      const float sum = Avx2::exp(s, kKeyTile, m_new);
+      ws.l[r] = ws.l[r] * alpha[i] + sum;
+      ws.m[r] = m_new;
+    }
+    each_row(call + 1, calls);
+    blocks::accumulate_of(n, ws.acc + b0 * D, alpha, ws.sb, vr, nk, D);
+  }
+}
+#endif
+
 // Up to this many rows of one kv head, the AVX2 path reads bf16 / fp16 rows
 // straight from the cache, converting as it goes; more rows (prefill) share
 // one float copy of the tile. float32 rows are always read in place.
@@ -359,11 +407,16 @@ constexpr int64_t kMaxDirectRows = 8;
 // Rows may read different kv heads (a decode task over all of a sequence's
 // heads), in runs of equal kv_head: each tile is then read as whole token
 // rows, one contiguous stretch of memory per token, and a run's rows reuse
-// its head's part while it is in L1.
+// its head's part while it is in L1. `blocked`: runs of at least
+// blocks::kBlockRows rows take attend_tile_blocks where the CPU has AVX-512
+// and D is a multiple of 16 (a full query tile of a prefill; attention.cpp).
 template <typename T, typename O, typename C>
 void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float scale,
-                 const Workspace& ws, [[maybe_unused]] bool simd) {
+                 const Workspace& ws, [[maybe_unused]] bool simd, bool blocked = false) {
   const int64_t D = kv.head_dim;
+#if SHARDLM_HAVE_AVX2
+  blocked = blocked && simd && cpu::use_avx512() && D % 16 == 0;
+#endif
   int64_t last = -1;
   int64_t first = std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < n; ++r) {
@@ -414,6 +467,15 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
         vc[j] = kv.v + off[j] + g * D;
       }
 #if SHARDLM_HAVE_AVX2
+      if (blocked && r1 - r0 >= blocks::kBlockRows) {
+        if constexpr (std::is_same_v<C, float>) {
+          attend_tile_blocks(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
+        } else {
+          convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
+          attend_tile_blocks(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+        }
+        continue;
+      }
       if (simd && (std::is_same_v<C, float> || r1 - r0 <= kMaxDirectRows)) {
         attend_tile<Avx2>(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
         continue;
