@@ -7,17 +7,13 @@ that shorter products and other weights stay exact.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from shardlm_server.worker import ops
 from shardlm_server.worker.ops import activations, reference
 from shardlm_server.worker.quant import dequantize_blocks, quantize
-from tests.worker.ops.test_int8_activations import layout_weight
+from tests.worker.ops.test_int8_activations import layout_weight, simd_paths_match_reference
 from tests.worker.ops.test_quant_ops import TOL, ggml_weight
 
 if ops.USE_REFERENCE:
@@ -126,19 +122,6 @@ def test_tiny_and_huge_activations(int16_mode, scale):
 
 # ------------------------------------------------------------------ AVX-512 / AVX2 / portable
 
-_SCRIPT = """
-import sys, torch
-from shardlm_server.worker import ops
-from shardlm_server.worker.quant import QuantizedWeight
-ops.set_cpu_simd(sys.argv[3])
-ops.set_activation_precision("int16")
-inp = torch.load(sys.argv[1])
-out = {name: ops.quant_linear(a["x"], QuantizedWeight(a["qtype"], a["blocks"], a["shape"]), a["b"])
-       for name, a in inp.items()}
-torch.save(out, sys.argv[2])
-"""
-
-
 def test_vnni_avx2_and_portable_paths_agree(tmp_path, int16_mode):
     inputs = {}
     for layout in activations.PANEL_LAYOUTS:
@@ -147,15 +130,4 @@ def test_vnni_avx2_and_portable_paths_agree(tmp_path, int16_mode):
             inputs[f"{layout} m={m}"] = {"x": torch.randn(m, w.shape[1]), "qtype": w.qtype,
                                          "blocks": w.blocks, "shape": w.shape,
                                          "b": torch.randn(w.shape[0])}
-    inputs_file = tmp_path / "inputs.pt"
-    torch.save(inputs, inputs_file)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    for level in ("avx512", "avx2", "portable"):
-        out_file = tmp_path / f"out_{level}.pt"
-        subprocess.run([sys.executable, "-c", _SCRIPT, str(inputs_file), str(out_file), level],
-                       env=env, check=True, timeout=300)
-        out = torch.load(out_file)
-        for name, a in inputs.items():
-            expected = reference.quant_linear(a["x"], a["blocks"], a["qtype"], a["b"])
-            torch.testing.assert_close(out[name], expected, **TOL[torch.float32],
-                                       msg=lambda msg, n=name, lv=level: f"{lv} {n}: {msg}")
+    simd_paths_match_reference(tmp_path, "int16", inputs)
