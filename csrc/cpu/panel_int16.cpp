@@ -99,10 +99,12 @@ void round_panel_block_scalar(int32_t* words, float* scales, const float* panel,
 // Each takes R tile rows (words and scales `stride` rows apart) against lanes
 // of a panel (`lanes` apart) and writes acc[r * lanes + l].
 
-void tile_scalar(float* acc, const int32_t* pw, const float* ps, int64_t lanes, int64_t width,
-                 const int32_t* xw, const float* xs, int64_t stride, int64_t rows, int64_t k) {
+// The portable loop takes every row of the tile and every lane of the panel.
+void tile_scalar(float* acc, const int32_t* pw, const float* ps, int64_t lanes,
+                 const int32_t* xw, const float* xs, int64_t rows, int64_t k) {
+  const int64_t stride = rows;
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t l = 0; l < width; ++l) {
+    for (int64_t l = 0; l < lanes; ++l) {
       float total = 0.f;
       for (int64_t b = 0; b < k / kBlock; ++b) {
         int32_t dot = 0;
@@ -300,7 +302,7 @@ void multiply(float* acc, const int32_t* panel_words, const float* panel_scales,
     return;
   }
 #endif
-  tile_scalar(acc, panel_words, panel_scales, lanes, lanes, tile_words, tile_scales, rows, rows, k);
+  tile_scalar(acc, panel_words, panel_scales, lanes, tile_words, tile_scales, rows, k);
 }
 
 }  // namespace shardlm::cpu::panel16
