@@ -212,7 +212,7 @@ SHARDLM_AVX2 void rows_avx2(Q6KLayout, float* acc, int64_t stride, const uint8_t
     grouped::prefetch_span<kLookAhead>(w, q6::stream_begin(w, b), q + q6::kBlockBytes, 0);
     __m256i dot[R][2];  // per half
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
+#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
       const grouped::Joined256 joined = grouped::join_avx2(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
@@ -252,7 +252,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int6
     grouped::prefetch_span<kLookAhead>(w, q6::stream_begin(w, b), q + q6::kBlockBytes, next);
     __m512i dot[R][2];  // per half
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-    #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
+#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
       const grouped::Joined512 joined = grouped::join_avx512(
           grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),

@@ -96,7 +96,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
         for (int i = 0; i < C; ++i) c[r][h][i] = _mm256_setzero_ps();
       }
     }
-    #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
+#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
       const grouped::Joined256 words = words_avx2(q, s);
       const float* x8 = in.x + b * kBlock + 8 * s;
@@ -149,7 +149,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
         for (int i = 0; i < C; ++i) c[r][h][i] = _mm512_setzero_ps();
       }
     }
-    #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
+#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
       const grouped::Joined512 words = grouped::join_avx512(
           grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),
