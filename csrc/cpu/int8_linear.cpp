@@ -131,12 +131,14 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
   const int64_t blocks = k / kBlock;
   const __m512i mask = _mm512_set1_epi32(0x0f0f0f0f);
   __m512 sum[R], off[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     nib::prefetch_block<L, kLookAhead>(w, b, next);
     const uint8_t* qw = L::quants(w, b);
     const __m512i h = L::kFive ? grouped::load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
     __m512i dot[R][2];  // even and odd quants: two chains
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int s = 0; s < 4; ++s) {
       const __m512i v = grouped::load_pair(qw + 32 * s, next);
@@ -147,6 +149,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
         even = _mm512_and_si512(v, mask);
         odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
       }
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
         dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], even, _mm512_set1_epi32(word_at(xq)));
@@ -155,6 +158,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
     }
     __m512 d, m;
     nib::scales_pair<L>(w, next, b, d, m);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[i])),
@@ -162,6 +166,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
       off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum32[i]), off[r]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(sum[r], off[r]));
 }
 #endif
@@ -246,11 +251,13 @@ SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int6
                                    const Int8Rows& x, int64_t m0, int64_t k) {
   const int64_t blocks = k / kBlock;
   __m512 sum[R], off[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* q = q6::words_of(w, b);
     grouped::prefetch_span<kLookAhead>(w, q6::stream_begin(w, b), q + q6::kBlockBytes, next);
     __m512i dot[R][2];  // per half
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
@@ -259,6 +266,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int6
           2 * (s % 2), 0x30);
       __m512i even, odd;
       grouped::joined_bytes_avx512(joined, 0x3f3f3f3f, even, odd);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
         __m512i& chain = dot[r][s / 2];
@@ -274,6 +282,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int6
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + next + q6::scales_at(b, h)));
       const __m512 scale = _mm512_mul_ps(
           d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * blocks + b;
         sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(x.scale[i])),
@@ -282,6 +291,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int6
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(sum[r], off[r]));
 }
 #endif
