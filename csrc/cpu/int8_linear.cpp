@@ -124,7 +124,10 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
 }
 
-// Two groups (w and w + next) at once, 16 rows a vector: acc[16 r + l].
+// Two groups (w and w + next) at once, 16 rows a vector: acc[16 r + l]. Every
+// loop over the rows is unrolled: where one indexes sum, off or dot by a loop
+// variable, GCC keeps the whole array on the stack, a store and a reload per
+// block on each chain (so also in the Q6Kx8 kernel below).
 template <int R, class L>
 SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next,
                                    const Int8Rows& x, int64_t m0, int64_t k) {
