@@ -60,31 +60,26 @@ def linear_flops_per_token(engine: Engine) -> int:
 
 def step_breakdown(engine: Engine, prompt: torch.Tensor, steps: int, step_ms: float) -> dict:
     """Per-step milliseconds in weight kernels, attention and the rest: torch.profiler self
-    times of a run with `steps` more decode steps than a second run, so the prompt's prefill
-    cancels out, as shares applied to the unprofiled step time."""
+    times of `steps` decode steps alone (the prompt's prefill runs before the profiler starts),
+    as shares applied to the unprofiled step time."""
     from torch.profiler import ProfilerActivity, profile
 
-    def self_times(decode_steps: int) -> dict[str, float]:
-        with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            eb.engine_decode_runs(engine, prompt, decode_steps, torch.device("cpu"), 1)
-        return {e.key: e.self_cpu_time_total for e in prof.key_averages()}
-
-    # The short run is mostly the prompt's prefill; the median of three keeps one slow run
-    # from eating the decode steps' share.
-    shorts = [self_times(2) for _ in range(3)]
-    short = {key: statistics.median(run.get(key, 0.0) for run in shorts)
-             for key in set().union(*shorts)}
-    long = self_times(steps + 2)
-    delta = {key: value - short.get(key, 0.0) for key, value in long.items()}
+    ids = prompt[0].tolist()
+    table = list(range(eb.blocks_per_sequence(engine, len(ids) + steps + 1)))
+    engine.reset()
+    engine.prefill([eb.PrefillItem(0, ids, 0, table, stop=eb.StopParams(max_new_tokens=steps + 1))])
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in engine.decode([eb.DecodeItem(0, table, steps)], steps):
+            pass
+    engine.reset()
+    delta = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     total = sum(delta.values())
-    if total <= 0:
-        return {}
     weights = sum(v for k, v in delta.items() if k in WEIGHT_OPS)
     attention = sum(v for k, v in delta.items() if k in ATTENTION_OPS)
     w_ms, a_ms = step_ms * weights / total, step_ms * attention / total
     return {"weights_ms": w_ms, "attention_ms": a_ms, "other_ms": step_ms - w_ms - a_ms,
             "method": "torch.profiler self-time shares of the decode steps of a profiled run "
-                      "(its prefill subtracted), applied to the unprofiled step time"}
+                      "(its prefill outside the profiler), applied to the unprofiled step time"}
 
 
 def _median(values: list[float]) -> float:
