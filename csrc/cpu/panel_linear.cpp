@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_utils.h"
@@ -232,6 +233,36 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k, bool rounded) {
   return out;
 }
 
+// out[r * n + l] = acc[r * lanes + l] + bias[l] (bias may be null) for a
+// tile's rows: 16 lanes a store with AVX-512 and float outputs (at 512 rows of
+// K = 576 the scalar copy was 3.5% of an int16 prefill's time).
+#if SHARDLM_HAVE_AVX2
+SHARDLM_AVX512 void store_tile_avx512(float* out, int64_t n, const float* acc, int64_t rows,
+                                      int64_t lanes, const float* bias) {
+  for (int64_t l = 0; l < lanes; l += 16) {
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + l) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      _mm512_storeu_ps(out + r * n + l, _mm512_add_ps(_mm512_loadu_ps(acc + r * lanes + l), b));
+    }
+  }
+}
+#endif
+
+template <typename T>
+void store_tile(T* out, int64_t n, const float* acc, int64_t rows, int64_t lanes, const T* bias,
+                [[maybe_unused]] bool avx512) {
+#if SHARDLM_HAVE_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx512 && lanes % 16 == 0) return store_tile_avx512(out, n, acc, rows, lanes, bias);
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t l = 0; l < lanes; ++l) {
+      out[r * n + l] = from_f<T>(acc[r * lanes + l] + (bias != nullptr ? to_f(bias[l]) : 0.f));
+    }
+  }
+}
+
 // linear for at most kMaxRows input rows: each group of weight rows is
 // unpacked (and, for the int16 precision, rounded) once and multiplied with
 // every tile. The tiles' inputs (up to 4 MiB for 512 rows of K = 2048) come
@@ -245,6 +276,7 @@ template <typename T>
 void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias,
                  int64_t m, int64_t n, int64_t k, bool rounded) {
   const bool avx2 = cpu::use_avx2();
+  const bool avx512 = cpu::use_avx512();
   // With AVX-512 four groups are unpacked side by side and multiplied
   // together (tile_avx512); the last one to three take panels of two and one.
   const int64_t span = cpu::use_avx512() ? 4 : 1;
@@ -276,13 +308,8 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
         } else {
           multiply(acc, panel.data(), width, t.xt, t.rows, k, avx2);
         }
-        for (int64_t r = 0; r < t.rows; ++r) {
-          for (int64_t l = 0; l < lanes; ++l) {
-            const int64_t j = g * kGroupRows + l;
-            out[(t.begin + r) * n + j] =
-                from_f<T>(acc[r * lanes + l] + (bias != nullptr ? to_f(bias[j]) : 0.f));
-          }
-        }
+        store_tile(out + t.begin * n + g * kGroupRows, n, acc, t.rows, lanes,
+                   bias != nullptr ? bias + g * kGroupRows : nullptr, avx512);
       }
       g += width;
     }
