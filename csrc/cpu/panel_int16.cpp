@@ -10,12 +10,9 @@
 #include <cstring>
 
 #include "cpu_utils.h"
-#include "quant_blocks.h"
 
 namespace shardlm::cpu::panel16 {
 namespace {
-
-using quant::kBlock;
 
 // Word pairs per block.
 constexpr int64_t kPairs = kBlock / 2;
@@ -28,47 +25,59 @@ inline int32_t word_of(int32_t even, int32_t odd) {
 inline int32_t low_of(int32_t word) { return static_cast<int16_t>(word & 0xffff); }
 inline int32_t high_of(int32_t word) { return word >> 16; }
 
-// The reciprocal of a block's step and the step itself, as the kernels and
-// the reference compute them: float divisions, 0 for an all-zero block.
-inline float inverse_of(float amax) {
-  return amax > 0.f ? static_cast<float>(kLevels) / amax : 0.f;
+// The reciprocal of a step and the step itself for `levels`, as the kernels
+// and the reference compute them: float divisions, 0 for all zeros.
+inline float inverse_of(float amax, int32_t levels) {
+  return amax > 0.f ? static_cast<float>(levels) / amax : 0.f;
 }
-inline float step_of(float amax) { return amax / static_cast<float>(kLevels); }
+inline float step_of(float amax, int32_t levels) { return amax / static_cast<float>(levels); }
 
 // ---- rounding ------------------------------------------------------------------------
+// An input block of kBlock elements at v into its kPairs words.
 
-void round_row_block_scalar(int32_t* q, float& scale, const float* v) {
+void round_row_block_scalar(int32_t* words, float& scale, const float* v) {
   float amax = 0.f;
   for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-  const float inverse = inverse_of(amax);
-  for (int64_t i = 0; i < kBlock; ++i) q[i] = static_cast<int32_t>(std::nearbyint(v[i] * inverse));
-  scale = step_of(amax);
+  const float inverse = inverse_of(amax, kInputLevels);
+  for (int64_t i = 0; i < kPairs; ++i) {
+    words[i] = word_of(static_cast<int32_t>(std::nearbyint(v[2 * i] * inverse)),
+                       static_cast<int32_t>(std::nearbyint(v[2 * i + 1] * inverse)));
+  }
+  scale = step_of(amax, kInputLevels);
 }
 
 #if SHARDLM_HAVE_AVX2
-SHARDLM_AVX512 void round_row_block_avx512(int32_t* q, float& scale, const float* v) {
-  const __m512 lo = _mm512_loadu_ps(v);
-  const __m512 hi = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-  const __m512 inverse = _mm512_set1_ps(inverse_of(amax));
-  _mm512_storeu_si512(q, _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse)));
-  _mm512_storeu_si512(q + 16, _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse)));
-  scale = step_of(amax);
+// vpmovdw keeps each lane's low 16 bits, so 16 rounded elements become the 8
+// words of their pairs in memory order (element 2i low, 2i + 1 high).
+SHARDLM_AVX512 void round_row_block_avx512(int32_t* words, float& scale, const float* v) {
+  __m512 x[4];
+  __m512 amax = _mm512_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm512_loadu_ps(v + 16 * j);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(x[j]));
+  }
+  const float top = _mm512_reduce_max_ps(amax);
+  const __m512 inverse = _mm512_set1_ps(inverse_of(top, kInputLevels));
+  for (int j = 0; j < 4; ++j) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(x[j], inverse));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 8 * j), _mm512_cvtepi32_epi16(q));
+  }
+  scale = step_of(top, kInputLevels);
 }
 
-// Eight lanes of panel rows [32 b, 32 b + 32) at `panel` (rows `lanes` apart).
-SHARDLM_AVX2 void round_panel_block_avx2(int32_t* words, float* scales, const float* panel,
-                                         int64_t lanes) {
+// Eight lanes of a panel (`lanes` apart) over all k rows.
+SHARDLM_AVX2 void round_panel_lanes_avx2(int32_t* words, float* scales, const float* panel,
+                                         int64_t lanes, int64_t k) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps();
-  for (int64_t i = 0; i < kBlock; ++i) {
+  for (int64_t i = 0; i < k; ++i) {
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(panel + i * lanes)));
   }
   const __m256 positive = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
-  const __m256 levels = _mm256_set1_ps(static_cast<float>(kLevels));
+  const __m256 levels = _mm256_set1_ps(static_cast<float>(kWeightLevels));
   const __m256 inverse = _mm256_and_ps(positive, _mm256_div_ps(levels, amax));
   const __m256i mask = _mm256_set1_epi32(0xffff);
-  for (int64_t i = 0; i < kPairs; ++i) {
+  for (int64_t i = 0; i < k / 2; ++i) {
     const __m256 even_rows = _mm256_loadu_ps(panel + 2 * i * lanes);
     const __m256 odd_rows = _mm256_loadu_ps(panel + (2 * i + 1) * lanes);
     const __m256i even = _mm256_cvtps_epi32(_mm256_mul_ps(even_rows, inverse));
@@ -80,18 +89,18 @@ SHARDLM_AVX2 void round_panel_block_avx2(int32_t* words, float* scales, const fl
 }
 #endif
 
-void round_panel_block_scalar(int32_t* words, float* scales, const float* panel, int64_t lanes,
-                              int64_t width) {
+void round_panel_lanes_scalar(int32_t* words, float* scales, const float* panel, int64_t lanes,
+                              int64_t k, int64_t width) {
   for (int64_t l = 0; l < width; ++l) {
     float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(panel[i * lanes + l]));
-    const float inverse = inverse_of(amax);
-    for (int64_t i = 0; i < kPairs; ++i) {
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(panel[i * lanes + l]));
+    const float inverse = inverse_of(amax, kWeightLevels);
+    for (int64_t i = 0; i < k / 2; ++i) {
       words[i * lanes + l] =
           word_of(static_cast<int32_t>(std::nearbyint(panel[2 * i * lanes + l] * inverse)),
                   static_cast<int32_t>(std::nearbyint(panel[(2 * i + 1) * lanes + l] * inverse)));
     }
-    scales[l] = step_of(amax);
+    scales[l] = step_of(amax, kWeightLevels);
   }
 }
 
@@ -113,15 +122,15 @@ void tile_scalar(float* acc, const int32_t* pw, const float* ps, int64_t lanes,
           const int32_t x = xw[i * stride + r];
           dot += low_of(w) * low_of(x) + high_of(w) * high_of(x);
         }
-        total += static_cast<float>(dot) * (ps[b * lanes + l] * xs[b * stride + r]);
+        total += static_cast<float>(dot) * xs[b * stride + r];
       }
-      acc[r * lanes + l] = total;
+      acc[r * lanes + l] = total * ps[l];
     }
   }
 }
 
 #if SHARDLM_HAVE_AVX2
-// Eight lanes: vpmaddwd's pair sums (at most 2 * 8191^2, no saturation) added up.
+// Eight lanes: vpmaddwd's pair sums (at most 2 * 8191 * 4095, no saturation) added up.
 template <int R>
 SHARDLM_AVX2 void tile_avx2(float* acc, const int32_t* pw, const float* ps, int64_t lanes,
                             const int32_t* xw, const float* xs, int64_t stride, int64_t k) {
@@ -136,13 +145,12 @@ SHARDLM_AVX2 void tile_avx2(float* acc, const int32_t* pw, const float* ps, int6
         d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(w, _mm256_set1_epi32(xw[i * stride + r])));
       }
     }
-    const __m256 s = _mm256_loadu_ps(ps + b * lanes);
     for (int r = 0; r < R; ++r) {
-      const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xs[b * stride + r]));
-      c[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), scale, c[r]);
+      c[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), _mm256_set1_ps(xs[b * stride + r]), c[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * lanes, c[r]);
+  const __m256 s = _mm256_loadu_ps(ps);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * lanes, _mm256_mul_ps(c[r], s));
 }
 
 // acc += the pair sums of w and x, in place. Written as the instruction: GCC
@@ -154,8 +162,7 @@ SHARDLM_AVX512_VNNI inline void dot_pairs(__m512i& acc, __m512i w, __m512i x) {
 
 // V vectors of 16 lanes: R x V integer sums for a block and as many float
 // totals, 24 + 24 of the 32 registers at R = 6, V = 2 with the V weight
-// vectors, their scales and a broadcast; each broadcast input pair feeds V
-// vpdpwssd.
+// vectors and a broadcast; each broadcast input pair feeds V vpdpwssd.
 template <int R, int V>
 SHARDLM_AVX512_VNNI void tile_vnni(float* acc, const int32_t* pw, const float* ps, int64_t lanes,
                                    const int32_t* xw, const float* xs, int64_t stride, int64_t k) {
@@ -186,22 +193,24 @@ SHARDLM_AVX512_VNNI void tile_vnni(float* acc, const int32_t* pw, const float* p
         for (int v = 0; v < V; ++v) dot_pairs(d[r][v], w[v], x);
       }
     }
-    __m512 s[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) s[v] = _mm512_loadu_ps(ps + b * lanes + 16 * v);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(xs[b * stride + r]);
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
-        c[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][v]), _mm512_mul_ps(s[v], sx), c[r][v]);
+        c[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][v]), sx, c[r][v]);
       }
     }
   }
+  __m512 s[V];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) s[v] = _mm512_loadu_ps(ps + 16 * v);
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + r * lanes + 16 * v, c[r][v]);
+    for (int v = 0; v < V; ++v) {
+      _mm512_storeu_ps(acc + r * lanes + 16 * v, _mm512_mul_ps(c[r][v], s[v]));
+    }
   }
 }
 
@@ -241,23 +250,21 @@ void round_rows(int32_t* words, float* scales, const float* x, int64_t rows, int
 #if SHARDLM_HAVE_AVX2
   const bool avx512 = cpu::use_avx512();
 #endif
-  int32_t q[kBlock];
+  int32_t block[kPairs];
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = first; b < last; ++b) {
       float& scale = scales[b * rows + r];
       const float* v = x + r * k + b * kBlock;
 #if SHARDLM_HAVE_AVX2
       if (avx512) {
-        round_row_block_avx512(q, scale, v);
+        round_row_block_avx512(block, scale, v);
       } else {
-        round_row_block_scalar(q, scale, v);
+        round_row_block_scalar(block, scale, v);
       }
 #else
-      round_row_block_scalar(q, scale, v);
+      round_row_block_scalar(block, scale, v);
 #endif
-      for (int64_t i = 0; i < kPairs; ++i) {
-        words[(b * kPairs + i) * rows + r] = word_of(q[2 * i], q[2 * i + 1]);
-      }
+      for (int64_t i = 0; i < kPairs; ++i) words[(b * kPairs + i) * rows + r] = block[i];
     }
   }
 }
@@ -266,19 +273,14 @@ void round_panel(int32_t* words, float* scales, const float* panel, int64_t lane
 #if SHARDLM_HAVE_AVX2
   const bool avx2 = cpu::use_avx2();
 #endif
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    for (int64_t l = 0; l < lanes; l += 8) {
-      int32_t* w = words + b * kPairs * lanes + l;
-      float* s = scales + b * lanes + l;
-      const float* p = panel + b * kBlock * lanes + l;
+  for (int64_t l = 0; l < lanes; l += 8) {
 #if SHARDLM_HAVE_AVX2
-      if (avx2) {
-        round_panel_block_avx2(w, s, p, lanes);
-        continue;
-      }
-#endif
-      round_panel_block_scalar(w, s, p, lanes, 8);
+    if (avx2) {
+      round_panel_lanes_avx2(words + l, scales + l, panel + l, lanes, k);
+      continue;
     }
+#endif
+    round_panel_lanes_scalar(words + l, scales + l, panel + l, lanes, k, 8);
   }
 }
 

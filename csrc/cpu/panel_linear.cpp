@@ -196,7 +196,9 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k, bool rounded) {
   thread_local std::vector<float> scales;
   if (rounded) {
     if (static_cast<int64_t>(words.size()) < m * k / 2) words.resize(m * k / 2);
-    if (static_cast<int64_t>(scales.size()) < m * k / kBlock) scales.resize(m * k / kBlock);
+    if (static_cast<int64_t>(scales.size()) < m * k / panel16::kBlock) {
+      scales.resize(m * k / panel16::kBlock);
+    }
   } else if (static_cast<int64_t>(buffer.size()) < m * k) {
     buffer.resize(m * k);
   }
@@ -210,13 +212,14 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k, bool rounded) {
   for (int64_t t = 0; t < count; ++t) {
     const int64_t rows = (m - begin) / (count - t);
     out.push_back({begin, rows, base + begin * k, word_base + begin * k / 2,
-                   scale_base + begin * k / kBlock});
+                   scale_base + begin * k / panel16::kBlock});
     begin += rows;
   }
   if (rounded) {
-    at::parallel_for(0, k / kBlock, 8, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, k / panel16::kBlock, 4, [&](int64_t b0, int64_t b1) {
       for (const Tile& t : out) {
-        panel16::round_rows(word_base + t.begin * k / 2, scale_base + t.begin * k / kBlock,
+        panel16::round_rows(word_base + t.begin * k / 2,
+                            scale_base + t.begin * k / panel16::kBlock,
                             x + t.begin * k, t.rows, k, b0, b1);
       }
     });
@@ -291,7 +294,7 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
     }
     if (rounded && static_cast<int64_t>(words.size()) < k / 2 * kGroupRows * span) {
       words.resize(k / 2 * kGroupRows * span);
-      scales.resize(k / kBlock * kGroupRows * span);
+      scales.resize(kGroupRows * span);
     }
     float acc[kTileRows * kGroupRows * 4];
     for (int64_t g = begin * span; g < std::min(groups, end * span);) {
@@ -327,7 +330,7 @@ void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bi
             int64_t n, int64_t k) {
   // Equal chunks of at most kMaxRows rows (a long prompt's last one not left a few rows).
   const bool rounded = cpu::activation_precision() == cpu::ActivationPrecision::kInt16 &&
-                       m >= panel16::kMinRows;
+                       m >= panel16::kMinRows && panel16::takes(k);
   const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
   for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
     const int64_t rows = (m - r0) / (chunks - c);

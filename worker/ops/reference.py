@@ -209,7 +209,7 @@ def quant_linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ W.T + bias with W the float32 dequantized blocks, in float32, rounded once to x's
-    dtype; x rounded to int8 first where the fast mode covers W, or x and W to 14-bit integers
+    dtype; x rounded to int8 first where the fast mode covers W, or x and W to integers
     where the int16 precision's panel path takes the product (ops.activations)."""
     from shardlm_server.worker.quant import dequantize_blocks, mixed_parts
 
@@ -223,9 +223,8 @@ def quant_linear(
         return out.copy_(result) if out is not None else result
     w = dequantize_blocks(blocks, qtype)
     inputs = activations.round_to_int8(x) if activations.rounds_input(qtype) else x.float()
-    if activations.rounds_panel(qtype, x.numel() // max(x.shape[-1], 1), w.shape[0]):
-        inputs = activations.round_blocks(x, activations.INT16_LEVELS)
-        w = activations.round_blocks(w, activations.INT16_LEVELS)
+    if activations.rounds_panel(qtype, x.numel() // max(x.shape[-1], 1), *w.shape):
+        inputs, w = activations.round_to_int16(x, w)
     result = torch.nn.functional.linear(
         inputs, w, bias.float() if bias is not None else None).to(x.dtype)
     if out is None:
