@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "cpu_utils.h"
+#include "quant_blocks.h"
 
 namespace shardlm::cpu::panel16 {
 namespace {
@@ -86,6 +87,19 @@ SHARDLM_AVX2 void round_panel_lanes_avx2(int32_t* words, float* scales, const fl
                         _mm256_or_si256(_mm256_and_si256(even, mask), _mm256_slli_epi32(odd, 16)));
   }
   _mm256_storeu_ps(scales, _mm256_div_ps(amax, levels));
+}
+#endif
+
+#if SHARDLM_HAVE_AVX2
+// The largest of 32 quant bytes' magnitudes (|-128| read as 128).
+SHARDLM_AVX2 inline int largest_quant(const uint8_t* q) {
+  const __m256i a = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  __m128i m = _mm_max_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
+  return _mm_cvtsi128_si32(m) & 0xff;
 }
 #endif
 
@@ -283,6 +297,55 @@ void round_panel(int32_t* words, float* scales, const float* panel, int64_t lane
     round_panel_lanes_scalar(words + l, scales + l, panel + l, lanes, k, 8);
   }
 }
+
+#if SHARDLM_HAVE_AVX2
+SHARDLM_AVX2 void round_q8_0_rows(int32_t* words, float* scales, const uint8_t* rows,
+                                  int64_t row_bytes, int64_t k, int64_t lanes) {
+  constexpr int64_t kQuantBlock = 32, kBlockBytes = 34;  // GGML's Q8_0: fp16 d, 32 int8
+  const int64_t blocks = k / kQuantBlock;
+  alignas(32) float largest[8];
+  for (int r = 0; r < 8; ++r) {
+    float m = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* p = rows + r * row_bytes + b * kBlockBytes;
+      m = std::max(m, std::fabs(quant::half_at(p)) * static_cast<float>(largest_quant(p + 2)));
+    }
+    largest[r] = m;
+  }
+  const __m256 amax = _mm256_load_ps(largest);
+  const __m256 positive = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
+  const __m256 levels = _mm256_set1_ps(static_cast<float>(kWeightLevels));
+  const __m256 inverse = _mm256_and_ps(positive, _mm256_div_ps(levels, amax));
+  const __m256i mask = _mm256_set1_epi32(0xffff);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = rows + b * kBlockBytes;
+    uint16_t halves[8];
+    for (int r = 0; r < 8; ++r) std::memcpy(&halves[r], p + r * row_bytes, 2);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+    for (int s = 0; s < 4; ++s) {
+      __m256 v[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        const __m128i q =
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * row_bytes + 2 + 8 * s));
+        v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+      }
+      cpu::avx2::transpose8(v);  // v[j]: element 8 s + j of the 8 rows
+      int32_t* o = words + (b * kQuantBlock + 8 * s) / 2 * lanes;
+#pragma GCC unroll 4
+      for (int j = 0; j < 8; j += 2) {
+        const __m256i even = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], d), inverse));
+        const __m256i odd =
+            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j + 1], d), inverse));
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(o + j / 2 * lanes),
+            _mm256_or_si256(_mm256_and_si256(even, mask), _mm256_slli_epi32(odd, 16)));
+      }
+    }
+  }
+  _mm256_storeu_ps(scales, _mm256_div_ps(amax, levels));
+}
+#endif
 
 void multiply(float* acc, const int32_t* panel_words, const float* panel_scales, int64_t lanes,
               const int32_t* tile_words, const float* tile_scales, int64_t rows, int64_t k) {

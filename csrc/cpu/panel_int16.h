@@ -25,6 +25,8 @@
 
 #include <cstdint>
 
+#include "simd.h"
+
 namespace shardlm::cpu::panel16 {
 
 // Input rows from which the int16 precision rounds. Below, rounding each
@@ -54,6 +56,16 @@ void round_rows(int32_t* words, float* scales, const float* x, int64_t rows, int
 // row) into words [k / 2][lanes] (lane l's pair of rows 2i, 2i + 1 at
 // words[i * lanes + l]) and one scale a lane, scales [lanes].
 void round_panel(int32_t* words, float* scales, const float* panel, int64_t lanes, int64_t k);
+
+#if SHARDLM_HAVE_AVX2
+// round_panel of the panel that 8 Q8_0 weight rows (row-major blocks,
+// `row_bytes` apart) unpack into, into lanes 0..7 of words [k / 2][lanes] and
+// scales[0..7], without the float panel: the same words and scales. A row's
+// largest magnitude is its blocks' largest |d| max|q| (each d q is exact in
+// float32), found from the quant bytes.
+void round_q8_0_rows(int32_t* words, float* scales, const uint8_t* rows, int64_t row_bytes,
+                     int64_t k, int64_t lanes);
+#endif
 
 // acc[r * lanes + l] = the scaled integer dot products of panel lane l and
 // tile row r summed over the blocks, times the lane's scale, for the `rows`

@@ -266,6 +266,23 @@ void store_tile(T* out, int64_t n, const float* acc, int64_t rows, int64_t lanes
   }
 }
 
+// The int16 words and scales of groups g .. g + width - 1 of a Q8_0 weight,
+// side by side in `lanes` lanes, from the weight's bytes (the float panel and
+// its rounding pass skipped: 6% of an int16 prefill of SmolLM2's Q6_K file,
+// mostly Q8_0 matrices). AVX2 only; other CPUs unpack and round.
+void round_q8_0_groups([[maybe_unused]] int32_t* words, [[maybe_unused]] float* scales,
+                       [[maybe_unused]] const uint8_t* w, [[maybe_unused]] int64_t g,
+                       [[maybe_unused]] int64_t width, [[maybe_unused]] int64_t k,
+                       [[maybe_unused]] int64_t lanes) {
+#if SHARDLM_HAVE_AVX2
+  const int64_t row_bytes = k / kBlock * block_bytes(kQ8_0);
+  for (int64_t i = 0; i < width; ++i) {
+    panel16::round_q8_0_rows(words + i * kGroupRows, scales + i * kGroupRows,
+                             w + (g + i) * kGroupRows * row_bytes, row_bytes, k, lanes);
+  }
+#endif
+}
+
 // linear for at most kMaxRows input rows: each group of weight rows is
 // unpacked (and, for the int16 precision, rounded) once and multiplied with
 // every tile. The tiles' inputs (up to 4 MiB for 512 rows of K = 2048) come
@@ -284,6 +301,8 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
   // together (tile_avx512); the last one to three take panels of two and one.
   const int64_t span = cpu::use_avx512() ? 4 : 1;
   const int64_t groups = n / kGroupRows;
+  // The int16 words of a Q8_0 panel come straight from its bytes (AVX2).
+  const bool direct = rounded && qtype == kQ8_0 && avx2;
   const std::vector<Tile> tiles = tiles_of(x, m, k, rounded);
   at::parallel_for(0, (groups + span - 1) / span, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> panel;
@@ -301,10 +320,14 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
       const int64_t left = std::min(groups, end * span) - g;
       const int64_t width = span == 1 ? 1 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
       const int64_t lanes = width * kGroupRows;
-      for (int64_t i = 0; i < width; ++i) {
-        unpack(panel.data() + i * kGroupRows, qtype, w, g + i, k, lanes, avx2);
+      if (direct) {
+        round_q8_0_groups(words.data(), scales.data(), w, g, width, k, lanes);
+      } else {
+        for (int64_t i = 0; i < width; ++i) {
+          unpack(panel.data() + i * kGroupRows, qtype, w, g + i, k, lanes, avx2);
+        }
+        if (rounded) panel16::round_panel(words.data(), scales.data(), panel.data(), lanes, k);
       }
-      if (rounded) panel16::round_panel(words.data(), scales.data(), panel.data(), lanes, k);
       for (const Tile& t : tiles) {
         if (rounded) {
           panel16::multiply(acc, words.data(), scales.data(), lanes, t.words, t.scales, t.rows, k);
