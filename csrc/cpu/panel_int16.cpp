@@ -50,7 +50,7 @@ void round_row_block_scalar(int32_t* words, float& scale, const float* v) {
 #if SHARDLM_HAVE_AVX2
 // vpmovdw keeps each lane's low 16 bits, so 16 rounded elements become the 8
 // words of their pairs in memory order (element 2i low, 2i + 1 high).
-SHARDLM_AVX512 void round_row_block_avx512(int32_t* words, float& scale, const float* v) {
+SHARDLM_AVX512 inline void round_row_block_avx512(int32_t* words, float& scale, const float* v) {
   __m512 x[4];
   __m512 amax = _mm512_setzero_ps();
   for (int j = 0; j < 4; ++j) {
@@ -64,6 +64,18 @@ SHARDLM_AVX512 void round_row_block_avx512(int32_t* words, float& scale, const f
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 8 * j), _mm512_cvtepi32_epi16(q));
   }
   scale = step_of(top, kInputLevels);
+}
+
+// round_rows, every block of every row in one AVX-512 function (no call and
+// no vzeroupper a block).
+SHARDLM_AVX512 void round_rows_avx512(int32_t* words, float* scales, const float* x, int64_t rows,
+                                      int64_t k) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      round_row_block_avx512(words + r * (k / 2) + b * kPairs, scales[b * rows + r],
+                             x + r * k + b * kBlock);
+    }
+  }
 }
 
 // Eight lanes of a panel (`lanes` apart) over all k rows.
@@ -119,7 +131,8 @@ void round_panel_lanes_scalar(int32_t* words, float* scales, const float* panel,
 }
 
 // ---- the register tiles --------------------------------------------------------------
-// Each takes R tile rows (words and scales `stride` rows apart) against lanes
+// Each takes R tile rows (row r's words at xw + r * k / 2, its scales
+// `stride` apart) against lanes
 // of a panel (`lanes` apart) and writes acc[r * lanes + l].
 
 // The portable loop takes every row of the tile and every lane of the panel.
@@ -133,7 +146,7 @@ void tile_scalar(float* acc, const int32_t* pw, const float* ps, int64_t lanes,
         int32_t dot = 0;
         for (int64_t i = b * kPairs; i < (b + 1) * kPairs; ++i) {
           const int32_t w = pw[i * lanes + l];
-          const int32_t x = xw[i * stride + r];
+          const int32_t x = xw[r * (k / 2) + i];
           dot += low_of(w) * low_of(x) + high_of(w) * high_of(x);
         }
         total += static_cast<float>(dot) * xs[b * stride + r];
@@ -156,7 +169,8 @@ SHARDLM_AVX2 void tile_avx2(float* acc, const int32_t* pw, const float* ps, int6
     for (int64_t i = b * kPairs; i < (b + 1) * kPairs; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + i * lanes));
       for (int r = 0; r < R; ++r) {
-        d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(w, _mm256_set1_epi32(xw[i * stride + r])));
+        d[r] = _mm256_add_epi32(d[r],
+                                _mm256_madd_epi16(w, _mm256_set1_epi32(xw[r * (k / 2) + i])));
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -195,14 +209,15 @@ SHARDLM_AVX512_VNNI void tile_vnni(float* acc, const int32_t* pw, const float* p
       for (int v = 0; v < V; ++v) d[r][v] = _mm512_setzero_si512();
     }
     const int32_t* wp = pw + b * kPairs * lanes;
-    const int32_t* xp = xw + b * kPairs * stride;
+    const int32_t* xp = xw + b * kPairs;
+    const int64_t half = k / 2;
     for (int64_t i = 0; i < kPairs; ++i) {
       __m512i w[V];
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(wp + i * lanes + 16 * v);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_set1_epi32(xp[i * stride + r]);
+        const __m512i x = _mm512_set1_epi32(xp[r * half + i]);
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) dot_pairs(d[r][v], w[v], x);
       }
@@ -251,7 +266,7 @@ void over_rows(const TileFn* tiles, int64_t per, float* acc, const int32_t* pw, 
   const int64_t calls = (rows + per - 1) / per;
   for (int64_t c = 0, r0 = 0; c < calls; ++c) {
     const int64_t n = (rows - r0) / (calls - c);
-    tiles[n - 1](acc + r0 * lanes, pw, ps, lanes, xw + r0, xs + r0, rows, k);
+    tiles[n - 1](acc + r0 * lanes, pw, ps, lanes, xw + r0 * (k / 2), xs + r0, rows, k);
     r0 += n;
   }
 }
@@ -259,26 +274,14 @@ void over_rows(const TileFn* tiles, int64_t per, float* acc, const int32_t* pw, 
 
 }  // namespace
 
-void round_rows(int32_t* words, float* scales, const float* x, int64_t rows, int64_t k,
-                int64_t first, int64_t last) {
+void round_rows(int32_t* words, float* scales, const float* x, int64_t rows, int64_t k) {
 #if SHARDLM_HAVE_AVX2
-  const bool avx512 = cpu::use_avx512();
+  if (cpu::use_avx512()) return round_rows_avx512(words, scales, x, rows, k);
 #endif
-  int32_t block[kPairs];
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = first; b < last; ++b) {
-      float& scale = scales[b * rows + r];
-      const float* v = x + r * k + b * kBlock;
-#if SHARDLM_HAVE_AVX2
-      if (avx512) {
-        round_row_block_avx512(block, scale, v);
-      } else {
-        round_row_block_scalar(block, scale, v);
-      }
-#else
-      round_row_block_scalar(block, scale, v);
-#endif
-      for (int64_t i = 0; i < kPairs; ++i) words[(b * kPairs + i) * rows + r] = block[i];
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      round_row_block_scalar(words + r * (k / 2) + b * kPairs, scales[b * rows + r],
+                             x + r * k + b * kBlock);
     }
   }
 }

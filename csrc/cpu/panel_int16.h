@@ -46,11 +46,10 @@ constexpr int32_t kWeightLevels = 4095;
 // Whether the int16 precision can take a product over K inputs.
 constexpr bool takes(int64_t k) { return k % kBlock == 0; }
 
-// Rounds blocks [first, last) of `rows` input rows (row-major x [rows, k])
-// into a tile: words [k / 2][rows] (the int16 pair of elements 2i, 2i + 1 of
-// row r at words[i * rows + r]) and scales [k / kBlock][rows].
-void round_rows(int32_t* words, float* scales, const float* x, int64_t rows, int64_t k,
-                int64_t first, int64_t last);
+// Rounds `rows` input rows (row-major x [rows, k]) into a tile: words
+// [rows][k / 2] (the int16 pair of elements 2i, 2i + 1 of row r at
+// words[r * k / 2 + i]) and scales [k / kBlock][rows].
+void round_rows(int32_t* words, float* scales, const float* x, int64_t rows, int64_t k);
 
 // Rounds a float panel [k][lanes] (lanes a multiple of 8; lane l one weight
 // row) into words [k / 2][lanes] (lane l's pair of rows 2i, 2i + 1 at

@@ -216,11 +216,12 @@ std::vector<Tile> tiles_of(const float* x, int64_t m, int64_t k, bool rounded) {
     begin += rows;
   }
   if (rounded) {
-    at::parallel_for(0, k / panel16::kBlock, 4, [&](int64_t b0, int64_t b1) {
-      for (const Tile& t : out) {
-        panel16::round_rows(word_base + t.begin * k / 2,
-                            scale_base + t.begin * k / panel16::kBlock,
-                            x + t.begin * k, t.rows, k, b0, b1);
+    // Whole tiles a thread: each writes its own stretch of words and scales.
+    at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = out[t].begin;
+        panel16::round_rows(word_base + r0 * k / 2, scale_base + r0 * k / panel16::kBlock,
+                            x + r0 * k, out[t].rows, k);
       }
     });
     return out;
