@@ -78,6 +78,12 @@ SHARDLM_AVX512 void round_rows_avx512(int32_t* words, float* scales, const float
   }
 }
 
+// Eight lanes' rounded elements 2i (even) and 2i + 1 (odd) as their words.
+SHARDLM_AVX2 inline __m256i pair_words_avx2(__m256i even, __m256i odd) {
+  return _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi32(0xffff)),
+                         _mm256_slli_epi32(odd, 16));
+}
+
 // Eight lanes of a panel (`lanes` apart) over all k rows.
 SHARDLM_AVX2 void round_panel_lanes_avx2(int32_t* words, float* scales, const float* panel,
                                          int64_t lanes, int64_t k) {
@@ -89,14 +95,12 @@ SHARDLM_AVX2 void round_panel_lanes_avx2(int32_t* words, float* scales, const fl
   const __m256 positive = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
   const __m256 levels = _mm256_set1_ps(static_cast<float>(kWeightLevels));
   const __m256 inverse = _mm256_and_ps(positive, _mm256_div_ps(levels, amax));
-  const __m256i mask = _mm256_set1_epi32(0xffff);
   for (int64_t i = 0; i < k / 2; ++i) {
     const __m256 even_rows = _mm256_loadu_ps(panel + 2 * i * lanes);
     const __m256 odd_rows = _mm256_loadu_ps(panel + (2 * i + 1) * lanes);
-    const __m256i even = _mm256_cvtps_epi32(_mm256_mul_ps(even_rows, inverse));
-    const __m256i odd = _mm256_cvtps_epi32(_mm256_mul_ps(odd_rows, inverse));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i * lanes),
-                        _mm256_or_si256(_mm256_and_si256(even, mask), _mm256_slli_epi32(odd, 16)));
+                        pair_words_avx2(_mm256_cvtps_epi32(_mm256_mul_ps(even_rows, inverse)),
+                                        _mm256_cvtps_epi32(_mm256_mul_ps(odd_rows, inverse))));
   }
   _mm256_storeu_ps(scales, _mm256_div_ps(amax, levels));
 }
@@ -304,13 +308,13 @@ void round_panel(int32_t* words, float* scales, const float* panel, int64_t lane
 #if SHARDLM_HAVE_AVX2
 SHARDLM_AVX2 void round_q8_0_rows(int32_t* words, float* scales, const uint8_t* rows,
                                   int64_t row_bytes, int64_t k, int64_t lanes) {
-  constexpr int64_t kQuantBlock = 32, kBlockBytes = 34;  // GGML's Q8_0: fp16 d, 32 int8
-  const int64_t blocks = k / kQuantBlock;
+  const int64_t blocks = k / quant::kBlock;
+  const int64_t bytes = quant::block_bytes(quant::kQ8_0);
   alignas(32) float largest[8];
   for (int r = 0; r < 8; ++r) {
     float m = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* p = rows + r * row_bytes + b * kBlockBytes;
+      const uint8_t* p = rows + r * row_bytes + b * bytes;
       m = std::max(m, std::fabs(quant::half_at(p)) * static_cast<float>(largest_quant(p + 2)));
     }
     largest[r] = m;
@@ -319,30 +323,18 @@ SHARDLM_AVX2 void round_q8_0_rows(int32_t* words, float* scales, const uint8_t* 
   const __m256 positive = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
   const __m256 levels = _mm256_set1_ps(static_cast<float>(kWeightLevels));
   const __m256 inverse = _mm256_and_ps(positive, _mm256_div_ps(levels, amax));
-  const __m256i mask = _mm256_set1_epi32(0xffff);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = rows + b * kBlockBytes;
-    uint16_t halves[8];
-    for (int r = 0; r < 8; ++r) std::memcpy(&halves[r], p + r * row_bytes, 2);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+    const uint8_t* p = rows + b * bytes;
+    const __m256 d = quant::q8_0_scales8(p, row_bytes);
     for (int s = 0; s < 4; ++s) {
       __m256 v[8];
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) {
-        const __m128i q =
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * row_bytes + 2 + 8 * s));
-        v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-      }
-      cpu::avx2::transpose8(v);  // v[j]: element 8 s + j of the 8 rows
-      int32_t* o = words + (b * kQuantBlock + 8 * s) / 2 * lanes;
+      quant::q8_0_columns8(v, p, row_bytes, s, d);  // v[j]: d q of element 8 s + j
+      int32_t* o = words + (b * quant::kBlock + 8 * s) / 2 * lanes;
 #pragma GCC unroll 4
       for (int j = 0; j < 8; j += 2) {
-        const __m256i even = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], d), inverse));
-        const __m256i odd =
-            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j + 1], d), inverse));
-        _mm256_storeu_si256(
-            reinterpret_cast<__m256i*>(o + j / 2 * lanes),
-            _mm256_or_si256(_mm256_and_si256(even, mask), _mm256_slli_epi32(odd, 16)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j / 2 * lanes),
+                            pair_words_avx2(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse)),
+                                            _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inverse))));
       }
     }
   }

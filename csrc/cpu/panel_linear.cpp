@@ -42,28 +42,19 @@ void unpack_q8_0_scalar(float* panel, const uint8_t* rows, int64_t row_bytes, in
 }
 
 #if SHARDLM_HAVE_AVX2
-// d * q is exact in float32 (11 by 8 significant bits), as in the reference.
-// The quants are transposed first, so the 8 rows' scales are one vector.
+// Eight rows' block b at a time (quant::q8_0_columns8), stored as panel rows.
 SHARDLM_AVX2 void unpack_q8_0_avx2(float* panel, const uint8_t* rows, int64_t row_bytes,
                                    int64_t k, int64_t stride) {
   const int64_t bytes = block_bytes(kQ8_0);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* p = rows + b * bytes;
-    uint16_t halves[kGroupRows];
-    for (int r = 0; r < kGroupRows; ++r) std::memcpy(&halves[r], p + r * row_bytes, 2);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+    const __m256 d = q8_0_scales8(p, row_bytes);
     for (int s = 0; s < 4; ++s) {
       __m256 v[8];
-#pragma GCC unroll 8
-      for (int r = 0; r < kGroupRows; ++r) {
-        const __m128i q =
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * row_bytes + 2 + 8 * s));
-        v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-      }
-      cpu::avx2::transpose8(v);
+      q8_0_columns8(v, p, row_bytes, s, d);
       float* o = panel + (b * kBlock + 8 * s) * stride;
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * stride, _mm256_mul_ps(v[j], d));
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * stride, v[j]);
     }
   }
 }
@@ -300,7 +291,7 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
   const bool avx512 = cpu::use_avx512();
   // With AVX-512 four groups are unpacked side by side and multiplied
   // together (tile_avx512); the last one to three take panels of two and one.
-  const int64_t span = cpu::use_avx512() ? 4 : 1;
+  const int64_t span = avx512 ? 4 : 1;
   const int64_t groups = n / kGroupRows;
   // The int16 words of a Q8_0 panel come straight from its bytes (AVX2).
   const bool direct = rounded && qtype == kQ8_0 && avx2;

@@ -11,6 +11,9 @@
 // (m = -8 d for Q4_0, 0 for Q8_0), so one kernel serves all three.
 #pragma once
 
+// First, so that its silencing of GCC 12's AVX-512 header warnings applies.
+#include "simd.h"
+
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -141,5 +144,30 @@ inline void quants_scalar(const Block& b, float* q) {
     }
   }
 }
+
+#if SHARDLM_HAVE_AVX2
+// Eight Q8_0 rows side by side (their block b's bytes at p, p + row_bytes,
+// ...), as the panel paths read them: the rows' scales d as one vector, and
+// weights 8 s .. 8 s + 7 of the block transposed, v[j] = d * q[8 s + j] of
+// the 8 rows (d q is exact in float32, as in the reference).
+SHARDLM_AVX2 inline __m256 q8_0_scales8(const uint8_t* p, int64_t row_bytes) {
+  uint16_t halves[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(&halves[r], p + r * row_bytes, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+}
+
+SHARDLM_AVX2 inline void q8_0_columns8(__m256 v[8], const uint8_t* p, int64_t row_bytes, int s,
+                                       __m256 d) {
+#pragma GCC unroll 8
+  for (int r = 0; r < 8; ++r) {
+    const __m128i q =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * row_bytes + 2 + 8 * s));
+    v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  }
+  avx2::transpose8(v);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) v[j] = _mm256_mul_ps(v[j], d);
+}
+#endif
 
 }  // namespace shardlm::cpu::quant
