@@ -62,13 +62,15 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
   return pos + 1 - window_first_key(pos, window);
 }
 
-// Decode with few (sequence, kv head) pairs: rather than leave threads idle,
-// or split the GQA group's heads over tasks (each task then reads every key of
-// its kv head: the cache read group times), the sequences' keys are cut into
-// slices. A task attends all of the sequence's heads to one slice (whole
-// token rows: one contiguous read per token) into float partials with their
-// log-sum-exp, and merge_slices() combines a row's slices (flash-decoding).
-// The cache is read once, by every thread.
+// Few (sequence, kv head) tasks (decode), or few (query tile, kv head) ones
+// with every sequence's new tokens in one tile (a speculative verify step's
+// handful of rows): rather than leave threads idle, or split the GQA group's
+// heads over tasks (each task then reads every key of its kv head: the cache
+// read group times), the sequences' keys are cut into slices. A task attends
+// all of the sequence's query rows (every head of each of its new tokens) to
+// one slice (whole token rows: one contiguous read per token) into float
+// partials with their log-sum-exp, and merge_row() combines a row's slices
+// (flash-decoding). The cache is read once, by every thread.
 //
 // at::parallel_for hands each thread one contiguous run of slices, so the
 // keys are cut into a whole number of equal slices a thread: one for every
@@ -78,21 +80,33 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
 // 150, not 256 + 44 with one thread doing the 256 while the other waits; 1,200
 // keys, 600 + 600 rather than 3 x 256 on one thread and 256 + 176 on the
 // other. Slices shorter than kMinSliceKeys do not pay for their merge: such
-// contexts take a task per query head.
+// calls take the unsliced tasks.
 constexpr int64_t kMinSliceKeys = 128;
 constexpr int64_t kKeysPerSliceTask = 2048;
 constexpr int64_t kSliceTasksPerThread = 4;
 
-// Keys per slice, or 0 where slicing does not pay (enough pairs already, one
-// thread, slices that would be shorter than kMinSliceKeys, or a longest
-// sequence that fits in one).
-int64_t slice_length(const AttnDims& d, const int32_t* ctx_lens) {
+// Query rows of sequence b: its new tokens (query_start_loc; nullptr: one a
+// sequence, decode), and the keys they see together, from the first token's
+// first key to the last token.
+inline int64_t new_tokens(const int32_t* qsl, int64_t b) {
+  return qsl != nullptr ? qsl[b + 1] - qsl[b] : 1;
+}
+inline int64_t keys_of_tokens(int64_t last_pos, int64_t tokens, int64_t window) {
+  return last_pos + 1 - window_first_key(last_pos - tokens + 1, window);
+}
+
+// Keys per slice, or 0 where slicing does not pay (`tasks`, the unsliced
+// call's, enough already; one thread; slices that would be shorter than
+// kMinSliceKeys, or a longest sequence that fits in one). seq_lens[b]: the
+// keys in the cache up to and including sequence b's last new token.
+int64_t slice_length(const AttnDims& d, int64_t tasks, const int32_t* qsl,
+                     const int32_t* seq_lens) {
   const int64_t threads = at::get_num_threads();
-  if (threads < 2 || d.num_seqs * d.num_kv_heads >= 2 * threads) return 0;
+  if (threads < 2 || tasks >= 2 * threads) return 0;
   int64_t keys = 0;
   int64_t longest = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) {
-    const int64_t n = keys_seen(ctx_lens[b] - 1, d.sliding_window);
+    const int64_t n = keys_of_tokens(seq_lens[b] - 1, new_tokens(qsl, b), d.sliding_window);
     keys += n;
     longest = std::max(longest, n);
   }
@@ -102,83 +116,122 @@ int64_t slice_length(const AttnDims& d, const int32_t* ctx_lens) {
   return length >= kMinSliceKeys && longest > length ? length : 0;
 }
 
-// out row = the softmax-weighted mean over all of its slices: each slice's
-// mean weighted by its share exp(lse) of the total.
+// out = the softmax-weighted mean of one row over its slices: slice c's mean
+// (partial + c * stride * D) weighted by its share exp(lse[c * stride]) of the
+// total.
 template <typename T>
-void merge_slices(T* out, const float* partial, const float* lse, int64_t slices,
-                  int64_t num_heads, int64_t D, float* acc) {
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < slices; ++c) top = std::max(top, lse[c * num_heads + h]);
-    std::fill(acc, acc + D, 0.f);
-    float total = 0.f;
-    if (top > -std::numeric_limits<float>::infinity()) {
-      for (int64_t c = 0; c < slices; ++c) {
-        const float w = std::exp(lse[c * num_heads + h] - top);
-        const float* p = partial + (c * num_heads + h) * D;
-        for (int64_t i = 0; i < D; ++i) acc[i] += w * p[i];
-        total += w;
-      }
+void merge_row(T* out, const float* partial, const float* lse, int64_t slices, int64_t stride,
+               int64_t D, float* acc) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < slices; ++c) top = std::max(top, lse[c * stride]);
+  std::fill(acc, acc + D, 0.f);
+  float total = 0.f;
+  if (top > -std::numeric_limits<float>::infinity()) {
+    for (int64_t c = 0; c < slices; ++c) {
+      const float w = std::exp(lse[c * stride] - top);
+      const float* p = partial + c * stride * D;
+      for (int64_t i = 0; i < D; ++i) acc[i] += w * p[i];
+      total += w;
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys -> zeros
-    for (int64_t i = 0; i < D; ++i) out[h * D + i] = from_f<T>(acc[i] * inv);
   }
+  const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys -> zeros
+  for (int64_t i = 0; i < D; ++i) out[i] = from_f<T>(acc[i] * inv);
 }
 
+// The sliced call. A sequence's rows go kv head by kv head (then token, then
+// head of the group), so that a head's rows of a tile are one run in
+// attend_rows and its keys are read once for all of them; row j of sequence b
+// (token t, head h) is its slices' partial row j.
 template <typename T, typename C>
-void decode_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
-                   const int32_t* ctx_lens, float scale, const AttnDims& d, int64_t length) {
+void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
+                   const int32_t* qsl, const int32_t* seq_lens, float scale, const AttnDims& d,
+                   int64_t length) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t H = d.num_heads;
   const int64_t D = d.head_dim;
+  const int64_t window = d.sliding_window;
   const bool simd = cpu::use_avx2();
-  // slice_start[b] = index of sequence b's first slice; a padding row (no
-  // keys) gets one, which writes zeros. Buffers of the calling thread, named
-  // so that the workers read this thread's copies.
+  // slice_start[b]: sequence b's first slice (a sequence without keys gets
+  // one, which writes zeros); row_start[c]: slice c's first partial row.
+  // Buffers of the calling thread, named so that the workers read this
+  // thread's copies.
   thread_local std::vector<int64_t> slice_start_buf;
+  thread_local std::vector<int64_t> row_start_buf;
   thread_local std::vector<float> partial_buf;
   std::vector<int64_t>& slice_start = slice_start_buf;
+  std::vector<int64_t>& row_start = row_start_buf;
   slice_start.assign(d.num_seqs + 1, 0);
+  row_start.assign(1, 0);
+  int64_t most_rows = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) {
-    const int64_t n = keys_seen(ctx_lens[b] - 1, d.sliding_window);
-    slice_start[b + 1] = slice_start[b] + std::max<int64_t>(1, (n + length - 1) / length);
+    const int64_t tokens = new_tokens(qsl, b);
+    const int64_t n = keys_of_tokens(seq_lens[b] - 1, tokens, window);
+    const int64_t slices = std::max<int64_t>(1, (n + length - 1) / length);
+    slice_start[b + 1] = slice_start[b] + slices;
+    for (int64_t c = 0; c < slices; ++c) row_start.push_back(row_start.back() + tokens * H);
+    most_rows = std::max(most_rows, tokens * H);
   }
   const int64_t slices = slice_start[d.num_seqs];
+  const int64_t rows_total = row_start[slices];
   std::vector<float>& partial = partial_buf;
-  partial.resize(static_cast<size_t>(slices * H * (D + 1) + D));
-  float* lse = partial.data() + slices * H * D;
-  float* merged = lse + slices * H;  // one row's sum while merging
+  partial.resize(static_cast<size_t>(rows_total * (D + 1) + D));
+  float* lse = partial.data() + rows_total * D;
+  float* merged = lse + rows_total;  // one row's sum while merging
   at::parallel_for(0, slices, 1, [&](int64_t begin, int64_t end) {
-    const Workspace ws(H, D);
-    Row<T, float>* rows = thread_rows<T, float>(H);
+    const Workspace ws(most_rows, D);
+    Row<T, float>* rows = thread_rows<T, float>(most_rows);
     for (int64_t slice = begin; slice < end; ++slice) {
       const int64_t b =
           std::upper_bound(slice_start.begin(), slice_start.end(), slice) - slice_start.begin() - 1;
-      const int64_t pos = ctx_lens[b] - 1;
-      const int64_t first = window_first_key(pos, d.sliding_window) +
+      const int64_t tokens = new_tokens(qsl, b);
+      const int64_t first_pos = seq_lens[b] - tokens;
+      const int64_t first = window_first_key(first_pos, window) +
                             (slice - slice_start[b]) * length;
-      for (int64_t h = 0; h < H; ++h) {
-        rows[h] = {q + b * d.q_row_stride + h * d.q_head_stride,
-                   partial.data() + (slice * H + h) * D, std::min(pos, first + length - 1),
-                   first, h / group, lse + slice * H + h};
+      const int64_t last = std::min<int64_t>(seq_lens[b] - 1, first + length - 1);
+      const int64_t r0 = row_start[slice];
+      int64_t j = 0;
+      for (int64_t g = 0; g < d.num_kv_heads; ++g) {
+        for (int64_t t = 0; t < tokens; ++t) {
+          const int64_t tok = qsl != nullptr ? qsl[b] + t : b;
+          const int64_t pos = first_pos + t;
+          for (int64_t i = 0; i < group; ++i, ++j) {
+            const int64_t h = g * group + i;
+            rows[j] = {q + tok * d.q_row_stride + h * d.q_head_stride,
+                       partial.data() + (r0 + j) * D, std::min(pos, last),
+                       std::max(first, window_first_key(pos, window)), g, lse + r0 + j};
+          }
+        }
       }
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, D};
-      attend_rows(rows, H, kv, scale, ws, simd);
+      // The per-row steps: a verify step's runs (its few tokens x the group's
+      // heads) are too short for the blocked ones to pay for their transposes.
+      attend_rows(rows, j, kv, scale, ws, simd);
     }
   });
   for (int64_t b = 0; b < d.num_seqs; ++b) {
+    const int64_t tokens = new_tokens(qsl, b);
     const int64_t s0 = slice_start[b];
-    merge_slices(out + b * H * D, partial.data() + s0 * H * D, lse + s0 * H,
-                 slice_start[b + 1] - s0, H, D, merged);
+    const int64_t stride = tokens * H;  // rows a slice of b
+    int64_t j = 0;
+    for (int64_t g = 0; g < d.num_kv_heads; ++g) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t tok = qsl != nullptr ? qsl[b] + t : b;
+        for (int64_t i = 0; i < group; ++i, ++j) {
+          merge_row(out + (tok * H + g * group + i) * D, partial.data() + (row_start[s0] + j) * D,
+                    lse + row_start[s0] + j, slice_start[b + 1] - s0, stride, D, merged);
+        }
+      }
+    }
   }
 }
 
 template <typename T, typename C>
 void decode_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
                  const int32_t* ctx_lens, float scale, const AttnDims& d) {
-  if (const int64_t length = slice_length(d, ctx_lens); length > 0) {
-    decode_sliced(out, q, kc, vc, tables, ctx_lens, scale, d, length);
+  if (const int64_t length = slice_length(d, d.num_seqs * d.num_kv_heads, nullptr, ctx_lens);
+      length > 0) {
+    attend_sliced(out, q, kc, vc, tables, nullptr, ctx_lens, scale, d, length);
     return;
   }
   const int64_t group = d.num_heads / d.num_kv_heads;
@@ -238,6 +291,15 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
   // Task = (query tile, kv head): kQueryTile tokens x the group's heads.
   const int64_t tiles = tile_start[d.num_seqs];
   const int64_t tasks = tiles * d.num_kv_heads;
+  // Few tasks of at most a tile of tokens each (a verify step of one or a few
+  // sequences): the keys are sliced instead, as for decode.
+  bool one_tile_each = true;
+  for (int64_t b = 0; b < d.num_seqs; ++b) one_tile_each &= qsl[b + 1] - qsl[b] <= kQueryTile;
+  if (const int64_t length = one_tile_each ? slice_length(d, tasks, qsl, seq_lens) : 0;
+      length > 0) {
+    attend_sliced(out, q, kc, vc, tables, qsl, seq_lens, scale, d, length);
+    return;
+  }
   at::parallel_for(0, tasks, attention_grain(tasks, work * d.num_heads * D),
                    [&](int64_t begin, int64_t end) {
     const Workspace ws(kQueryTile * group, D);

@@ -89,7 +89,7 @@ struct PagedKV {
 // One query row. Its output is normalized (softmax-weighted mean of the
 // values it sees) and of type O: T, or float for a partial result over a
 // slice of the keys, whose log-sum-exp of scores then goes to *lse so that
-// slices can be merged (merge_slices in attention.cpp).
+// slices can be merged (merge_row in attention.cpp).
 template <typename T, typename O = T>
 struct Row {
   const T* q;
