@@ -249,8 +249,11 @@ class Engine:
         """Up to `num_steps` decode steps over the batch; yields each step's tokens. A sequence
         leaves the batch when it finishes or has used its own `max_steps`.
 
-        Steps are pipelined: step t+1 is queued on the device before step t's tokens are yielded,
-        so the caller's work on them (detokenising, streaming) overlaps the device's work. Each
+        On a GPU steps are pipelined: step t+1 is queued on the device before step t's tokens are
+        yielded, so the caller's work on them (detokenising, streaming) overlaps the device's
+        work. On CPU a step runs when it is launched, so there each step's tokens are yielded
+        before the next step runs: pipelining there would only hold every token back by a step
+        (two at the start of a call). Each
         sequence keeps one row of the step buffers for the whole call; a row whose sequence has
         left computes nothing (slot -1, context 0). With speculative decoding (not while taps are
         captured) a step may yield several tokens of a sequence: `max_steps` then counts its
@@ -279,6 +282,7 @@ class Engine:
         def live_rows(step: int) -> list[int]:
             return [i for i, s in enumerate(seqs) if s.finished is None and budgets[i] > step]
 
+        pipelined = self.device.type == "cuda"
         live = live_rows(0)
         pending = self._launch_decode(call, seqs, live, None, tap_values) if live else None
         step = 0
@@ -290,9 +294,15 @@ class Engine:
                 outputs = self.states.advance([seqs[i] for i in live], tokens)
                 step += 1
                 previous, live = pending, live_rows(step) if step < num_steps else []
-                pending = self._launch_decode(call, seqs, live, previous) if live else None
-                yield StepOutput(outputs, (tap_values or {}) if step == 1 else {},
-                                 previous.mask_seconds)
+                result = StepOutput(outputs, (tap_values or {}) if step == 1 else {},
+                                    previous.mask_seconds)
+                if pipelined:
+                    pending = self._launch_decode(call, seqs, live, previous) if live else None
+                    yield result
+                else:
+                    pending = None  # nothing queued while the caller holds the tokens
+                    yield result
+                    pending = self._launch_decode(call, seqs, live, previous) if live else None
         finally:
             # A caller that stops reading leaves one step queued; its tokens are dropped (the
             # sequences stay as after the last step read) but its reads of the step buffers

@@ -118,9 +118,26 @@ def test_pipelined_decode_equals_one_step_per_call(engine):
     assert generate(engine, ids, 20, chunk=7) == whole
 
 
+def test_cpu_decode_yields_each_step_before_running_the_next(engine, monkeypatch):
+    """On CPU a step runs when launched, so a step's tokens must reach the caller before the
+    next forward pass: pipelining would hold every token back by a step."""
+    ids = prompts(2, engine.cfg.vocab_size)
+    engine.reset()
+    stop = StopParams(max_new_tokens=10)
+    engine.prefill([PrefillItem(i, p, 0, table(i), stop=stop) for i, p in enumerate(ids)])
+    forwards = []
+    original = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",
+                        lambda *a, **k: forwards.append(1) or original(*a, **k))
+    seen = []
+    for _ in engine.decode([DecodeItem(i, table(i), 4) for i in range(2)], 4):
+        seen.append(len(forwards))
+    assert seen == [1, 2, 3, 4]
+
+
 def test_abandoned_decode_keeps_the_engine_consistent(engine):
-    """A caller that stops reading after two steps (the third is already queued) must be able
-    to continue the sequences as if it had asked for two steps."""
+    """A caller that stops reading after two steps (on a GPU the third is already queued) must
+    be able to continue the sequences as if it had asked for two steps."""
     ids = prompts(2, engine.cfg.vocab_size)
     expected = generate(engine, ids, 6)
     engine.reset()
