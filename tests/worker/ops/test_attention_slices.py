@@ -28,6 +28,21 @@ def threads():
     torch.set_num_threads(before)
 
 
+def outputs_at_thread_counts(threads, op, args, expected) -> list[torch.Tensor]:
+    """`op(*args)` with 1 (never sliced), 2 and 4 threads: each close to the reference, and the
+    sliced ones close to the unsliced one."""
+    outs = []
+    for n in (1, 2, 4):
+        threads(n)
+        out = torch.full(args[0].shape, float("nan"))
+        op(*args, out=out)
+        torch.testing.assert_close(out, expected, **TOL[torch.float32], msg=f"{n} threads")
+        outs.append(out)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], **TOL[torch.float32])
+    return outs
+
+
 # (heads, kv_heads, head_dim, block_size, context lengths); 0 = padding row.
 CASES = [
     (9, 3, 64, 16, [4100]),  # the default model's heads at a 4k depth
@@ -51,16 +66,8 @@ def test_sliced_decode_matches_the_reference_at_every_thread_count(threads, case
     lens = torch.tensor(ctx, dtype=torch.int32)
     args = (q, k_cache, v_cache, tables, lens, head_dim**-0.5, max(ctx), window)
     expected = ref.paged_attention_decode(q, k_cache.float(), v_cache.float(), *args[3:])
-    outs = {}
-    for n in (1, 2, 4):
-        threads(n)
-        out = torch.full(q.shape, float("nan"))
-        ops.paged_attention_decode(*args, out=out)
-        torch.testing.assert_close(out, expected, **TOL[torch.float32], msg=f"{n} threads")
+    for out in outputs_at_thread_counts(threads, ops.paged_attention_decode, args, expected):
         assert torch.all(out[lens == 0] == 0)
-        outs[n] = out
-    torch.testing.assert_close(outs[2], outs[1], **TOL[torch.float32])
-    torch.testing.assert_close(outs[4], outs[1], **TOL[torch.float32])
 
 
 # (heads, kv_heads, head_dim, block_size, [(context length, new tokens)]): the new tokens are the
@@ -91,12 +98,4 @@ def test_sliced_prefill_matches_the_reference_at_every_thread_count(threads, cas
     args = (q, k_cache, v_cache, tables, starts, seq_lens, head_dim**-0.5, max(counts),
             max(lens), window)
     expected = ref.paged_attention_prefill(q, k_cache.float(), v_cache.float(), *args[3:])
-    outs = {}
-    for n in (1, 2, 4):
-        threads(n)
-        out = torch.full(q.shape, float("nan"))
-        ops.paged_attention_prefill(*args, out=out)
-        torch.testing.assert_close(out, expected, **TOL[torch.float32], msg=f"{n} threads")
-        outs[n] = out
-    torch.testing.assert_close(outs[2], outs[1], **TOL[torch.float32])
-    torch.testing.assert_close(outs[4], outs[1], **TOL[torch.float32])
+    outputs_at_thread_counts(threads, ops.paged_attention_prefill, args, expected)
