@@ -12,7 +12,10 @@ stable estimate of what the kernel itself costs.
 Shapes (llama-100m): hidden 768, 12 heads / 4 kv heads, head_dim 64,
 intermediate 2048, block_size 16; batch 1 and 32; context 64 and 1024;
 float32 and bfloat16. Prefill attention is timed for one sequence whose
-prompt is the whole context.
+prompt is the whole context, and a speculative verify step's attention as
+VERIFY_ROWS new tokens (the pending one and 4 drafts) at the end of it (with
+these 4 kv heads, 2 threads already have two tasks each, so that call is not
+sliced over the keys; a model with fewer kv heads than twice the threads is).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from shardlm_server.worker import ops  # noqa: F401  (loads shardlm_server.worke
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 768, 12, 4, 64, 2048, 16
 EPS = 1e-5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+VERIFY_ROWS = 5
 
 
 def best_us(fn: Callable[[], None], budget_s: float, min_calls: int = 50) -> float:
@@ -107,10 +111,17 @@ def cases(batch: int, ctx: int, dtype: torch.dtype) -> dict[str, Callable[[], No
         c["attn_prefill"] = lambda: sl.paged_attention_prefill(
             pout, pq, k_cache, v_cache, tables, qsl, lens, scale, ctx, ctx
         )
+        vq = torch.randn(VERIFY_ROWS, HEADS, HEAD_DIM, dtype=dtype)
+        vout = torch.empty_like(vq)
+        vqsl = torch.tensor([0, VERIFY_ROWS], dtype=torch.int32)
+        c["attn_verify"] = lambda: sl.paged_attention_prefill(
+            vout, vq, k_cache, v_cache, tables, vqsl, lens, scale, VERIFY_ROWS, ctx
+        )
     return c
 
 
-CTX_OPS = {"attn_decode", "attn_prefill"}  # the rest do not depend on the context length
+# The rest do not depend on the context length.
+CTX_OPS = {"attn_decode", "attn_prefill", "attn_verify"}
 
 
 def run(budget_s: float, batches: list[int], ctxs: list[int], dtypes: list[str]) -> dict:
