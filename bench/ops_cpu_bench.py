@@ -15,7 +15,8 @@ float32 and bfloat16. Prefill attention is timed for one sequence whose
 prompt is the whole context, and a speculative verify step's attention as
 VERIFY_ROWS new tokens (the pending one and 4 drafts) at the end of it (with
 these 4 kv heads, 2 threads already have two tasks each, so that call is not
-sliced over the keys; a model with fewer kv heads than twice the threads is).
+sliced over the keys; a model with fewer kv heads than twice the threads is:
+`--heads 9 3`, SmolLM2's, shows that path).
 """
 
 from __future__ import annotations
@@ -140,15 +141,19 @@ def run(budget_s: float, batches: list[int], ctxs: list[int], dtypes: list[str])
 
 
 def main() -> None:
+    global HEADS, KV_HEADS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per case")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--ctx", type=int, nargs="+", default=[64, 1024])
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--heads", type=int, nargs=2, metavar=("QUERY", "KV"),
+                   default=[HEADS, KV_HEADS], help="attention heads (default: llama-100m's)")
     p.add_argument("--json", help="save {case: µs} here")
     p.add_argument("--compare", help="earlier --json file to print a before/after table against")
     args = p.parse_args()
+    HEADS, KV_HEADS = args.heads
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
