@@ -25,7 +25,9 @@ from bench.json_schemas import (
     api_payloads,
     classification,
     configs,
+    extraction_business,
     extraction_documents,
+    extraction_forms,
     extraction_records,
     nested,
 )
@@ -40,6 +42,6 @@ class SchemaCase:
 
 SCHEMAS: list[SchemaCase] = [
     SchemaCase(*case)
-    for module in (extraction_documents, extraction_records, classification, api_payloads,
-                   configs, nested)
+    for module in (extraction_documents, extraction_forms, extraction_records,
+                   extraction_business, classification, api_payloads, configs, nested)
     for case in module.CASES]
