@@ -92,7 +92,7 @@ inline int64_t new_tokens(const int32_t* qsl, int64_t b) {
   return qsl != nullptr ? qsl[b + 1] - qsl[b] : 1;
 }
 inline int64_t keys_of_tokens(int64_t last_pos, int64_t tokens, int64_t window) {
-  return last_pos + 1 - window_first_key(last_pos - tokens + 1, window);
+  return keys_seen(last_pos - tokens + 1, window) + tokens - 1;
 }
 
 // Keys per slice, or 0 where slicing does not pay (`tasks`, the unsliced
@@ -138,10 +138,17 @@ void merge_row(T* out, const float* partial, const float* lse, int64_t slices, i
   for (int64_t i = 0; i < D; ++i) out[i] = from_f<T>(acc[i] * inv);
 }
 
-// The sliced call. A sequence's rows go kv head by kv head (then token, then
-// head of the group), so that a head's rows of a tile are one run in
-// attend_rows and its keys are read once for all of them; row j of sequence b
-// (token t, head h) is its slices' partial row j.
+// Row j of a sliced sequence with `tokens` new tokens: rows go kv head by kv
+// head (then token, then head of the group), so that a head's rows of a tile
+// are one run in attend_rows and its keys are read once for all of them. t:
+// the row's new token (0 .. tokens - 1), h: its query head.
+struct SlicedRow {
+  int64_t t, h;
+  SlicedRow(int64_t j, int64_t tokens, int64_t group)
+      : t(j / group % tokens), h(j / (tokens * group) * group + j % group) {}
+};
+
+// The sliced call: row j of sequence b is its slices' partial row j.
 template <typename T, typename C>
 void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
                    const int32_t* qsl, const int32_t* seq_lens, float scale, const AttnDims& d,
@@ -189,39 +196,30 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
                             (slice - slice_start[b]) * length;
       const int64_t last = std::min<int64_t>(seq_lens[b] - 1, first + length - 1);
       const int64_t r0 = row_start[slice];
-      int64_t j = 0;
-      for (int64_t g = 0; g < d.num_kv_heads; ++g) {
-        for (int64_t t = 0; t < tokens; ++t) {
-          const int64_t tok = qsl != nullptr ? qsl[b] + t : b;
-          const int64_t pos = first_pos + t;
-          for (int64_t i = 0; i < group; ++i, ++j) {
-            const int64_t h = g * group + i;
-            rows[j] = {q + tok * d.q_row_stride + h * d.q_head_stride,
-                       partial.data() + (r0 + j) * D, std::min(pos, last),
-                       std::max(first, window_first_key(pos, window)), g, lse + r0 + j};
-          }
-        }
+      for (int64_t j = 0; j < tokens * H; ++j) {
+        const SlicedRow row(j, tokens, group);
+        const int64_t tok = qsl != nullptr ? qsl[b] + row.t : b;
+        const int64_t pos = first_pos + row.t;
+        rows[j] = {q + tok * d.q_row_stride + row.h * d.q_head_stride,
+                   partial.data() + (r0 + j) * D, std::min(pos, last),
+                   std::max(first, window_first_key(pos, window)), row.h / group, lse + r0 + j};
       }
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, D};
       // The per-row steps: a verify step's runs (its few tokens x the group's
       // heads) are too short for the blocked ones to pay for their transposes.
-      attend_rows(rows, j, kv, scale, ws, simd);
+      attend_rows(rows, tokens * H, kv, scale, ws, simd);
     }
   });
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t tokens = new_tokens(qsl, b);
     const int64_t s0 = slice_start[b];
     const int64_t stride = tokens * H;  // rows a slice of b
-    int64_t j = 0;
-    for (int64_t g = 0; g < d.num_kv_heads; ++g) {
-      for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t tok = qsl != nullptr ? qsl[b] + t : b;
-        for (int64_t i = 0; i < group; ++i, ++j) {
-          merge_row(out + (tok * H + g * group + i) * D, partial.data() + (row_start[s0] + j) * D,
-                    lse + row_start[s0] + j, slice_start[b + 1] - s0, stride, D, merged);
-        }
-      }
+    for (int64_t j = 0; j < stride; ++j) {
+      const SlicedRow row(j, tokens, group);
+      const int64_t tok = qsl != nullptr ? qsl[b] + row.t : b;
+      merge_row(out + (tok * H + row.h) * D, partial.data() + (row_start[s0] + j) * D,
+                lse + row_start[s0] + j, slice_start[b + 1] - s0, stride, D, merged);
     }
   }
 }
@@ -282,8 +280,10 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
   std::vector<int64_t>& tile_start = tile_start_buf;
   tile_start.assign(d.num_seqs + 1, 0);
   int64_t work = 0;  // query tokens x keys they see (about)
+  bool one_tile_each = true;
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
+    one_tile_each &= q_len <= kQueryTile;
     tile_start[b + 1] = tile_start[b] + (q_len + kQueryTile - 1) / kQueryTile;
     // (the middle token's keys, as the window allows)
     work += q_len * keys_seen(seq_lens[b] - 1 - q_len / 2, window);
@@ -293,8 +293,6 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
   const int64_t tasks = tiles * d.num_kv_heads;
   // Few tasks of at most a tile of tokens each (a verify step of one or a few
   // sequences): the keys are sliced instead, as for decode.
-  bool one_tile_each = true;
-  for (int64_t b = 0; b < d.num_seqs; ++b) one_tile_each &= qsl[b + 1] - qsl[b] <= kQueryTile;
   if (const int64_t length = one_tile_each ? slice_length(d, tasks, qsl, seq_lens) : 0;
       length > 0) {
     attend_sliced(out, q, kc, vc, tables, qsl, seq_lens, scale, d, length);
