@@ -13,6 +13,7 @@
 
 #include "cpu/cpu_utils.h"
 #include "cpu/fma_peak.h"
+#include "cpu/subnormal.h"
 #include "ops.h"
 
 #ifndef SHARDLM_WITH_CUDA
@@ -130,6 +131,19 @@ PyObject* set_activation_precision(PyObject* /*self*/, PyObject* arg) {
                        "set_activation_precision: precision must be 0, 1 or 2");
 }
 
+// set_cpu_subnormal_quants(mode: int) -> None: whether the exact 4-bit kernels
+// read quants as float32 subnormals (cpu/subnormal.h): 0 never, 1 always (with
+// AVX2), 2 where this CPU does that at full speed (the default).
+PyObject* set_cpu_subnormal_quants(PyObject* /*self*/, PyObject* arg) {
+  return store_setting(arg, 2, shardlm::cpu::subnormal_quants_setting(),
+                       "set_cpu_subnormal_quants: mode must be 0, 1 or 2");
+}
+
+// cpu_subnormal_quants_active() -> bool: whether they do now.
+PyObject* cpu_subnormal_quants_active(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(shardlm::cpu::use_subnormal_quants() ? 1 : 0);
+}
+
 // cpu_fma_peak(iterations: int) -> float: the CPU's float32 FMA throughput in
 // FLOP/s over all intra-op threads (cpu/fma_peak.h), for the benchmark.
 PyObject* cpu_fma_peak(PyObject* /*self*/, PyObject* arg) {
@@ -179,6 +193,11 @@ PyMethodDef shardlm_methods[] = {
     {"set_activation_precision", set_activation_precision, METH_O,
      "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
      "grouped layouts (0 exact float32, 1 int8 per block of 32, 2 int16 panels)."},
+    {"set_cpu_subnormal_quants", set_cpu_subnormal_quants, METH_O,
+     "set_cpu_subnormal_quants(mode: int) -> None: exact 4-bit kernels read quants as "
+     "subnormals: 0 never, 1 always (AVX2), 2 where as fast (default)."},
+    {"cpu_subnormal_quants_active", cpu_subnormal_quants_active, METH_NOARGS,
+     "cpu_subnormal_quants_active() -> bool: whether they do now."},
     {"cpu_fma_peak", cpu_fma_peak, METH_O,
      "cpu_fma_peak(iterations: int) -> float: measured float32 FMA FLOP/s of all threads."},
     {"cpu_simd_active", cpu_simd_active, METH_NOARGS,

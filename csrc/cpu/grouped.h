@@ -14,6 +14,7 @@
 #include "cpu_utils.h"
 #include "quant_blocks.h"
 #include "simd.h"
+#include "subnormal.h"
 
 namespace shardlm::cpu::grouped {
 
@@ -47,6 +48,34 @@ SHARDLM_AVX2 inline const float* prescaled(const float* x, int64_t count) {
   const __m256 factors = _mm256_loadu_ps(kNibbleScale);
   for (int64_t i = 0; i < count; i += 8) {
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), factors));
+  }
+  return out;
+}
+
+// prescaled() for the kernels that read quants as subnormals (subnormal.h),
+// `rows` rows of k inputs, element 8s + j scaled by kSubnormalNibbleScale[j];
+// nullptr where an input reaches kSubnormalInputLimit (or is not finite), or a
+// row's largest one is below kSubnormalRowFloor but not 0, which the
+// converting kernels take instead.
+SHARDLM_AVX2 inline const float* prescaled_subnormal(const float* x, int64_t rows, int64_t k) {
+  float* out = prescale_buffer(rows * k);
+  const __m256 factors = _mm256_loadu_ps(kSubnormalNibbleScale);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 limit = _mm256_set1_ps(kSubnormalInputLimit);
+  const __m256 floor = _mm256_set1_ps(kSubnormalRowFloor);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 fits = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    __m256 largest = _mm256_setzero_ps();
+    for (int64_t i = r * k; i < (r + 1) * k; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 size = _mm256_and_ps(v, magnitude);
+      fits = _mm256_and_ps(fits, _mm256_cmp_ps(size, limit, _CMP_LT_OQ));
+      largest = _mm256_max_ps(largest, size);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(v, factors));
+    }
+    const int big = _mm256_movemask_ps(_mm256_cmp_ps(largest, floor, _CMP_GE_OQ));
+    const int zero = _mm256_movemask_ps(_mm256_cmp_ps(largest, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    if (_mm256_movemask_ps(fits) != 0xff || (big == 0 && zero != 0xff)) return nullptr;
   }
   return out;
 }
@@ -196,12 +225,16 @@ inline void panel_to_rows(float* rows, const float* panel, int64_t k, bool avx2)
 // `width` features from group g on (8, or 16 for a pair under AVX-512) for
 // input rows m0 + i, i < rows (at most kRows, kMaxRows unless a kernel takes
 // more); later input rows find the groups' weights in cache.
+// `subnormal`: the kernels read quants as subnormals (subnormal.h), so each
+// thread runs them with subnormal inputs honoured.
 template <int64_t kRows = kMaxRows, typename T, class Dot>
-void gemv(T* out, const T* bias, int64_t m, int64_t n, int64_t group_bytes, const Dot& dot) {
+void gemv(T* out, const T* bias, int64_t m, int64_t n, int64_t group_bytes, const Dot& dot,
+          bool subnormal = false) {
   const int64_t groups = n / kGroupRows;
   const int64_t span = cpu::use_avx512() ? 2 : 1;  // an odd last group goes alone
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (span * group_bytes));
   at::parallel_for(0, (groups + span - 1) / span, grain, [&](int64_t begin, int64_t end) {
+    const SubnormalInputs inputs(subnormal);
     float acc[kRows * 2 * kGroupRows];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit * span;

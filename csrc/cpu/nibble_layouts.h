@@ -11,6 +11,7 @@
 #include "grouped.h"
 #include "quant_blocks.h"
 #include "simd.h"
+#include "subnormal.h"
 
 namespace shardlm::cpu::q4x8::nibble {
 
@@ -135,6 +136,27 @@ SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
                : _mm256_srli_epi32(q.lo, 28);
 }
 
+// The quants of a 4-bit word as the kernels multiply them: converted to float
+// (quant_avx2), or with kSub read as subnormals (subnormal.h), quants 0-4 from
+// the word, 5 and 6 from `high`, the word shifted down (high_avx2), and 7
+// shifted down alone.
+template <bool kSub>
+SHARDLM_AVX2 inline __m256i high_avx2(const Words256& q) {
+  return kSub ? _mm256_srli_epi32(q.lo, kSubnormalHighShift) : _mm256_setzero_si256();
+}
+
+template <class L, bool kSub>
+SHARDLM_AVX2 inline __m256 quant_float_avx2(const Words256& q, __m256i high, int j) {
+  if constexpr (kSub) {
+    static_assert(!L::kFive, "5-bit quants are converted");
+    if (j == 7) return _mm256_castsi256_ps(_mm256_srli_epi32(q.lo, 28));
+    return _mm256_castsi256_ps(
+        j < 5 ? _mm256_and_si256(q.lo, _mm256_set1_epi32(0x0f << (4 * j)))
+              : _mm256_and_si256(high, _mm256_set1_epi32(0x0f << (4 * (j - 5)))));
+  }
+  return _mm256_cvtepi32_ps(quant_avx2<L>(q, j));
+}
+
 template <class L>
 SHARDLM_AVX2 inline __m256i highs_avx2(const uint8_t* w, int64_t b) {
   if constexpr (!L::kFive) return _mm256_setzero_si256();
@@ -158,6 +180,23 @@ SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
   if constexpr (L::kFive) return grouped::joined_quant_avx512(q.joined, j, 0x1f);
   return j < 7 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))
                : _mm512_srli_epi32(q.lo, 28);
+}
+
+template <bool kSub>
+SHARDLM_AVX512 inline __m512i high_avx512(const Words512& q) {
+  return kSub ? _mm512_srli_epi32(q.lo, kSubnormalHighShift) : _mm512_setzero_si512();
+}
+
+template <class L, bool kSub>
+SHARDLM_AVX512 inline __m512 quant_float_avx512(const Words512& q, __m512i high, int j) {
+  if constexpr (kSub) {
+    static_assert(!L::kFive, "5-bit quants are converted");
+    if (j == 7) return _mm512_castsi512_ps(_mm512_srli_epi32(q.lo, 28));
+    return _mm512_castsi512_ps(
+        j < 5 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))
+              : _mm512_and_si512(high, _mm512_set1_epi32(0x0f << (4 * (j - 5)))));
+  }
+  return _mm512_cvtepi32_ps(quant_avx512<L>(q, j));
 }
 
 // ---- block scales and prefetches, 8 rows (AVX2) or two groups' 16 (AVX-512) -------

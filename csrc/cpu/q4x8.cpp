@@ -9,6 +9,10 @@
 // of inputs below 2^-100 going subnormal), so every product is still q * x,
 // for one mask, one conversion and one FMA per 8 weights. The top quant
 // (j = 7) is shifted down instead: masked in place it would read as negative.
+// Where the CPU takes subnormal FMA inputs at full speed, the 4-bit layouts
+// skip the conversion: a quant masked in place is read as the subnormal float
+// it already is, against inputs pre-scaled to match (subnormal.h), for the
+// same sums bit for bit with one mask and one FMA per 8 weights.
 //
 // Q4Kx8, Q5x8 and Q5Kx8 (Q4_K, Q5_0 and Q5_K regrouped, quant_blocks.h) have
 // the same quant words per block of 32 weights, the 5-bit ones with a word of
@@ -60,7 +64,7 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs,
 #if SHARDLM_HAVE_AVX2
 // One group-block: d * sum(q x) into `sum`, m * sum(x) into `offsets`; four
 // chains of FMAs, so consecutive quants do not wait on one accumulator.
-template <class L>
+template <class L, bool kSub>
 SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t* w, int64_t b,
                                     const float* xb, float xsum) {
   prefetch_block<L>(w, b);
@@ -71,39 +75,41 @@ SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t*
   for (int s = 0; s < 4; ++s) {
     const Words256 q = words_avx2<L>(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
+    const __m256i high = high_avx2<kSub>(q);
     const float* x8 = xb + 8 * s;
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      c[j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quant_avx2<L>(q, j)),
+      c[j % 4] = _mm256_fmadd_ps(quant_float_avx2<L, kSub>(q, high, j),
                                  _mm256_broadcast_ss(x8 + j), c[j % 4]);
     }
   }
   __m256 d, m;
   scales_avx2<L>(w, b, d, m);
+  if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
   sum = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
                         sum);
   offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), offsets);
 }
 
 // Two chains of blocks, so consecutive blocks do not wait on one accumulator.
-template <class L>
+template <class L, bool kSub>
 SHARDLM_AVX2 void group_avx2(float* acc, const uint8_t* w, const float* xp, const float* xs,
                              int64_t k) {
   const int64_t blocks = k / kBlock;
   __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0, off0 = sum0, off1 = sum0;
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
-    block_avx2<L>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
-    block_avx2<L>(sum1, off1, w, b + 1, xp + (b + 1) * kBlock, xs[b + 1]);
+    block_avx2<L, kSub>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
+    block_avx2<L, kSub>(sum1, off1, w, b + 1, xp + (b + 1) * kBlock, xs[b + 1]);
   }
-  if (b < blocks) block_avx2<L>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
+  if (b < blocks) block_avx2<L, kSub>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
   _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(sum0, sum1), _mm256_add_ps(off0, off1)));
 }
 
 // R input rows against one group: each unpacked vector of quants feeds R FMAs,
 // so the unpacking is paid once per R rows (decode batches). Two chains per
 // row (even and odd quants) keep 2R FMAs in flight.
-template <class L, int R>
+template <class L, int R, bool kSub>
 SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64_t x_stride,
                             const float* xs, int64_t xs_stride, int64_t k) {
   const int64_t blocks = k / kBlock;
@@ -118,10 +124,11 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
     for (int s = 0; s < 4; ++s) {
       const Words256 words = words_avx2<L>(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
+      const __m256i high = high_avx2<kSub>(words);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 q = _mm256_cvtepi32_ps(quant_avx2<L>(words, j));
+        const __m256 q = quant_float_avx2<L, kSub>(words, high, j);
         for (int r = 0; r < R; ++r) {
           __m256& c = j % 2 == 0 ? even[r] : odd[r];
           c = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x8 + r * x_stride + j), c);
@@ -130,6 +137,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
     }
     __m256 d, m;
     scales_avx2<L>(w, b, d, m);
+    if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
     for (int r = 0; r < R; ++r) {
       sum[r] = _mm256_fmadd_ps(d, _mm256_add_ps(even[r], odd[r]),
                                _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * xs_stride + b]), sum[r]));
@@ -175,7 +183,7 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 // second time; the FMAs bound the kernel there, so that saves less than the
 // unpacking costs (SmolLM2's and a 1B model's matrices, 2 threads: 5 rows
 // 8-12% faster than a pass of 4 and one of 1, 6 rows 1-4%, 8 rows 1-2%).
-template <class L, int R>
+template <class L, int R, bool kSub>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const float* xp,
                                 int64_t x_stride, const float* xs, int64_t xs_stride, int64_t k) {
   constexpr int kChains = R == 1 ? 8 : R == 2 ? 4 : 2;
@@ -192,10 +200,11 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     }
     for (int s = 0; s < 4; ++s) {
       const Words512 words = words_avx512<L>(load_pair(qw + 32 * s, next), h, s);
+      const __m512i high = high_avx512<kSub>(words);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 q = _mm512_cvtepi32_ps(quant_avx512<L>(words, j));
+        const __m512 q = quant_float_avx512<L, kSub>(words, high, j);
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][(8 * s + j) % kChains];
           chain = _mm512_fmadd_ps(q, _mm512_set1_ps(x8[r * x_stride + j]), chain);
@@ -204,6 +213,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     }
     __m512 d, m;
     scales_pair<L>(w, next, b, d, m);
+    if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
     for (int r = 0; r < R; ++r) {
       for (int width = kChains / 2; width > 0; width /= 2) {
         for (int i = 0; i < width; ++i) c[r][i] = _mm512_add_ps(c[r][i], c[r][i + width]);
@@ -215,32 +225,32 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 2 * kGroupRows * r, sum[r]);
 }
 
-template <class L>
+template <class L, bool kSub>
 void pair_dot(float* acc, const uint8_t* w, int64_t next, const float* xp, int64_t x_stride,
               const float* xs, int64_t xs_stride, int64_t rows, int64_t k) {
   switch (rows) {
-    case 1: return pair_avx512<L, 1>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 2: return pair_avx512<L, 2>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 3: return pair_avx512<L, 3>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 4: return pair_avx512<L, 4>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 5: return pair_avx512<L, 5>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 6: return pair_avx512<L, 6>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    case 7: return pair_avx512<L, 7>(acc, w, next, xp, x_stride, xs, xs_stride, k);
-    default: return pair_avx512<L, 8>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 1: return pair_avx512<L, 1, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 2: return pair_avx512<L, 2, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 3: return pair_avx512<L, 3, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 4: return pair_avx512<L, 4, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 5: return pair_avx512<L, 5, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 6: return pair_avx512<L, 6, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    case 7: return pair_avx512<L, 7, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
+    default: return pair_avx512<L, 8, kSub>(acc, w, next, xp, x_stride, xs, xs_stride, k);
   }
 }
 #endif
 
-template <class L>
+template <class L, bool kSub>
 void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, const float* xs,
               int64_t xs_stride, int64_t rows, int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
     switch (rows) {
-      case 1: return group_avx2<L>(acc, w, xp, xs, k);
-      case 2: return rows_avx2<L, 2>(acc, w, xp, x_stride, xs, xs_stride, k);
-      case 3: return rows_avx2<L, 3>(acc, w, xp, x_stride, xs, xs_stride, k);
-      default: return rows_avx2<L, 4>(acc, w, xp, x_stride, xs, xs_stride, k);
+      case 1: return group_avx2<L, kSub>(acc, w, xp, xs, k);
+      case 2: return rows_avx2<L, 2, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);
+      case 3: return rows_avx2<L, 3, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);
+      default: return rows_avx2<L, 4, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);
     }
   }
 #endif
@@ -266,27 +276,45 @@ void unpack_panel_of(float* panel, const uint8_t* w, int64_t k, int64_t stride, 
   }
 }
 
-template <class L, typename T>
-void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
-             int64_t n, int64_t k) {
+template <class L, bool kSub, typename T>
+void gemv_with(T* out, const uint8_t* w, const float* xp, const float* xs, const T* bias,
+               int64_t m, int64_t n, int64_t k, bool avx2) {
   const int64_t group_bytes = L::group_bytes(k);
   const int64_t blocks = k / kBlock;
-  const bool avx2 = cpu::use_avx2();
-  const float* xp = avx2 ? grouped::prescaled(x, m * k) : x;
   grouped::gemv<kPairRows>(out, bias, m, n, group_bytes,
                            [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
 #if SHARDLM_HAVE_AVX2
     if (width == 2 * kGroupRows) {
-      return pair_dot<L>(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k, xs + m0 * blocks,
-                         blocks, rows, k);
+      return pair_dot<L, kSub>(acc, w + g * group_bytes, group_bytes, xp + m0 * k, k,
+                               xs + m0 * blocks, blocks, rows, k);
     }
 #endif
     // One group at a time (AVX2, portable, an odd last group): kMaxRows rows a pass.
     for (int64_t i = 0; i < rows; i += kMaxRows) {
-      rows_dot<L>(acc + i * width, w + g * group_bytes, xp + (m0 + i) * k, k,
-                  xs + (m0 + i) * blocks, blocks, std::min(kMaxRows, rows - i), k, avx2);
+      rows_dot<L, kSub>(acc + i * width, w + g * group_bytes, xp + (m0 + i) * k, k,
+                        xs + (m0 + i) * blocks, blocks, std::min(kMaxRows, rows - i), k, avx2);
     }
-  });
+  }, kSub);
+}
+
+// The 4-bit layouts read their quants as subnormals where that is faster
+// (subnormal.h) and the inputs allow it; the 5-bit ones, and every layout
+// elsewhere, convert them.
+template <class L, typename T>
+void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
+             int64_t n, int64_t k) {
+  const bool avx2 = cpu::use_avx2();
+#if SHARDLM_HAVE_AVX2
+  if constexpr (!L::kFive) {
+    if (avx2 && cpu::use_subnormal_quants()) {
+      if (const float* xp = grouped::prescaled_subnormal(x, m, k)) {
+        return gemv_with<L, true>(out, w, xp, xs, bias, m, n, k, avx2);
+      }
+    }
+  }
+#endif
+  const float* xp = avx2 ? grouped::prescaled(x, m * k) : x;
+  gemv_with<L, false>(out, w, xp, xs, bias, m, n, k, avx2);
 }
 
 template <class L>

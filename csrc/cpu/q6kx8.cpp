@@ -9,7 +9,9 @@
 // bits 4j + 2 (s % 2), so one shift puts them just above their nibbles and
 // two selects join them (as the 5-bit layouts do, nibble_layouts.h): one
 // mask, one conversion and one FMA per 8 or 16 weights. The top quant (j = 7)
-// is shifted down instead (masked in place it would read as negative).
+// is shifted down instead (masked in place it would read as negative). Where
+// the CPU takes subnormal FMA inputs at full speed, the quants in the low 22
+// bits skip the conversion (subnormal.h): the same sums, bit for bit.
 #include "q6kx8.h"
 
 #include <cstring>
@@ -20,6 +22,7 @@
 #include "q6k_layout.h"
 #include "quant_blocks.h"
 #include "simd.h"
+#include "subnormal.h"
 
 namespace shardlm::cpu::q6kx8 {
 namespace {
@@ -46,13 +49,16 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
 
 // The inputs as the kernels read them, in thread-local buffers valid until the
 // next call on this thread: pre-scaled for the quants in place (SIMD paths
-// only), and the 16-element sums.
+// only: for the subnormal kernels where `subnormal` is set, which prepare
+// clears if the inputs do not allow them), and the 16-element sums.
 struct Inputs {
   const float* x;
   const float* sums;
+  bool subnormal;
 };
 
-Inputs prepare(const float* x, int64_t count, bool simd) {
+Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal) {
+  const int64_t count = m * k;
   thread_local std::vector<float> sums;
   sums.resize(count / kHalf);
   for (int64_t i = 0; i < count / kHalf; ++i) {
@@ -60,7 +66,14 @@ Inputs prepare(const float* x, int64_t count, bool simd) {
     for (int64_t j = 0; j < kHalf; ++j) s += x[kHalf * i + j];
     sums[i] = s;
   }
-  return {simd ? grouped::prescaled(x, count) : x, sums.data()};
+#if SHARDLM_HAVE_AVX2
+  if (simd && subnormal) {
+    if (const float* scaled = grouped::prescaled_subnormal(x, m, k)) {
+      return {scaled, sums.data(), true};
+    }
+  }
+#endif
+  return {simd ? grouped::prescaled(x, count) : x, sums.data(), false};
 }
 
 #if SHARDLM_HAVE_AVX2
@@ -79,9 +92,46 @@ SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
       0x30);
 }
 
+// Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
+// quant 7 shifted down), or with kSub read as a subnormal (subnormal.h): in
+// place for j < 5, from the word shifted down for 5 and 6, quant 7 as it is.
+template <bool kSub>
+SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
+  if constexpr (kSub) {
+    if (j == 7) return _mm256_castsi256_ps(q.top);
+    const __m256i word = j % 2 ? q.odd : q.even;
+    return _mm256_castsi256_ps(
+        j < 5 ? _mm256_and_si256(word, _mm256_set1_epi32(0x3f << (4 * j)))
+              : _mm256_and_si256(_mm256_srli_epi32(word, kSubnormalHighShift),
+                                 _mm256_set1_epi32(0x3f << (4 * (j - 5)))));
+  }
+  return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, 0x3f));
+}
+
+template <bool kSub>
+SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
+  if constexpr (kSub) {
+    if (j == 7) return _mm512_castsi512_ps(q.top);
+    const __m512i word = j % 2 ? q.odd : q.even;
+    return _mm512_castsi512_ps(
+        j < 5 ? _mm512_and_si512(word, _mm512_set1_epi32(0x3f << (4 * j)))
+              : _mm512_and_si512(_mm512_srli_epi32(word, kSubnormalHighShift),
+                                 _mm512_set1_epi32(0x3f << (4 * (j - 5)))));
+  }
+  return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, 0x3f));
+}
+
+// A half-block's sum less 32 times its inputs' sum, d * sc times it into the
+// row's total; with kSub the sums are 2^-kSubnormalShift of the converted
+// kernels' and the scale makes up for it (both exact: the same bits).
+template <bool kSub>
+constexpr float kOffset = kSub ? 32.f / kSubnormalBlockScale : 32.f;
+template <bool kSub>
+constexpr float kScaleFactor = kSub ? kSubnormalBlockScale : 1.f;
+
 // R input rows against one group; C chains per half and row keep about 8 FMAs
 // in flight.
-template <int R>
+template <int R, bool kSub>
 SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int64_t stride,
                             int64_t k) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -102,7 +152,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
       const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 f = _mm256_cvtepi32_ps(grouped::joined_quant_avx2(words, j, 0x3f));
+        const __m256 f = quant_avx2<kSub>(words, j);
         for (int r = 0; r < R; ++r) {
           __m256& chain = c[r][s / 2][j % C];
           chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x8 + r * stride + j), chain);
@@ -110,14 +160,16 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
       }
     }
     const uint8_t* sp = super_of(w, b);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    const __m256 d = _mm256_mul_ps(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))),
+        _mm256_set1_ps(kScaleFactor<kSub>));
     const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
         __m256 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][h][i]);
         const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
-        part = _mm256_fnmadd_ps(_mm256_set1_ps(32.f), _mm256_set1_ps(xsum), part);
+        part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<kSub>), _mm256_set1_ps(xsum), part);
         sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
       }
     }
@@ -134,7 +186,7 @@ SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
 }
 
-template <int R>
+template <int R, bool kSub>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const Inputs& in,
                                 int64_t stride, int64_t k) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -157,7 +209,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 f = _mm512_cvtepi32_ps(grouped::joined_quant_avx512(words, j, 0x3f));
+        const __m512 f = quant_avx512<kSub>(words, j);
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][s / 2][j % C];
           chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x8[r * stride + j]), chain);
@@ -165,14 +217,15 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     const uint8_t* sp = super_of(w, b);
-    const __m512 d = grouped::halves_pair(sp, next);
+    const __m512 d =
+        _mm512_mul_ps(grouped::halves_pair(sp, next), _mm512_set1_ps(kScaleFactor<kSub>));
     const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
         __m512 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][h][i]);
         const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
-        part = _mm512_fnmadd_ps(_mm512_set1_ps(32.f), _mm512_set1_ps(xsum), part);
+        part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<kSub>), _mm512_set1_ps(xsum), part);
         sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
       }
     }
@@ -214,12 +267,20 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, int64_t rows,
               int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
+  if (avx2 && in.subnormal) {
+    switch (rows) {
+      case 1: return rows_avx2<1, true>(acc, w, in, stride, k);
+      case 2: return rows_avx2<2, true>(acc, w, in, stride, k);
+      case 3: return rows_avx2<3, true>(acc, w, in, stride, k);
+      default: return rows_avx2<4, true>(acc, w, in, stride, k);
+    }
+  }
   if (avx2) {
     switch (rows) {
-      case 1: return rows_avx2<1>(acc, w, in, stride, k);
-      case 2: return rows_avx2<2>(acc, w, in, stride, k);
-      case 3: return rows_avx2<3>(acc, w, in, stride, k);
-      default: return rows_avx2<4>(acc, w, in, stride, k);
+      case 1: return rows_avx2<1, false>(acc, w, in, stride, k);
+      case 2: return rows_avx2<2, false>(acc, w, in, stride, k);
+      case 3: return rows_avx2<3, false>(acc, w, in, stride, k);
+      default: return rows_avx2<4, false>(acc, w, in, stride, k);
     }
   }
 #endif
@@ -233,18 +294,26 @@ void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, in
 #if SHARDLM_HAVE_AVX2
 void pair_dot(float* acc, const uint8_t* w, int64_t next, const Inputs& in, int64_t stride,
               int64_t rows, int64_t k) {
+  if (in.subnormal) {
+    switch (rows) {
+      case 1: return pair_avx512<1, true>(acc, w, next, in, stride, k);
+      case 2: return pair_avx512<2, true>(acc, w, next, in, stride, k);
+      case 3: return pair_avx512<3, true>(acc, w, next, in, stride, k);
+      default: return pair_avx512<4, true>(acc, w, next, in, stride, k);
+    }
+  }
   switch (rows) {
-    case 1: return pair_avx512<1>(acc, w, next, in, stride, k);
-    case 2: return pair_avx512<2>(acc, w, next, in, stride, k);
-    case 3: return pair_avx512<3>(acc, w, next, in, stride, k);
-    default: return pair_avx512<4>(acc, w, next, in, stride, k);
+    case 1: return pair_avx512<1, false>(acc, w, next, in, stride, k);
+    case 2: return pair_avx512<2, false>(acc, w, next, in, stride, k);
+    case 3: return pair_avx512<3, false>(acc, w, next, in, stride, k);
+    default: return pair_avx512<4, false>(acc, w, next, in, stride, k);
   }
 }
 #endif
 
 // Input rows `m0` on, as rows_dot and pair_dot read them.
 Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
-  return {in.x + m0 * k, in.sums + m0 * k / kHalf};
+  return {in.x + m0 * k, in.sums + m0 * k / kHalf, in.subnormal};
 }
 
 }  // namespace
@@ -254,7 +323,7 @@ void gemv(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, in
           int64_t k) {
   const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
   const bool avx2 = cpu::use_avx2();
-  const Inputs in = prepare(x, m * k, avx2);
+  const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
   grouped::gemv(out, bias, m, n, group_bytes,
                 [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
 #if SHARDLM_HAVE_AVX2
@@ -263,7 +332,7 @@ void gemv(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, in
     }
 #endif
     rows_dot(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
-  });
+  }, in.subnormal);
 }
 
 template void gemv<float>(float*, const uint8_t*, const float*, const float*, int64_t, int64_t,

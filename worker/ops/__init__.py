@@ -39,6 +39,7 @@ __all__ = [
     "attention_block",
     "compute_cos_sin_cache",
     "cpu_simd_active",
+    "cpu_subnormal_quants_active",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "linear",
@@ -54,6 +55,7 @@ __all__ = [
     "sample_rows",
     "set_activation_precision",
     "set_cpu_simd",
+    "set_cpu_subnormal_quants",
     "silu_and_mul",
     "skinny_linear",
 ]
@@ -81,6 +83,28 @@ def cpu_simd_active() -> bool:
     """Whether the CPU kernels take a SIMD path now (AVX2, or AVX-512 where the CPU has it): SIMD
     allowed by set_cpu_simd and at least AVX2 supported by this CPU."""
     return bool(_C is not None and _C.cpu_simd_active())
+
+
+def set_cpu_subnormal_quants(mode: bool | str) -> None:
+    """Whether the exact 4-bit kernels read their quants as float32 subnormals instead of
+    converting them (csrc/cpu/subnormal.h: the same results, bit for bit, with one vector op
+    fewer per 8 or 16 weights): "auto" (the default) where a timing at first use finds this CPU
+    takes subnormal FMA inputs at full speed, True always (with AVX2; to test the path), False
+    never."""
+    if mode == "auto":
+        value = 2
+    elif isinstance(mode, bool):
+        value = int(mode)
+    else:
+        raise ValueError(f"subnormal quants must be True, False or 'auto', not {mode!r}")
+    if _C is not None:
+        _C.set_cpu_subnormal_quants(value)
+
+
+def cpu_subnormal_quants_active() -> bool:
+    """Whether the exact 4-bit kernels read quants as subnormals now (set_cpu_subnormal_quants,
+    a SIMD path, and on "auto" the probe)."""
+    return bool(_C is not None and _C.cpu_subnormal_quants_active())
 
 
 def rms_norm(
