@@ -131,9 +131,9 @@ PyObject* set_activation_precision(PyObject* /*self*/, PyObject* arg) {
                        "set_activation_precision: precision must be 0, 1 or 2");
 }
 
-// set_cpu_subnormal_quants(mode: int) -> None: whether the exact 4-bit kernels
-// read quants as float32 subnormals (cpu/subnormal.h): 0 never, 1 always (with
-// AVX2), 2 where this CPU does that at full speed (the default).
+// set_cpu_subnormal_quants(mode: int) -> None: whether the exact 4- to 6-bit
+// kernels read quants as float32 subnormals (cpu/subnormal.h): 0 never, 1
+// always (with AVX2), 2 where this CPU does that at full speed (the default).
 PyObject* set_cpu_subnormal_quants(PyObject* /*self*/, PyObject* arg) {
   return store_setting(arg, 2, shardlm::cpu::subnormal_quants_setting(),
                        "set_cpu_subnormal_quants: mode must be 0, 1 or 2");
@@ -194,7 +194,7 @@ PyMethodDef shardlm_methods[] = {
      "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
      "grouped layouts (0 exact float32, 1 int8 per block of 32, 2 int16 panels)."},
     {"set_cpu_subnormal_quants", set_cpu_subnormal_quants, METH_O,
-     "set_cpu_subnormal_quants(mode: int) -> None: exact 4-bit kernels read quants as "
+     "set_cpu_subnormal_quants(mode: int) -> None: exact 4- to 6-bit kernels read quants as "
      "subnormals: 0 never, 1 always (AVX2), 2 where as fast (default)."},
     {"cpu_subnormal_quants_active", cpu_subnormal_quants_active, METH_NOARGS,
      "cpu_subnormal_quants_active() -> bool: whether they do now."},

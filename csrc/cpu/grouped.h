@@ -113,6 +113,19 @@ SHARDLM_AVX2 inline __m256i joined_quant_avx2(const Joined256& q, int j, int fie
   return _mm256_and_si256(j % 2 ? q.odd : q.even, _mm256_set1_epi32(field << (4 * j)));
 }
 
+// Quant j of a joined word as the float32 subnormal it is once masked where
+// it lies in the low 22 bits (subnormal.h): in place for j < 5, from the word
+// shifted down by kSubnormalHighShift for 5 and 6 (at bits 0 and 4), quant 7
+// from `top` as it is.
+SHARDLM_AVX2 inline __m256 joined_subnormal_avx2(const Joined256& q, int j, int field) {
+  if (j == 7) return _mm256_castsi256_ps(q.top);
+  const __m256i word = j % 2 ? q.odd : q.even;
+  return _mm256_castsi256_ps(
+      j < 5 ? _mm256_and_si256(word, _mm256_set1_epi32(field << (4 * j)))
+            : _mm256_and_si256(_mm256_srli_epi32(word, kSubnormalHighShift),
+                               _mm256_set1_epi32(field << (4 * (j - 5)))));
+}
+
 // The same on 16 rows, each join one ternary-logic op: 0xCA selects
 // (a ? b : c), 0xF8 is a | (b & c).
 struct Joined512 {
@@ -130,6 +143,15 @@ SHARDLM_AVX512 inline Joined512 join_avx512(__m512i v, __m512i h, int shift, int
 SHARDLM_AVX512 inline __m512i joined_quant_avx512(const Joined512& q, int j, int field) {
   if (j == 7) return q.top;
   return _mm512_and_si512(j % 2 ? q.odd : q.even, _mm512_set1_epi32(field << (4 * j)));
+}
+
+SHARDLM_AVX512 inline __m512 joined_subnormal_avx512(const Joined512& q, int j, int field) {
+  if (j == 7) return _mm512_castsi512_ps(q.top);
+  const __m512i word = j % 2 ? q.odd : q.even;
+  return _mm512_castsi512_ps(
+      j < 5 ? _mm512_and_si512(word, _mm512_set1_epi32(field << (4 * j)))
+            : _mm512_and_si512(_mm512_srli_epi32(word, kSubnormalHighShift),
+                               _mm512_set1_epi32(field << (4 * (j - 5)))));
 }
 
 // A joined word's quants as bytes, the operands of int8 dot products

@@ -136,19 +136,21 @@ SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
                : _mm256_srli_epi32(q.lo, 28);
 }
 
-// The quants of a 4-bit word as the kernels multiply them: converted to float
-// (quant_avx2), or with kSub read as subnormals (subnormal.h), quants 0-4 from
-// the word, 5 and 6 from `high`, the word shifted down (high_avx2), and 7
-// shifted down alone.
-template <bool kSub>
+// The quants of a word as the kernels multiply them: converted to float
+// (quant_avx2), or with kSub read as subnormals (subnormal.h): 4-bit quants
+// 0-4 from the word, 5 and 6 from `high`, the word shifted down (high_avx2),
+// and 7 shifted down alone; 5-bit ones from the joined words likewise
+// (grouped::joined_subnormal_avx2).
+template <class L, bool kSub>
 SHARDLM_AVX2 inline __m256i high_avx2(const Words256& q) {
-  return kSub ? _mm256_srli_epi32(q.lo, kSubnormalHighShift) : _mm256_setzero_si256();
+  return kSub && !L::kFive ? _mm256_srli_epi32(q.lo, kSubnormalHighShift) : _mm256_setzero_si256();
 }
 
 template <class L, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_float_avx2(const Words256& q, __m256i high, int j) {
-  if constexpr (kSub) {
-    static_assert(!L::kFive, "5-bit quants are converted");
+  if constexpr (kSub && L::kFive) {
+    return grouped::joined_subnormal_avx2(q.joined, j, 0x1f);
+  } else if constexpr (kSub) {
     if (j == 7) return _mm256_castsi256_ps(_mm256_srli_epi32(q.lo, 28));
     return _mm256_castsi256_ps(
         j < 5 ? _mm256_and_si256(q.lo, _mm256_set1_epi32(0x0f << (4 * j)))
@@ -182,15 +184,17 @@ SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
                : _mm512_srli_epi32(q.lo, 28);
 }
 
-template <bool kSub>
+template <class L, bool kSub>
 SHARDLM_AVX512 inline __m512i high_avx512(const Words512& q) {
-  return kSub ? _mm512_srli_epi32(q.lo, kSubnormalHighShift) : _mm512_setzero_si512();
+  return kSub && !L::kFive ? _mm512_srli_epi32(q.lo, kSubnormalHighShift)
+                           : _mm512_setzero_si512();
 }
 
 template <class L, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_float_avx512(const Words512& q, __m512i high, int j) {
-  if constexpr (kSub) {
-    static_assert(!L::kFive, "5-bit quants are converted");
+  if constexpr (kSub && L::kFive) {
+    return grouped::joined_subnormal_avx512(q.joined, j, 0x1f);
+  } else if constexpr (kSub) {
     if (j == 7) return _mm512_castsi512_ps(_mm512_srli_epi32(q.lo, 28));
     return _mm512_castsi512_ps(
         j < 5 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))

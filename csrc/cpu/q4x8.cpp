@@ -9,8 +9,8 @@
 // of inputs below 2^-100 going subnormal), so every product is still q * x,
 // for one mask, one conversion and one FMA per 8 weights. The top quant
 // (j = 7) is shifted down instead: masked in place it would read as negative.
-// Where the CPU takes subnormal FMA inputs at full speed, the 4-bit layouts
-// skip the conversion: a quant masked in place is read as the subnormal float
+// Where the CPU takes subnormal FMA inputs at full speed, the kernels skip
+// the conversion: a quant masked in place is read as the subnormal float
 // it already is, against inputs pre-scaled to match (subnormal.h), for the
 // same sums bit for bit with one mask and one FMA per 8 weights.
 //
@@ -34,10 +34,11 @@
 namespace shardlm::cpu::q4x8 {
 namespace {
 
-using grouped::halves_pair;
 using grouped::kMaxRows;
 using grouped::kNibbleScale;
+#if SHARDLM_HAVE_AVX2
 using grouped::load_pair;
+#endif
 using quant::half_at;
 using quant::kBlock;
 using quant::kGroupRows;
@@ -75,7 +76,7 @@ SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t*
   for (int s = 0; s < 4; ++s) {
     const Words256 q = words_avx2<L>(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
-    const __m256i high = high_avx2<kSub>(q);
+    const __m256i high = high_avx2<L, kSub>(q);
     const float* x8 = xb + 8 * s;
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -124,7 +125,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
     for (int s = 0; s < 4; ++s) {
       const Words256 words = words_avx2<L>(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
-      const __m256i high = high_avx2<kSub>(words);
+      const __m256i high = high_avx2<L, kSub>(words);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -200,7 +201,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     }
     for (int s = 0; s < 4; ++s) {
       const Words512 words = words_avx512<L>(load_pair(qw + 32 * s, next), h, s);
-      const __m512i high = high_avx512<kSub>(words);
+      const __m512i high = high_avx512<L, kSub>(words);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -297,19 +298,16 @@ void gemv_with(T* out, const uint8_t* w, const float* xp, const float* xs, const
   }, kSub);
 }
 
-// The 4-bit layouts read their quants as subnormals where that is faster
-// (subnormal.h) and the inputs allow it; the 5-bit ones, and every layout
-// elsewhere, convert them.
+// The kernels read their quants as subnormals where that is faster
+// (subnormal.h) and the inputs allow it, and convert them elsewhere.
 template <class L, typename T>
 void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T* bias, int64_t m,
              int64_t n, int64_t k) {
   const bool avx2 = cpu::use_avx2();
 #if SHARDLM_HAVE_AVX2
-  if constexpr (!L::kFive) {
-    if (avx2 && cpu::use_subnormal_quants()) {
-      if (const float* xp = grouped::prescaled_subnormal(x, m, k)) {
-        return gemv_with<L, true>(out, w, xp, xs, bias, m, n, k, avx2);
-      }
+  if (avx2 && cpu::use_subnormal_quants()) {
+    if (const float* xp = grouped::prescaled_subnormal(x, m, k)) {
+      return gemv_with<L, true>(out, w, xp, xs, bias, m, n, k, avx2);
     }
   }
 #endif

@@ -93,31 +93,16 @@ SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
 }
 
 // Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
-// quant 7 shifted down), or with kSub read as a subnormal (subnormal.h): in
-// place for j < 5, from the word shifted down for 5 and 6, quant 7 as it is.
+// quant 7 shifted down), or with kSub read as a subnormal (subnormal.h).
 template <bool kSub>
 SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
-  if constexpr (kSub) {
-    if (j == 7) return _mm256_castsi256_ps(q.top);
-    const __m256i word = j % 2 ? q.odd : q.even;
-    return _mm256_castsi256_ps(
-        j < 5 ? _mm256_and_si256(word, _mm256_set1_epi32(0x3f << (4 * j)))
-              : _mm256_and_si256(_mm256_srli_epi32(word, kSubnormalHighShift),
-                                 _mm256_set1_epi32(0x3f << (4 * (j - 5)))));
-  }
+  if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, 0x3f);
   return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, 0x3f));
 }
 
 template <bool kSub>
 SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
-  if constexpr (kSub) {
-    if (j == 7) return _mm512_castsi512_ps(q.top);
-    const __m512i word = j % 2 ? q.odd : q.even;
-    return _mm512_castsi512_ps(
-        j < 5 ? _mm512_and_si512(word, _mm512_set1_epi32(0x3f << (4 * j)))
-              : _mm512_and_si512(_mm512_srli_epi32(word, kSubnormalHighShift),
-                                 _mm512_set1_epi32(0x3f << (4 * (j - 5)))));
-  }
+  if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, 0x3f);
   return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, 0x3f));
 }
 

@@ -1,4 +1,4 @@
-// Quants read as float32 subnormals: a 4- or 6-bit quant masked in place in
+// Quants read as float32 subnormals: a 4-, 5- or 6-bit quant masked in place in
 // the low 22 bits of a 32-bit lane, with every other bit clear, is the bit
 // pattern of the subnormal float q * 2^(p - 149) (p its bit position). An FMA takes it as
 // it is, against an input pre-scaled by 2^(149 - p - kSubnormalShift) (a power
@@ -36,7 +36,7 @@ constexpr float kSubnormalInputLimit = 0x1p40f;
 constexpr float kSubnormalRowFloor = 0x1p-30f;
 
 // The input factor of quant j of a word of 4-bit (or, joined with their high
-// bits, 6-bit) quants, quant j in bits 4j on: quants 0-4 are masked in place
+// bits, 5- or 6-bit) quants, quant j in bits 4j on: quants 0-4 are masked in place
 // (bits up to 21), quants 5 and 6 in the word shifted down by
 // kSubnormalHighShift (in place they would reach the exponent), so at bits 0
 // and 4, and quant 7 shifted down to bit 0 (as the converting kernels take
@@ -45,7 +45,7 @@ constexpr int kSubnormalHighShift = 20;
 constexpr float kSubnormalNibbleScale[8] = {0x1p85f, 0x1p81f, 0x1p77f, 0x1p73f,
                                             0x1p69f, 0x1p85f, 0x1p81f, 0x1p85f};
 
-// Whether the exact 4- and 6-bit kernels read quants as subnormals: 0 never, 1 always
+// Whether the exact 4-, 5- and 6-bit kernels read quants as subnormals: 0 never, 1 always
 // (where the CPU has AVX2; for tests), 2 where the probe finds them as fast as
 // converted ones (the default). Process-wide; set_cpu_subnormal_quants()
 // (ops.cpp) sets it.

@@ -86,7 +86,7 @@ def cpu_simd_active() -> bool:
 
 
 def set_cpu_subnormal_quants(mode: bool | str) -> None:
-    """Whether the exact 4-bit kernels read their quants as float32 subnormals instead of
+    """Whether the exact 4- to 6-bit kernels read their quants as float32 subnormals instead of
     converting them (csrc/cpu/subnormal.h: the same results, bit for bit, with one vector op
     fewer per 8 or 16 weights): "auto" (the default) where a timing at first use finds this CPU
     takes subnormal FMA inputs at full speed, True always (with AVX2; to test the path), False
@@ -102,8 +102,8 @@ def set_cpu_subnormal_quants(mode: bool | str) -> None:
 
 
 def cpu_subnormal_quants_active() -> bool:
-    """Whether the exact 4-bit kernels read quants as subnormals now (set_cpu_subnormal_quants,
-    a SIMD path, and on "auto" the probe)."""
+    """Whether the exact 4- to 6-bit kernels read quants as subnormals now
+    (set_cpu_subnormal_quants, a SIMD path, and on "auto" the probe)."""
     return bool(_C is not None and _C.cpu_subnormal_quants_active())
 
 

@@ -1,4 +1,4 @@
-"""The exact 4- and 6-bit kernels that read quants as float32 subnormals (csrc/cpu/subnormal.h) give
+"""The exact 4-, 5- and 6-bit kernels that read quants as float32 subnormals (csrc/cpu/subnormal.h) give
 the converting kernels' results bit for bit, on every layout they take, every row count and
 both SIMD paths; inputs they must not take (huge ones, rows of tiny ones) go to the converting
 kernels; and a thread whose MXCSR treats subnormal inputs as zero (DAZ, what flush-denormal
@@ -20,15 +20,15 @@ from .test_quant_ops import TOL, ggml_weight
 if ops.USE_REFERENCE or not ops.cpu_simd_active():
     pytest.skip("the subnormal kernels are compiled SIMD paths", allow_module_level=True)
 
-# Q4x8 (Q4_1), Q40x8 (Q4_0), Q4Kx8 (Q4_K) and Q6Kx8 (Q6_K) in 7 groups of 8 rows: AVX-512
-# takes pairs and leaves one group to the one-group kernels. Q5x8 (5-bit) always converts: the
-# control.
+# Every 8-row layout in 7 groups of 8 rows: AVX-512 takes pairs and leaves one group to the
+# one-group kernels. The 5- and 6-bit ones join each quant's high bits before it is read.
 WEIGHTS = {
     "Q4x8": lambda: to_q4x8(ggml_weight(56, 576, "Q4_1", seed=1)),
     "Q40x8": lambda: to_q4x8(ggml_weight(56, 288, "Q4_0", seed=2)),
     "Q4Kx8": lambda: k_weight(56, 512, "Q4_K", seed=3),
     "Q6Kx8": lambda: k_weight(56, 768, "Q6_K", seed=5),
     "Q5x8": lambda: k_weight(56, 512, "Q5_0", seed=4),
+    "Q5Kx8": lambda: k_weight(56, 512, "Q5_K", seed=6),
 }
 
 
@@ -98,7 +98,7 @@ def test_a_row_of_zeros_beside_normal_rows_keeps_the_subnormal_path(subnormal_mo
     assert torch.count_nonzero(subnormal[1]) == 0
 
 
-@pytest.mark.parametrize("layout", ["Q4x8", "Q6Kx8"])
+@pytest.mark.parametrize("layout", ["Q4x8", "Q5Kx8", "Q6Kx8"])
 def test_denormals_as_zero_on_the_thread_does_not_zero_the_quants(subnormal_modes, layout):
     """torch.set_flush_denormal(True) sets FTZ and DAZ on the calling thread; the kernels clear
     DAZ around their work (one thread: the calling one runs them) and restore it."""
