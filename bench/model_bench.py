@@ -31,6 +31,7 @@ from shardlm.gguf_header import find_gguf
 from bench import agreement, depth_bench, llamacpp, model_stack, roofline
 from bench import engine_bench as eb
 from bench.quiet_profiler import quiet_profiler
+from shardlm_server.worker import ops
 from shardlm_server.worker.engine import Engine
 from shardlm_server.worker.ops import activations
 
@@ -110,7 +111,9 @@ def measure(args) -> dict:
     dtype = getattr(torch, args.dtype)
     prefill_len = max(args.prefill_lens)
     result: dict = {"model": str(path), "format": "gguf" if gguf else "safetensors",
-                    "dtype": args.dtype, "threads": threads}
+                    "dtype": args.dtype, "threads": threads,
+                    # which exact CPU kernels ran (csrc/cpu/subnormal.h): a CPU property
+                    "subnormal_quants": ops.cpu_subnormal_quants_active()}
     engine = eb.load_engine(path, dtype, cpu, max(args.batch_list),
                             args.prompt_len + args.new_tokens,
                             max(prefill_len, args.agreement_tokens))
@@ -305,8 +308,9 @@ def print_model_report(result: dict, goals: list[dict]) -> None:
             for r in batches))
     b = ours.get("breakdown") or {}
     if b:
+        kernels = "subnormal" if result.get("subnormal_quants") else "converted"
         print(f"decode step {ours['decode_ms_per_step']:.2f} ms: weight kernels "
-              f"{b['weights_ms']:.2f}, attention {b['attention_ms']:.2f}, "
+              f"{b['weights_ms']:.2f} (quants {kernels}), attention {b['attention_ms']:.2f}, "
               f"everything else {b['other_ms']:.2f}")
     r = result["roofline"]
     print(f"weights {r['weight_bytes'] / 1e6:.0f} MB; read bandwidth {r['bandwidth_gb_s']:.1f} GB/s "
