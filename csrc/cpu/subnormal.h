@@ -13,7 +13,7 @@
 // do; some Intel cores take a microcode assist for each), which a short timing
 // decides once per process, and the thread must not treat subnormal inputs as
 // zero (MXCSR's DAZ bit, which -ffast-math builds and flush-denormal settings
-// turn on), which SubnormalInputs clears around the kernels.
+// turn on), which SubnormalInputs clears around the kernels, with FTZ.
 #pragma once
 
 #include <atomic>
@@ -30,8 +30,11 @@ constexpr int kSubnormalShift = 64;
 constexpr float kSubnormalBlockScale = 0x1p64f;  // 2^kSubnormalShift
 // Inputs the subnormal kernels take (others take the converting ones): below
 // kSubnormalInputLimit, and in rows whose largest input reaches
-// kSubnormalRowFloor (or is 0), so every sum stays far above the subnormals
-// and rounds as the converting kernels' sums do.
+// kSubnormalRowFloor (or is 0), so the sums stay far above the subnormals and
+// round as the converting kernels' sums do. A single product below 2^-62 (an
+// input near 2^-66 beside larger ones) lands among the subnormals when it
+// starts a chain and keeps an absolute precision of 2^-85 there, far below
+// the ulp of the sum it joins.
 constexpr float kSubnormalInputLimit = 0x1p40f;
 constexpr float kSubnormalRowFloor = 0x1p-30f;
 
@@ -72,15 +75,17 @@ inline bool use_subnormal_quants() {
   }
 }
 
-// Clears MXCSR's DAZ bit on this thread for its lifetime where `active` and
-// the bit is set, so subnormal quants are read as what they are.
+// Clears MXCSR's DAZ and FTZ bits on this thread for its lifetime where
+// `active` and either is set, so subnormal quants are read as what they are,
+// and a chain's first product, if it is tiny enough to land among the
+// subnormals after the scaling, is kept rather than flushed to zero.
 class SubnormalInputs {
  public:
   explicit SubnormalInputs(bool active) {
 #if SHARDLM_HAVE_AVX2
     if (active) {
       saved_ = _mm_getcsr();
-      if (saved_ & kDaz) _mm_setcsr(saved_ & ~kDaz);
+      if (saved_ & kFlush) _mm_setcsr(saved_ & ~kFlush);
     }
 #else
     (void)active;
@@ -88,14 +93,14 @@ class SubnormalInputs {
   }
   ~SubnormalInputs() {
 #if SHARDLM_HAVE_AVX2
-    if (saved_ & kDaz) _mm_setcsr(saved_);
+    if (saved_ & kFlush) _mm_setcsr(saved_);
 #endif
   }
   SubnormalInputs(const SubnormalInputs&) = delete;
   SubnormalInputs& operator=(const SubnormalInputs&) = delete;
 
  private:
-  static constexpr unsigned kDaz = 0x40;
+  static constexpr unsigned kFlush = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
   unsigned saved_ = 0;
 };
 

@@ -98,10 +98,22 @@ def test_a_row_of_zeros_beside_normal_rows_keeps_the_subnormal_path(subnormal_mo
     assert torch.count_nonzero(subnormal[1]) == 0
 
 
+def test_tiny_inputs_beside_normal_ones_keep_the_bits(subnormal_modes):
+    """Inputs near 2^-70 in rows of normal ones: their products land among the subnormals
+    after the scaling (where a chain starts with one) and are still far below the sums' ulp."""
+    w = WEIGHTS["Q4Kx8"]()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, w.shape[1], generator=gen)
+    tiny = torch.rand(x.shape, generator=gen) < 0.3
+    x[tiny] *= 2.0 ** -70
+    subnormal, converted = _both(x, w)
+    assert torch.equal(subnormal, converted)
+
+
 @pytest.mark.parametrize("layout", ["Q4x8", "Q5Kx8", "Q6Kx8"])
 def test_denormals_as_zero_on_the_thread_does_not_zero_the_quants(subnormal_modes, layout):
     """torch.set_flush_denormal(True) sets FTZ and DAZ on the calling thread; the kernels clear
-    DAZ around their work (one thread: the calling one runs them) and restore it."""
+    both around their work (one thread: the calling one runs them) and restore them."""
     w = WEIGHTS[layout]()
     x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(4))
     threads = torch.get_num_threads()
