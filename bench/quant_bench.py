@@ -151,10 +151,10 @@ def main() -> None:
                         "time each case with, in turn: subnormal, converted, or auto (what this "
                         "CPU's probe chose; csrc/cpu/subnormal.h)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     quants = [q.strip() for q in args.quants.split(",")]
     if unknown := [q for q in quants if q not in QUANTS]:
         p.error(f"--quants: unknown {', '.join(unknown)} (one of {', '.join(QUANTS)})")
+    torch.set_num_threads(args.threads)
     levels = [(ops.SIMD_LEVELS[-1] if level.strip() == "widest" else level.strip(), q)
               for level in args.simd.split(",") for q in quants]
     if not args.no_kernels:
