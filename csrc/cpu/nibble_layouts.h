@@ -115,7 +115,9 @@ inline float quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
 #if SHARDLM_HAVE_AVX2
 // Nibble word s of a block for 8 rows (v), for the 5-bit layouts joined with
 // the rows' high bits (h: quant 8s + j's at bit 4j + s, quant_blocks.h) so
-// that each quant can be masked in place (quant_avx2).
+// that each quant can be masked in place (quant_avx2). A 4-bit word's joined
+// form is the word itself as even and odd words and quant 7 shifted down as
+// the top, what the subnormal kernels read (quant_float_avx2).
 struct Words256 {
   __m256i lo;
   grouped::Joined256 joined;
@@ -123,7 +125,7 @@ struct Words256 {
 
 template <class L>
 SHARDLM_AVX2 inline Words256 words_avx2(__m256i v, __m256i h, int s) {
-  if constexpr (!L::kFive) return {v, {v, v, v}};
+  if constexpr (!L::kFive) return {v, {v, v, _mm256_srli_epi32(v, 28)}};
   return {v, grouped::join_avx2(v, h, s, 0x10)};
 }
 
@@ -137,25 +139,12 @@ SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
 }
 
 // The quants of a word as the kernels multiply them: converted to float
-// (quant_avx2), or with kSub read as subnormals (subnormal.h): 4-bit quants
-// 0-4 from the word, 5 and 6 from `high`, the word shifted down (high_avx2),
-// and 7 shifted down alone; 5-bit ones from the joined words likewise
-// (grouped::joined_subnormal_avx2).
+// (quant_avx2), or with kSub read as subnormals from the joined words
+// (grouped::joined_subnormal_avx2; a 4-bit word is its own even and odd
+// words, with quant 7 shifted down as its top).
 template <class L, bool kSub>
-SHARDLM_AVX2 inline __m256i high_avx2(const Words256& q) {
-  return kSub && !L::kFive ? _mm256_srli_epi32(q.lo, kSubnormalHighShift) : _mm256_setzero_si256();
-}
-
-template <class L, bool kSub>
-SHARDLM_AVX2 inline __m256 quant_float_avx2(const Words256& q, __m256i high, int j) {
-  if constexpr (kSub && L::kFive) {
-    return grouped::joined_subnormal_avx2(q.joined, j, 0x1f);
-  } else if constexpr (kSub) {
-    if (j == 7) return _mm256_castsi256_ps(_mm256_srli_epi32(q.lo, 28));
-    return _mm256_castsi256_ps(
-        j < 5 ? _mm256_and_si256(q.lo, _mm256_set1_epi32(0x0f << (4 * j)))
-              : _mm256_and_si256(high, _mm256_set1_epi32(0x0f << (4 * (j - 5)))));
-  }
+SHARDLM_AVX2 inline __m256 quant_float_avx2(const Words256& q, int j) {
+  if constexpr (kSub) return grouped::joined_subnormal_avx2(q.joined, j, L::kFive ? 0x1f : 0x0f);
   return _mm256_cvtepi32_ps(quant_avx2<L>(q, j));
 }
 
@@ -173,7 +162,7 @@ struct Words512 {
 
 template <class L>
 SHARDLM_AVX512 inline Words512 words_avx512(__m512i v, __m512i h, int s) {
-  if constexpr (!L::kFive) return {v, {v, v, v}};
+  if constexpr (!L::kFive) return {v, {v, v, _mm512_srli_epi32(v, 28)}};
   return {v, grouped::join_avx512(v, h, s, 0x10)};
 }
 
@@ -185,21 +174,8 @@ SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
 }
 
 template <class L, bool kSub>
-SHARDLM_AVX512 inline __m512i high_avx512(const Words512& q) {
-  return kSub && !L::kFive ? _mm512_srli_epi32(q.lo, kSubnormalHighShift)
-                           : _mm512_setzero_si512();
-}
-
-template <class L, bool kSub>
-SHARDLM_AVX512 inline __m512 quant_float_avx512(const Words512& q, __m512i high, int j) {
-  if constexpr (kSub && L::kFive) {
-    return grouped::joined_subnormal_avx512(q.joined, j, 0x1f);
-  } else if constexpr (kSub) {
-    if (j == 7) return _mm512_castsi512_ps(_mm512_srli_epi32(q.lo, 28));
-    return _mm512_castsi512_ps(
-        j < 5 ? _mm512_and_si512(q.lo, _mm512_set1_epi32(0x0f << (4 * j)))
-              : _mm512_and_si512(high, _mm512_set1_epi32(0x0f << (4 * (j - 5)))));
-  }
+SHARDLM_AVX512 inline __m512 quant_float_avx512(const Words512& q, int j) {
+  if constexpr (kSub) return grouped::joined_subnormal_avx512(q.joined, j, L::kFive ? 0x1f : 0x0f);
   return _mm512_cvtepi32_ps(quant_avx512<L>(q, j));
 }
 

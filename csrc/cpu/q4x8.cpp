@@ -76,11 +76,10 @@ SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t*
   for (int s = 0; s < 4; ++s) {
     const Words256 q = words_avx2<L>(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
-    const __m256i high = high_avx2<L, kSub>(q);
     const float* x8 = xb + 8 * s;
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      c[j % 4] = _mm256_fmadd_ps(quant_float_avx2<L, kSub>(q, high, j),
+      c[j % 4] = _mm256_fmadd_ps(quant_float_avx2<L, kSub>(q, j),
                                  _mm256_broadcast_ss(x8 + j), c[j % 4]);
     }
   }
@@ -125,11 +124,10 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64
     for (int s = 0; s < 4; ++s) {
       const Words256 words = words_avx2<L>(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
-      const __m256i high = high_avx2<L, kSub>(words);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 q = quant_float_avx2<L, kSub>(words, high, j);
+        const __m256 q = quant_float_avx2<L, kSub>(words, j);
         for (int r = 0; r < R; ++r) {
           __m256& c = j % 2 == 0 ? even[r] : odd[r];
           c = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x8 + r * x_stride + j), c);
@@ -201,11 +199,10 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     }
     for (int s = 0; s < 4; ++s) {
       const Words512 words = words_avx512<L>(load_pair(qw + 32 * s, next), h, s);
-      const __m512i high = high_avx512<L, kSub>(words);
       const float* x8 = xp + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 q = quant_float_avx512<L, kSub>(words, high, j);
+        const __m512 q = quant_float_avx512<L, kSub>(words, j);
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][(8 * s + j) % kChains];
           chain = _mm512_fmadd_ps(q, _mm512_set1_ps(x8[r * x_stride + j]), chain);

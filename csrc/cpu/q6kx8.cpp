@@ -108,11 +108,10 @@ SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
 
 // A half-block's sum less 32 times its inputs' sum, d * sc times it into the
 // row's total; with kSub the sums are 2^-kSubnormalShift of the converted
-// kernels' and the scale makes up for it (both exact: the same bits).
+// kernels', so the offset is too and the scale makes up for it (both exact:
+// the same bits).
 template <bool kSub>
 constexpr float kOffset = kSub ? 32.f / kSubnormalBlockScale : 32.f;
-template <bool kSub>
-constexpr float kScaleFactor = kSub ? kSubnormalBlockScale : 1.f;
 
 // R input rows against one group; C chains per half and row keep about 8 FMAs
 // in flight.
@@ -145,9 +144,8 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
       }
     }
     const uint8_t* sp = super_of(w, b);
-    const __m256 d = _mm256_mul_ps(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))),
-        _mm256_set1_ps(kScaleFactor<kSub>));
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
     const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
@@ -202,8 +200,8 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     const uint8_t* sp = super_of(w, b);
-    const __m512 d =
-        _mm512_mul_ps(grouped::halves_pair(sp, next), _mm512_set1_ps(kScaleFactor<kSub>));
+    __m512 d = grouped::halves_pair(sp, next);
+    if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
     const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {

@@ -68,7 +68,8 @@ bool subnormal_fma_fast();
 // setting (read once per call).
 inline bool use_subnormal_quants() {
   if (!use_avx2()) return false;
-  switch (static_cast<SubnormalQuants>(subnormal_quants_setting().load(std::memory_order_relaxed))) {
+  const int setting = subnormal_quants_setting().load(std::memory_order_relaxed);
+  switch (static_cast<SubnormalQuants>(setting)) {
     case SubnormalQuants::kOff: return false;
     case SubnormalQuants::kOn: return true;
     default: return subnormal_fma_fast();
