@@ -1,12 +1,15 @@
 // The probe behind subnormal_fma_fast() (subnormal.h): the same FMAs on 4-bit
-// quants masked in place, once read as subnormals and once converted, timed
-// on the calling core; the faster of several alternated takes of each.
+// quants masked in place, once read as subnormals and once converted, by the
+// kernels' own helpers (grouped.h), timed on the calling core; the faster of
+// several alternated takes of each.
 #include "subnormal.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <vector>
+
+#include "grouped.h"
 
 namespace shardlm::cpu {
 namespace {
@@ -22,17 +25,11 @@ SHARDLM_AVX2 __attribute__((noinline)) float chains(const uint32_t* words, const
   for (auto& v : c) v = _mm256_setzero_ps();
   for (int64_t i = 0; i < kWords; i += 8) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + i));
-    const __m256i high = _mm256_srli_epi32(v, kSubnormalHighShift);
+    const grouped::Joined256 joined{v, v, _mm256_srli_epi32(v, 28)};  // as a 4-bit word's
     for (int j = 0; j < 8; ++j) {
-      __m256 q;
-      if constexpr (kSubnormal) {
-        q = _mm256_castsi256_ps(
-            j == 7  ? _mm256_srli_epi32(v, 28)
-            : j < 5 ? _mm256_and_si256(v, _mm256_set1_epi32(0xf << (4 * j)))
-                    : _mm256_and_si256(high, _mm256_set1_epi32(0xf << (4 * (j - 5)))));
-      } else {
-        q = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf << (4 * j))));
-      }
+      const __m256 q =
+          kSubnormal ? grouped::joined_subnormal_avx2(joined, j, 0x0f)
+                     : _mm256_cvtepi32_ps(grouped::joined_quant_avx2(joined, j, 0x0f));
       c[j] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + j), c[j]);
     }
   }
