@@ -247,23 +247,16 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 }
 #endif
 
+template <bool kSub>
 void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, int64_t rows,
               int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
-  if (avx2 && in.subnormal) {
-    switch (rows) {
-      case 1: return rows_avx2<1, true>(acc, w, in, stride, k);
-      case 2: return rows_avx2<2, true>(acc, w, in, stride, k);
-      case 3: return rows_avx2<3, true>(acc, w, in, stride, k);
-      default: return rows_avx2<4, true>(acc, w, in, stride, k);
-    }
-  }
   if (avx2) {
     switch (rows) {
-      case 1: return rows_avx2<1, false>(acc, w, in, stride, k);
-      case 2: return rows_avx2<2, false>(acc, w, in, stride, k);
-      case 3: return rows_avx2<3, false>(acc, w, in, stride, k);
-      default: return rows_avx2<4, false>(acc, w, in, stride, k);
+      case 1: return rows_avx2<1, kSub>(acc, w, in, stride, k);
+      case 2: return rows_avx2<2, kSub>(acc, w, in, stride, k);
+      case 3: return rows_avx2<3, kSub>(acc, w, in, stride, k);
+      default: return rows_avx2<4, kSub>(acc, w, in, stride, k);
     }
   }
 #endif
@@ -275,21 +268,14 @@ void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, in
 }
 
 #if SHARDLM_HAVE_AVX2
+template <bool kSub>
 void pair_dot(float* acc, const uint8_t* w, int64_t next, const Inputs& in, int64_t stride,
               int64_t rows, int64_t k) {
-  if (in.subnormal) {
-    switch (rows) {
-      case 1: return pair_avx512<1, true>(acc, w, next, in, stride, k);
-      case 2: return pair_avx512<2, true>(acc, w, next, in, stride, k);
-      case 3: return pair_avx512<3, true>(acc, w, next, in, stride, k);
-      default: return pair_avx512<4, true>(acc, w, next, in, stride, k);
-    }
-  }
   switch (rows) {
-    case 1: return pair_avx512<1, false>(acc, w, next, in, stride, k);
-    case 2: return pair_avx512<2, false>(acc, w, next, in, stride, k);
-    case 3: return pair_avx512<3, false>(acc, w, next, in, stride, k);
-    default: return pair_avx512<4, false>(acc, w, next, in, stride, k);
+    case 1: return pair_avx512<1, kSub>(acc, w, next, in, stride, k);
+    case 2: return pair_avx512<2, kSub>(acc, w, next, in, stride, k);
+    case 3: return pair_avx512<3, kSub>(acc, w, next, in, stride, k);
+    default: return pair_avx512<4, kSub>(acc, w, next, in, stride, k);
   }
 }
 #endif
@@ -299,23 +285,31 @@ Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
   return {in.x + m0 * k, in.sums + m0 * k / kHalf, in.subnormal};
 }
 
+template <bool kSub, typename T>
+void gemv_with(T* out, const uint8_t* w, const Inputs& in, const T* bias, int64_t m, int64_t n,
+               int64_t k, bool avx2) {
+  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
+  grouped::gemv(out, bias, m, n, group_bytes,
+                [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
+#if SHARDLM_HAVE_AVX2
+    if (width == 2 * kGroupRows) {
+      return pair_dot<kSub>(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows,
+                            k);
+    }
+#endif
+    rows_dot<kSub>(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
+  }, kSub);
+}
+
 }  // namespace
 
 template <typename T>
 void gemv(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, int64_t n,
           int64_t k) {
-  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
   const bool avx2 = cpu::use_avx2();
   const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
-  grouped::gemv(out, bias, m, n, group_bytes,
-                [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
-#if SHARDLM_HAVE_AVX2
-    if (width == 2 * kGroupRows) {
-      return pair_dot(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows, k);
-    }
-#endif
-    rows_dot(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
-  }, in.subnormal);
+  if (in.subnormal) return gemv_with<true>(out, w, in, bias, m, n, k, avx2);
+  gemv_with<false>(out, w, in, bias, m, n, k, avx2);
 }
 
 template void gemv<float>(float*, const uint8_t*, const float*, const float*, int64_t, int64_t,
