@@ -7,7 +7,9 @@ batch for k decode steps (k small while others wait, else as many as fit in abou
 decode_call_s at the recent step time, up to max_decode_steps), streaming every
 step's tokens to their requests as they arrive. New requests join between iterations, never
 waiting for the batch to finish. When blocks run out, idle sessions give up their caches first
-(least recently used), then the newest running sequence is preempted and later recomputed.
+(least recently used), then the newest running sequence is preempted and later recomputed;
+when nothing runs, waiting sequences give up the blocks they hold (attached prefixes, a long
+prompt's first chunks) before a request is refused as too large for the cache.
 
 Only this loop talks to the workers' Prefill/Decode, so all ranks see one ordered stream of steps.
 Every KV question goes to the KV manager (gateway/kv/manager.py); every change of a sequence's
@@ -184,6 +186,15 @@ class BatchLoop:
         self.kv.release(seq.seq_id)
         seq.forget()
 
+    def _release_waiting(self, but: SequenceState) -> bool:
+        """Every waiting sequence other than `but` gives up its blocks; whether any held one."""
+        released = False
+        for other in self._waiting:
+            if other is not but and self.kv.allocator.holds(other.seq_id):
+                self._drop(other)
+                released = True
+        return released
+
     def _expire_idle_sessions(self) -> None:
         """Remove the sessions idle past their timeout, and their caches. A scan of every
         session: at most once a second, not at every step."""
@@ -225,8 +236,15 @@ class BatchLoop:
             chunk = seq.uncomputed[:budget]
             end = seq.computed + len(chunk)
             self._make_room(seq, end)
+            alone = False  # whether the other waiting sequences gave up their blocks for it
             if not self.kv.grow(seq.seq_id, end):
-                if not self._running and not batch:  # nothing will ever free enough blocks
+                if self._running or batch:
+                    break  # wait for running sequences to free blocks
+                # Nothing runs, yet waiting sequences may hold blocks: the prefix a sequence
+                # attached before it had to wait, a long prompt's first chunks. They give them
+                # up, as a preempted sequence does, and are recomputed later.
+                alone = self._release_waiting(but=seq)
+                if not alone or not self.kv.grow(seq.seq_id, end):  # nothing ever will free more
                     self._waiting.popleft()
                     seq.events.put_nowait(ErrorEvent(ResourceExhaustedError(
                         "the KV cache is too small for this request", reason="KV_CACHE_FULL",
@@ -234,8 +252,7 @@ class BatchLoop:
                             "required_blocks": self.kv.blocks_needed(seq.seq_id, end),
                             "free_blocks": self.kv.free_blocks})))
                     self._park_or_free(seq)
-                    continue
-                break  # wait for running sequences to free blocks
+                    break  # the next waiting sequence comes next iteration, after the resets
             self._waiting.popleft()
             if seq.admitted_at is None:  # the call's first prefill: what its prompt reuses
                 seq.cached_prompt_tokens = seq.computed
@@ -249,6 +266,8 @@ class BatchLoop:
             budget -= len(chunk)
             if not final:
                 self._waiting.appendleft(seq)  # its next chunk goes first next iteration
+                break
+            if alone:  # the workers forget the released sequences before any is prefilled
                 break
         # First again, in their order (behind a sequence whose next chunk goes first).
         head = [self._waiting.popleft()] if batch and not batch[-1].final else []
