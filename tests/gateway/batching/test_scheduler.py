@@ -5,7 +5,6 @@ cancellation, a caller's deadline, and the finish policy as the workers and clie
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
@@ -246,33 +245,6 @@ def test_waiting_sequences_give_up_their_blocks_when_nothing_runs():
         assert h.metrics.preemptions._value.get() >= 1
         await until(lambda: h.allocator.used_blocks == 0)
     run(test, blocks=6, max_decode_steps=2, prefill_token_budget=8)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_calls_that_each_fit_alone_all_finish_under_memory_pressure(seed):
-    """Random calls sharing a prefix, each fitting the cache alone, in a cache too small for all
-    at once, with random call lengths and prefill budgets: each finishes with its greedy tokens
-    (whatever was preempted, chunked or waited) and no block is left held."""
-    rng = random.Random(seed)
-    blocks = rng.randint(6, 16)
-    shared = list(range(1, 1 + rng.randint(0, 12)))
-    calls = []
-    for _ in range(rng.randint(2, 5)):
-        prompt = shared + [rng.randint(20, 90) for _ in range(rng.randint(1, 6))]
-        calls.append((prompt, rng.randint(1, blocks * BLOCK - len(prompt) - 1)))
-
-    async def test(h):
-        seqs = []
-        for prompt, max_new in calls:
-            seq = h.scheduler.new_sequence(prompt, common_pb2.SamplingParams(), ephemeral=True,
-                                           prefix_salt=b"anyone")
-            h.scheduler.submit(seq, limits(max_new), prefill_only=False)
-            seqs.append(seq)
-        results = await asyncio.gather(*(drain(s) for s in seqs))
-        assert [r[0] for r in results] == [greedy(p, n) for p, n in calls]
-        await until(lambda: h.allocator.used_blocks == 0)
-    run(test, blocks=blocks, max_decode_steps=rng.choice([2, 4, 8]),
-        prefill_token_budget=rng.choice([8, 16, 64]))
 
 
 def test_idle_session_is_evicted_for_a_new_request_and_rebuilt():
