@@ -1,6 +1,7 @@
 """The scheduler under random loads against the fake worker pool: Generate calls and multi-turn
-sessions sharing a prefix (or bypassing the prefix cache), some cancelled part-way, in a KV cache
-too small for all of them at once, with random call lengths, prefill budgets and running limits.
+sessions sharing a prefix (or bypassing the prefix cache), some turns re-rendered from a point
+on, some calls cancelled part-way, in a KV cache too small for all of them at once, with random
+call lengths, prefill budgets and running limits.
 
 Every call fits the cache alone, so none may fail: each token must be the fake model's next
 token after the history its client has seen (whatever was preempted, evicted, chunked or
@@ -72,8 +73,12 @@ async def a_session(h: Harness, rng: random.Random, shared: list[int], room: int
                                                  for _ in range(rng.randint(1, 6))]
         if len(history) + len(added) + 2 > room:
             break
-        h.scheduler.start_turn(seq, added, prefill_limits(CONTEXT), rerendered=False)
-        history += added
+        if history and rng.random() < 0.3:  # the client re-renders it, changed from a point on
+            history = history[:rng.randrange(len(history))] + added
+            h.scheduler.start_turn(seq, history, prefill_limits(CONTEXT), rerendered=True)
+        else:
+            h.scheduler.start_turn(seq, added, prefill_limits(CONTEXT), rerendered=False)
+            history += added
         first, _ = await next_event(seq)
         assert first == next_token(history)
         history.append(first)
