@@ -6,6 +6,7 @@ preemption must continue exactly as it would have."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -47,6 +48,10 @@ class FakeWorkerPool:
         self.slots: dict[tuple[int, int], list[int]] = {}
         self.fail_next_decode: ShardLMError | None = None
         self.step_delay_s = 0.0  # a decode step's duration, for tests that act mid-call
+        # Speculative decoding: a sequence's step also yields 0..max_accepted accepted drafts
+        # (chosen by `drafts`), within the tokens the call allows it.
+        self.drafts: random.Random | None = None
+        self.max_accepted = 0
 
     def _write_blocks(self, item: worker_pb2.PrefillSequence, prefix: list[int]) -> None:
         """Record which token each written cache slot holds, refusing to overwrite a slot with
@@ -115,22 +120,26 @@ class FakeWorkerPool:
             if item.HasField("stop"):
                 seq.stop, seq.generated, seq.finished = item.stop, 0, False
             assert not seq.finished, "decode of a finished sequence"
-            steps = min(request.num_steps, item.max_steps or request.num_steps)
-            self._check_table(item.block_table, len(seq.cached) + steps)
-            plan.append((item.sequence_id, seq, steps))
+            tokens = item.max_steps or request.num_steps  # at most, drafts accepted included
+            self._check_table(item.block_table, len(seq.cached) + tokens)
+            plan.append((item.sequence_id, seq, tokens))
             item_tables[item.sequence_id] = list(item.block_table)
+        made = dict.fromkeys(item_tables, 0)
         for step in range(request.num_steps):
             reply = worker_pb2.DecodeResponse(step=step)
-            for sid, seq, steps in plan:
-                if seq.finished or step >= steps:
-                    continue
-                seq.cached.append(seq.pending)
-                position = len(seq.cached) - 1
-                block = item_tables[sid][position // self.block_size]
-                self.slots[(block, position % self.block_size)] = list(seq.cached)
-                token = self._sample(seq)
-                token.sequence_id = sid
-                reply.tokens.append(token)
+            for sid, seq, tokens in plan:
+                accepted = self.drafts.randint(0, self.max_accepted) if self.drafts else 0
+                for _ in range(1 + accepted):
+                    if seq.finished or made[sid] >= tokens:
+                        break
+                    seq.cached.append(seq.pending)
+                    position = len(seq.cached) - 1
+                    block = item_tables[sid][position // self.block_size]
+                    self.slots[(block, position % self.block_size)] = list(seq.cached)
+                    token = self._sample(seq)
+                    token.sequence_id = sid
+                    reply.tokens.append(token)
+                    made[sid] += 1
             if not reply.tokens:
                 return
             await asyncio.sleep(self.step_delay_s)

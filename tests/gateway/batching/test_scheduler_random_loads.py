@@ -1,7 +1,7 @@
 """The scheduler under random loads against the fake worker pool: Generate calls and multi-turn
 sessions sharing a prefix (or bypassing the prefix cache), some turns re-rendered from a point
 on, some calls cancelled part-way, in a KV cache too small for all of them at once, with random
-call lengths, prefill budgets and running limits.
+call lengths, prefill budgets and running limits, and workers that accept drafts or not.
 
 Every call fits the cache alone, so none may fail: each token must be the fake model's next
 token after the history its client has seen (whatever was preempted, evicted, chunked or
@@ -101,6 +101,8 @@ def test_random_calls_and_sessions_under_memory_pressure(seed):
     clients = [rng.choice((a_generate, a_session)) for _ in range(rng.randint(2, 6))]
 
     async def test(h):
+        if rng.random() < 0.5:  # workers that accept drafts: several tokens a step
+            h.pool.drafts, h.pool.max_accepted = random.Random(seed), rng.randint(1, 4)
         await asyncio.gather(*(client(h, random.Random(seed * 100 + i), shared, room)
                                for i, client in enumerate(clients)))
         await until(lambda: h.allocator.used_blocks == 0)
