@@ -3,8 +3,7 @@ waiting and running sequences.
 
 Each iteration: drop what was cancelled or stopped and free its blocks; admit waiting sequences
 into one packed prefill within a token budget (long prompts are chunked); then run the running
-batch for k decode steps (k small while others wait, else as many as fit in about
-decode_call_s at the recent step time, up to max_decode_steps), streaming every
+batch for k decode steps (k set by the pacer, gateway/batching/pacing.py), streaming every
 step's tokens to their requests as they arrive. New requests join between iterations, never
 waiting for the batch to finish. When blocks run out, idle sessions give up their caches first
 (least recently used), then the newest running sequence is preempted and later recomputed;
@@ -32,6 +31,7 @@ from shardlm.worker.v1 import worker_pb2
 
 from shardlm_server.gateway.batching.finish import UNFINISHED
 from shardlm_server.gateway.batching.load_stats import LoadStats
+from shardlm_server.gateway.batching.pacing import BUSY_DECODE_STEPS, DecodePacer
 from shardlm_server.gateway.batching.sequence import (
     ErrorEvent,
     FinishEvent,
@@ -48,8 +48,6 @@ from shardlm_server.gateway.workers.client import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 _DEFAULTS = Limits()  # the serve settings' defaults (gateway/config.py)
-# Decode steps per call while prompts wait, so that they are admitted soon.
-BUSY_DECODE_STEPS = 2
 EXPIRY_CHECK_S = 1.0  # idle sessions are looked for at most this often
 
 
@@ -74,10 +72,8 @@ class BatchLoop:
         self.sessions = sessions
         self.metrics = metrics
         self.prefill_token_budget = prefill_token_budget
-        self.max_decode_steps = max_decode_steps
-        self.decode_call_s = decode_call_s
-        self.busy_decode_steps = busy_decode_steps
-        self._step_s = 0.0  # seconds per decode step, a running average (0: none timed yet)
+        self.pacer = DecodePacer(max_decode_steps=max_decode_steps, decode_call_s=decode_call_s,
+                                 busy_decode_steps=busy_decode_steps)
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.on_worker_failure = on_worker_failure
@@ -313,20 +309,6 @@ class BatchLoop:
                 self._running.append(seq)
 
     # ----------------------------------------------------------------- decode
-    def _steps_per_call(self) -> int:
-        """Steps for the next decode call: few while prompts wait, else as many as fit in
-        decode_call_s at the recent step time (up to max_decode_steps). Long calls save round
-        trips; short ones let a prompt that arrives during one in sooner."""
-        if self._waiting or self._step_s <= 0:
-            return self.busy_decode_steps
-        fit = int(self.decode_call_s / self._step_s)
-        return max(self.busy_decode_steps, min(self.max_decode_steps, fit))
-
-    def _time_steps(self, seconds: float, steps: int) -> None:
-        if steps > 0:
-            step = seconds / steps
-            self._step_s = step if self._step_s <= 0 else (self._step_s + step) / 2
-
     def _plan_steps(self) -> tuple[int, dict[int, int]]:
         """The steps of the next decode call and each sequence's tokens in it, with the blocks
         for them; sequences that get not even one step are preempted. A sequence may take more
@@ -334,7 +316,7 @@ class BatchLoop:
         the room left in its last block holds, so accepted drafts take it further within the
         call instead of leaving it idle once it has one token per step (no block is reserved
         for drafts, and the unused room stays its own)."""
-        k = self._steps_per_call()
+        k = self.pacer.steps(prompts_waiting=bool(self._waiting))
         plan: dict[int, int] = {}
         longest = 0
         for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
@@ -384,7 +366,7 @@ class BatchLoop:
         except ShardLMError as exc:
             self._fail_step(list(by_id.values()), exc)
             raise
-        self._time_steps(time.monotonic() - started, steps)
+        self.pacer.timed(time.monotonic() - started, steps)
         for seq in by_id.values():
             if seq.phase is not Phase.DONE:
                 self.kv.trim(seq.seq_id, seq.computed + 1)

@@ -389,18 +389,7 @@ def test_stop_token_and_context_reasons():
     run(test)
 
 
-def test_decode_calls_take_few_steps_while_prompts_wait_then_as_many_as_fit_the_call_time():
-    h = Harness(max_decode_steps=32, decode_call_s=0.1, busy_decode_steps=2)  # not the defaults
-    sched = h.scheduler
-    assert sched._steps_per_call() == 2  # no step timed yet
-    sched._time_steps(0.05, 10)  # 5 ms a step: 20 fit in 100 ms
-    assert sched._steps_per_call() == 20
-    sched._time_steps(0.0, 0)  # a call that streamed no step changes nothing
-    assert sched._steps_per_call() == 20
-    sched._time_steps(0.001, 10)  # faster steps: averaged, then capped
-    assert sched._steps_per_call() == 32
-    sched._time_steps(2.0, 2)  # slow steps (a big batch): never below the busy count
-    assert sched._steps_per_call() == 2
-    sched._step_s = 0.005
-    sched._waiting.append(object())  # a prompt waits: admit it soon
-    assert sched._steps_per_call() == 2
+def test_the_scheduler_paces_its_decode_calls_with_its_settings():
+    h = Harness(max_decode_steps=32, decode_call_s=0.1, busy_decode_steps=3)  # not the defaults
+    pacer = h.scheduler.pacer
+    assert (pacer.max_decode_steps, pacer.decode_call_s, pacer.busy_decode_steps) == (32, 0.1, 3)
