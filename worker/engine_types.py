@@ -96,7 +96,6 @@ class ResidentSequence:
     pending: int | None = None  # sampled but not yet fed (its K/V is not cached yet)
     generated: int = 0
     finished: FinishReason | None = None
-    generator: torch.Generator | None = None
     history: TokenHistory | None = None
     matcher: Any = None  # llguidance's LLMatcher of its constraint, on rank 0 (worker/grammar.py)
     # Speculative decoding (worker/speculative.py): its prompt-lookup index, made at its first
@@ -107,3 +106,9 @@ class ResidentSequence:
     @property
     def num_cached(self) -> int:
         return len(self.tokens)
+
+    @property
+    def draw_position(self) -> int:
+        """The position of the token its next sample draws: after its cached tokens and the
+        pending one being fed, if any (a seeded draw's key, worker/sampling.py)."""
+        return len(self.tokens) + (self.pending is not None)

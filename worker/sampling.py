@@ -3,16 +3,20 @@
 Everything is vectorised over the batch: penalties, temperature, top-k / top-p / min-p truncation
 and the draw itself. On a GPU the draw uses the exponential race (argmax of p / E with E ~
 Exp(1)), which samples the categorical distribution exactly and lets a seeded row take its noise
-from its own generator while unseeded rows share one call, so there is no host synchronisation
-per row. The only device-to-host copy is that of the chosen ids (and logprobs when asked), and
+from a generator of its own key while unseeded rows share one call, so there is no host
+synchronisation per row. The only device-to-host copy is that of the chosen ids (and logprobs when asked), and
 `sample_on_device` leaves it to the caller, who may queue the next step's work first.
 
 On CPU those torch ops cost 1 to 6 ms a row (a sort of the whole vocabulary and a random number
 per token: as much as a decode step of the default model), so rows are drawn by the compiled
 `ops.sample_rows` instead: the same truncations, then the inverse of the survivors' cumulative
-distribution at one uniform number a row (from the row's own generator when seeded), in tens to
-about a hundred microseconds a row; and the penalties are one compiled pass
-(`ops.penalize_rows`).
+distribution at one uniform number a row, in tens to about a hundred microseconds a row; and the
+penalties are one compiled pass (`ops.penalize_rows`).
+
+A seeded row's randomness is a function of its sequence's seed and the position of the token it
+draws (`draw_key`), not a generator's state carried from step to step: the same seed, prompt and
+parameters give the same tokens however the sequence got to each position (batched with others,
+preempted and recomputed, evicted and rebuilt, verifying drafts or not).
 """
 
 from __future__ import annotations
@@ -97,12 +101,41 @@ class SampledToken:
 @dataclass
 class SamplingRow:
     params: SamplerSettings
-    generator: torch.Generator | None = None
     history: TokenHistory | None = None
-    # Keep the generator's state after this row's draw (`state_after`): rows verifying drafts
-    # share their sequence's generator, which resumes after the last row whose token is kept.
-    keep_state: bool = False
-    state_after: torch.Tensor | None = None
+    position: int = 0  # of the token the row draws in its sequence: a seeded row's key
+
+    @property
+    def seeded(self) -> bool:
+        return self.params.seed is not None and not self.params.greedy
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_key(seed: int, position: int) -> int:
+    """The 64-bit key of a seeded draw: splitmix64's output number position + 1 from `seed`."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A seeded row's uniform number in [0, 1): the key's top 53 bits."""
+    return (draw_key(seed, position) >> 11) * 2.0**-53
+
+
+_KEYED: dict[torch.device, torch.Generator] = {}
+
+
+def keyed_generator(device: torch.device, seed: int, position: int) -> torch.Generator:
+    """A generator on `device` seeded with the draw's key. One per device, reseeded for each
+    row: a kernel takes its generator's seed and offset when it is queued, so reseeding for the
+    next row cannot change a draw already queued."""
+    generator = _KEYED.get(device)
+    if generator is None:
+        generator = _KEYED[device] = torch.Generator(device=device)
+    return generator.manual_seed(draw_key(seed, position))
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -208,31 +241,27 @@ def sample_with_torch_ops(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     probs = truncate(logits / temperature, rows).softmax(dim=1)
     noise = torch.empty_like(probs).exponential_()
     for i, row in enumerate(rows):
-        if row.generator is not None and not row.params.greedy:
-            noise[i].exponential_(generator=row.generator)
-            if row.keep_state:
-                row.state_after = row.generator.get_state()
+        if row.seeded:
+            noise[i].exponential_(generator=keyed_generator(device, row.params.seed, row.position))
     drawn = (probs / noise).argmax(dim=1)
     return torch.where(greedy, chosen, drawn)
 
 
 def sample_on_cpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The CPU path's choice (int64 [B]): ops.sample_rows with one uniform number per sampled
-    row, a seeded row's from its own generator (its state after the draw kept when asked)."""
+    row, a seeded row's from its key."""
     logits = logits.float().contiguous()
     if all(r.params.greedy for r in rows):
         # The kernel's greedy rows are torch's argmax (the first largest logit) at a quarter of
         # its time (12 against 43 µs a 49,152-token row, 0.2 against 0.65 ms at 32 rows).
         return ops.sample_rows(logits, *_greedy_parameters(len(rows)))
     uniform = torch.zeros(len(rows), dtype=torch.float64)
-    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None]
     if shared:
         uniform[shared] = torch.rand(len(shared), dtype=torch.float64)
     for i, row in enumerate(rows):
-        if row.generator is not None and not row.params.greedy:
-            uniform[i] = torch.rand((), dtype=torch.float64, generator=row.generator)
-            if row.keep_state:
-                row.state_after = row.generator.get_state()
+        if row.seeded:
+            uniform[i] = seeded_uniform(row.params.seed, row.position)
     params = [r.params for r in rows]
     return ops.sample_rows(
         logits,

@@ -100,7 +100,7 @@ class SequenceStates:
         seq.block_table = list(item.block_table)
         if item.sampling is not None and item.sampling != seq.sampling:
             seq.sampling = item.sampling
-            self._attach_sampler_state(seq)  # new parameters: new generator and penalty state
+            self._attach_sampler_state(seq)  # new parameters: new penalty state
         if item.stop is not None:  # a new call with its own limits: count from here
             seq.stop, seq.generated, seq.finished = item.stop, 0, None
         if item.constraint is not None:
@@ -128,9 +128,6 @@ class SequenceStates:
         if self.rank != 0:
             return  # only rank 0 samples
         p = seq.sampling
-        seq.generator = None
-        if p.seed is not None and not p.greedy:
-            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed)
         seq.history = None
         if p.uses_repetition_penalty or p.uses_output_penalties:
             seq.history = TokenHistory.from_prompt(seq.tokens, self.cfg.vocab_size, self.device)

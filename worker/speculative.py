@@ -8,7 +8,7 @@ Why the kept tokens are exactly what decoding one token per step would give: row
 those of the sequence extended by the drafts before it, and row j is sampled as the plain step
 would sample that position, with the same penalties (its history includes the drafts before it),
 the same grammar mask (a matcher advanced through them) and, for a seeded sequence, the same
-noise (the sequence's generator draws row by row and resumes after the last kept row). Greedy
+noise (a seeded draw is keyed by the position it draws, worker/sampling.py). Greedy
 output is therefore identical token for token, a seeded run repeats itself and matches the plain
 run, and an unseeded one samples each position from the target distribution: a draft is kept
 exactly when the target's own draw at that position picks it, which for a deterministic proposal
@@ -147,7 +147,6 @@ class Speculator:
             if draft:
                 seq.acceptance.record(len(draft), accepted)
                 counts.append(DraftCount(seq.sequence_id, len(draft), min(accepted, len(kept))))
-                _resume_generator(verified.pending.sampling_rows, row, len(kept))
             row += len(draft) + 1
         return outputs, counts
 
@@ -184,13 +183,13 @@ def _drafter(seq: ResidentSequence) -> NgramDrafter:
 
 def _sampling_rows(seq: ResidentSequence, draft: list[int]) -> list[SamplingRow]:
     """Row j samples the position after draft[:j]: penalties count those drafts as generated,
-    and a seeded sequence's generator draws for each row in turn."""
-    seeded = seq.generator is not None and bool(draft)
+    and a seeded row draws with that position's key."""
     history = seq.history
-    rows = [SamplingRow(seq.sampling, seq.generator, history, keep_state=seeded)]
-    for token in draft:  # each row's history is the previous row's plus that row's input
+    position = seq.draw_position
+    rows = [SamplingRow(seq.sampling, history, position)]
+    for j, token in enumerate(draft, 1):  # each row's history is the previous row's plus its input
         history = history.with_outputs([token]) if history is not None else None
-        rows.append(SamplingRow(seq.sampling, seq.generator, history, keep_state=seeded))
+        rows.append(SamplingRow(seq.sampling, history, position + j))
     return rows
 
 
@@ -204,13 +203,3 @@ def _matchers(seq: ResidentSequence, draft: list[int]) -> list:
             GrammarRuntime.consume(matcher, token)
         chain.append(matcher)
     return chain
-
-
-def _resume_generator(rows: list[SamplingRow], first: int, kept: int) -> None:
-    """A seeded sequence's generator continues after the draw of its last kept row, so the
-    next step draws for the next position exactly as plain decoding would."""
-    if not rows or kept <= 0:
-        return
-    last = rows[first + kept - 1]
-    if last.keep_state and last.generator is not None and last.state_after is not None:
-        last.generator.set_state(last.state_after)

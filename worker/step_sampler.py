@@ -46,7 +46,7 @@ class StepSampler:
                masks: PendingMasks | None = None) -> PendingSample:
         """Sample one token per row of `logits` on rank 0 and share the ids with every rank.
         `masks`: those of the constrained rows, being made since before the forward pass."""
-        sampling_rows = ([SamplingRow(s.sampling, s.generator, s.history) for s in seqs]
+        sampling_rows = ([SamplingRow(s.sampling, s.history, s.draw_position) for s in seqs]
                          if self.comm.rank == 0 else [])
         return self.launch_rows(logits, sampling_rows, rows, masks)
 

@@ -6,6 +6,7 @@ GPU uses (run here on CPU, so that path cannot rot unseen)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -208,10 +209,11 @@ def test_token_history_counts_outputs_and_sees_the_prompt_too():
 
 
 def draw(logits: torch.Tensor, rows: list, times: int) -> list[list[int]]:
-    """`times` samples of every row, in one call: each row repeated `times` over (the copies of a
-    seeded row take their noise from its generator one after another)."""
-    ids = sampling.sample_on_device(logits.repeat_interleave(times, dim=0),
-                                    [row for row in rows for _ in range(times)]).ids.tolist()
+    """`times` samples of every row, in one call: each row repeated `times` over, copy j drawing
+    the token at the row's position + j (so a seeded row's copies have keys of their own)."""
+    copies = [dataclasses.replace(row, position=row.position + j)
+              for row in rows for j in range(times)]
+    ids = sampling.sample_on_device(logits.repeat_interleave(times, dim=0), copies).ids.tolist()
     return [ids[i * times:(i + 1) * times] for i in range(len(rows))]
 
 
@@ -232,12 +234,12 @@ def test_seeded_sampling_only_picks_kept_tokens_and_repeats_itself(seed, path):
             # Truncation sees the tempered logits: its parameters keep clear of their edges.
             tempered = (torch.tensor(penalised) / (temperature or 1.0)).tolist()
             truncation = random_truncation(rng, tempered)
-            params = sampling.SamplerSettings(temperature=temperature, **penalties, **truncation)
-            generator = (torch.Generator().manual_seed(rng.randrange(2**31))
-                         if rng.random() < 0.7 else None)
+            seed = rng.randrange(2**64) if rng.random() < 0.7 else None
+            params = sampling.SamplerSettings(temperature=temperature, **penalties, **truncation,
+                                              seed=seed)
             history = sampling.TokenHistory.from_prompt(prompt, VOCAB, CPU)
             batch.append(logits)
-            rows.append(sampling.SamplingRow(params, generator=generator, history=history))
+            rows.append(sampling.SamplingRow(params, history, position=rng.randrange(1000)))
             if greedy:
                 allowed.append({ranked(penalised)[0]})
                 likely.append(allowed[-1])
@@ -253,12 +255,21 @@ def test_seeded_sampling_only_picks_kept_tokens_and_repeats_itself(seed, path):
             # Nothing the truncation kept is lost: a token of 5 % or more shows up in 400 draws
             # (a miss would have odds of 0.95**400, below 1e-8).
             assert common <= set(picks), (common - set(picks), Counter(picks))
-        # The same seeds draw the same tokens (the unseeded rows may differ).
-        seeded = [i for i, row in enumerate(rows) if row.generator is not None]
-        for i in seeded:
-            rows[i].generator.manual_seed(1000 + i)
+        # The same seeds and positions draw the same tokens, alone or among other rows, in any
+        # order (the unseeded rows may differ).
+        seeded = [i for i, row in enumerate(rows) if row.seeded]
         first = draw(logits, rows, times=30)
-        for i in seeded:
-            rows[i].generator.manual_seed(1000 + i)
-        again = draw(logits, rows, times=30)
+        again = draw(logits.flip(0), rows[::-1], times=30)[::-1]
         assert [first[i] for i in seeded] == [again[i] for i in seeded]
+        for i in seeded:
+            assert draw(logits[i:i + 1], [rows[i]], times=30)[0] == first[i]
+
+
+def test_a_seeded_draw_is_keyed_by_seed_and_position_with_splitmix64():
+    # splitmix64's published first outputs from seed 0 and from seed 1234567.
+    assert sampling.draw_key(0, 0) == 0xE220A8397B1DCDAF
+    assert sampling.draw_key(1234567, 0) == 0x599ED017FB08FC85
+    keys = {sampling.draw_key(seed, position) for seed in (0, 1, 2**64 - 1)
+            for position in range(100)}
+    assert len(keys) == 300  # every seed and position its own key
+    assert all(0.0 <= sampling.seeded_uniform(7, p) < 1.0 for p in range(1000))

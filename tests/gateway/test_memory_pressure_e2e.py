@@ -1,0 +1,83 @@
+"""Random concurrent loads in a KV cache too small for them at once, end to end: a gateway over
+real workers (one, and two in tensor parallel) on a tiny float32 checkpoint with 4-token blocks.
+
+Calls share a prompt prefix (the prefix cache attaches it), each fits the cache alone, some
+sample with a seed and some are cancelled by their client part-way. Together they preempt one
+another and are recomputed; each call's tokens must be the tokens it gives alone (a cancelled
+one's, a beginning of them), and when all are done no block is held."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from shardlm.common.v1 import common_pb2
+from shardlm.gateway.v1 import gateway_pb2
+
+from shardlm_server.gateway.api.runtime import Limits
+from tests.gateway.conftest import LiveGateway
+
+BLOCK, BLOCKS = 4, 24
+GREEDY = common_pb2.SamplingParams()
+
+
+def stream(live: LiveGateway, prompt: list[int], sampling: common_pb2.SamplingParams,
+           max_new: int, cancel_after: int | None = None) -> list[int]:
+    """A Generate's tokens; with `cancel_after`, the client cancels it once it has that many."""
+    call = live.stub.Generate(gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(token_ids=prompt), sampling=sampling,
+        stop=common_pb2.StopConditions(max_new_tokens=max_new, ignore_eos=True)))
+    tokens: list[int] = []
+    try:
+        for chunk in call:
+            tokens += list(chunk.token_ids)
+            if cancel_after is not None and len(tokens) >= cancel_after:
+                call.cancel()
+                break
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.CANCELLED:
+            raise
+    return tokens
+
+
+def random_calls(seed: int) -> list[tuple[list[int], common_pb2.SamplingParams, int, int | None]]:
+    rng = random.Random(seed)
+    shared = [1] + [rng.randrange(3, 990) for _ in range(rng.randint(2, 9))]
+    calls = []
+    for i in range(6):
+        prompt = shared + [rng.randrange(3, 990) for _ in range(rng.randint(1, 6))]
+        max_new = rng.randint(8, BLOCKS * BLOCK - len(prompt) - 2)
+        sampling = GREEDY if rng.random() < 0.5 else common_pb2.SamplingParams(
+            temperature=0.9, top_k=50, seed=seed * 10 + i)
+        cancel_after = rng.randint(1, max_new - 1) if rng.random() < 0.25 else None
+        calls.append((prompt, sampling, max_new, cancel_after))
+    return calls
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_random_loads_under_memory_pressure_give_each_call_its_own_tokens(llama_dir, workers):
+    live = LiveGateway(workers, Limits())
+    try:
+        list(live.stub.Load(gateway_pb2.LoadRequest(
+            model_path=str(llama_dir), dtype=common_pb2.DTYPE_FLOAT32,
+            kv_cache=common_pb2.KvCacheConfig(block_size=BLOCK, num_blocks=BLOCKS))))
+        preempted = 0.0
+        for seed in range(3):
+            calls = random_calls(seed)
+            alone = [stream(live, prompt, sampling, max_new)
+                     for prompt, sampling, max_new, _ in calls]
+            before = live.metrics.value("shardlm_preemptions_total")
+            with ThreadPoolExecutor(len(calls)) as pool:
+                together = list(pool.map(lambda call: stream(live, *call), calls))
+            preempted += live.metrics.value("shardlm_preemptions_total") - before
+            for (_, _, max_new, cancel_after), own, got in zip(calls, alone, together,
+                                                               strict=True):
+                assert len(own) == max_new
+                assert got == own[:len(got)]
+                assert len(got) == max_new or cancel_after is not None
+        assert preempted > 0  # the loads did press on the cache
+        assert live.kv_used() == 0
+    finally:
+        live.close()
