@@ -147,6 +147,7 @@ def prefill_items(request: worker_pb2.PrefillRequest) -> list[PrefillItem]:
             sample=s.sample,
             prefix_token_ids=list(s.prefix_token_ids),
             constraint=constraint_from_proto(s.constraint) if s.HasField("constraint") else None,
+            output_start=s.output_start,
         )
         for s in request.sequences
     ]

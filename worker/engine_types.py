@@ -44,6 +44,9 @@ class PrefillItem:
     # computed (cached by the gateway) and this worker does not know the sequence.
     prefix_token_ids: list[int] = field(default_factory=list)
     constraint: SequenceConstraint | None = None  # after this prefill (read when sampling)
+    # Position of the current turn's first generated token: the tokens from there on count as
+    # generated for the presence and frequency penalties (0: none is).
+    output_start: int = 0
 
 
 @dataclass
@@ -97,6 +100,7 @@ class ResidentSequence:
     generated: int = 0
     finished: FinishReason | None = None
     history: TokenHistory | None = None
+    output_start: int = 0  # the tokens from there on were generated in the current turn
     matcher: Any = None  # llguidance's LLMatcher of its constraint, on rank 0 (worker/grammar.py)
     # Speculative decoding (worker/speculative.py): its prompt-lookup index, made at its first
     # speculative step, and how its drafts have fared.

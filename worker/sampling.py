@@ -77,6 +77,17 @@ class TokenHistory:
             seen[to_device(prompt, torch.long, device)] = True
         return cls(seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
 
+    @classmethod
+    def from_tokens(cls, tokens: list[int], output_start: int, vocab_size: int,
+                    device: torch.device) -> TokenHistory:
+        """The history of a sequence whose tokens from `output_start` on were generated (0:
+        none was): every token counts for the repetition penalty, those for the output ones."""
+        history = cls.from_prompt(tokens, vocab_size, device)
+        if 0 < output_start < len(tokens):
+            ids = to_device(tokens[output_start:], torch.long, device)
+            history.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return history
+
     def with_outputs(self, token_ids: list[int]) -> TokenHistory:
         """A copy that has also generated `token_ids` (a draft's history at one of its rows)."""
         copy = TokenHistory(self.seen.clone(), self.output_counts.clone())

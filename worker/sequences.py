@@ -54,6 +54,7 @@ class SequenceStates:
             block_table=list(item.block_table),
             sampling=item.sampling,
             stop=item.stop,
+            output_start=item.output_start,
         )
         self._attach_sampler_state(seq)
         if item.sample:
@@ -130,7 +131,9 @@ class SequenceStates:
         p = seq.sampling
         seq.history = None
         if p.uses_repetition_penalty or p.uses_output_penalties:
-            seq.history = TokenHistory.from_prompt(seq.tokens, self.cfg.vocab_size, self.device)
+            tokens = seq.tokens if seq.pending is None else [*seq.tokens, seq.pending]
+            seq.history = TokenHistory.from_tokens(tokens, seq.output_start,
+                                                   self.cfg.vocab_size, self.device)
 
     def advance(self, seqs: list[ResidentSequence],
                  tokens: list[SampledToken]) -> list[TokenOutput]:

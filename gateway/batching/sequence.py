@@ -82,6 +82,10 @@ class SequenceState:
     # sampling_changed; `constraint_complete` once a token ended its grammar.
     constraint: CompiledConstraint | None = None
     constraint_start: int = 0
+    # The history position of the current turn's first generated token (a Generate's after its
+    # prompt, a session's after its last turn): the presence and frequency penalties count the
+    # tokens from there on, and the workers are told so with every prefill (a recompute too).
+    output_start: int = field(init=False, default=0)
     constraint_changed: bool = False
     constraint_complete: bool = False
     # Progress (the module docstring):
@@ -103,6 +107,9 @@ class SequenceState:
     # ... and the draft tokens the workers verified for it, and accepted (speculative decoding).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.output_start = len(self.tokens)  # a Generate's prompt; a session's turns move it
 
     # ----------------------------------------------------------------- reading
     @property
@@ -149,6 +156,7 @@ class SequenceState:
         """A new turn: append to the history. The computed tokens stay; a pending token is
         prefilled again with the turn."""
         self.tokens = self.tokens + list(tokens)
+        self.output_start = len(self.tokens)
         self._unpend()
 
     def replace_history(self, tokens: list[int]) -> None:
@@ -160,6 +168,7 @@ class SequenceState:
                 break
             keep += 1
         self.tokens = list(tokens)
+        self.output_start = len(self.tokens)
         self.computed = min(self.computed, keep)
         self._unpend()
 

@@ -30,7 +30,8 @@ def prefill_request(batch: list[PrefillChunk], kv: KvManager) -> worker_pb2.Pref
             sequence_id=c.seq.seq_id, token_ids=c.token_ids, start_position=c.start,
             block_table=kv.table(c.seq.seq_id), sampling=c.seq.sampling,
             stop=c.seq.worker_stop(), sample=c.final, prefix_token_ids=c.prefix_ids,
-            constraint=c.seq.worker_constraint() if c.final and c.seq.constraint else None)
+            constraint=c.seq.worker_constraint() if c.final and c.seq.constraint else None,
+            output_start=c.seq.output_start)
         for c in batch])
 
 

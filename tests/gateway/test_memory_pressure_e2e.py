@@ -2,7 +2,7 @@
 real workers (one, and two in tensor parallel) on a tiny float32 checkpoint with 4-token blocks.
 
 Calls share a prompt prefix (the prefix cache attaches it), each fits the cache alone, some
-sample with a seed and some are cancelled by their client part-way. Together they preempt one
+sample with a seed, some have penalties and some are cancelled by their client part-way. Together they preempt one
 another and are recomputed; each call's tokens must be the tokens it gives alone (a cancelled
 one's, a beginning of them), and when all are done no block is held."""
 
@@ -20,7 +20,6 @@ from shardlm_server.gateway.api.runtime import Limits
 from tests.gateway.conftest import LiveGateway
 
 BLOCK, BLOCKS = 4, 24
-GREEDY = common_pb2.SamplingParams()
 
 
 def stream(live: LiveGateway, prompt: list[int], sampling: common_pb2.SamplingParams,
@@ -49,8 +48,13 @@ def random_calls(seed: int) -> list[tuple[list[int], common_pb2.SamplingParams, 
     for i in range(6):
         prompt = shared + [rng.randrange(3, 990) for _ in range(rng.randint(1, 6))]
         max_new = rng.randint(8, BLOCKS * BLOCK - len(prompt) - 2)
-        sampling = GREEDY if rng.random() < 0.5 else common_pb2.SamplingParams(
-            temperature=0.9, top_k=50, seed=seed * 10 + i)
+        sampling = common_pb2.SamplingParams()
+        if rng.random() < 0.5:
+            sampling.MergeFrom(common_pb2.SamplingParams(temperature=0.9, top_k=50,
+                                                         seed=seed * 10 + i))
+        if rng.random() < 0.5:  # counted over the tokens generated so far, recomputed or not
+            sampling.MergeFrom(common_pb2.SamplingParams(
+                frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2))
         cancel_after = rng.randint(1, max_new - 1) if rng.random() < 0.25 else None
         calls.append((prompt, sampling, max_new, cancel_after))
     return calls

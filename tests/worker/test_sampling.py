@@ -273,3 +273,12 @@ def test_a_seeded_draw_is_keyed_by_seed_and_position_with_splitmix64():
             for position in range(100)}
     assert len(keys) == 300  # every seed and position its own key
     assert all(0.0 <= sampling.seeded_uniform(7, p) < 1.0 for p in range(1000))
+
+
+def test_a_history_rebuilt_from_tokens_counts_only_those_generated_as_output():
+    history = sampling.TokenHistory.from_tokens([3, 7, 9, 7, 9, 9], 3, VOCAB, CPU)
+    assert {t for t, s in enumerate(history.seen.tolist()) if s} == {3, 7, 9}
+    assert {t: c for t, c in enumerate(history.output_counts.tolist()) if c} == {7: 1, 9: 2}
+    for none_generated in (0, 6):
+        history = sampling.TokenHistory.from_tokens([3, 7, 9], none_generated, VOCAB, CPU)
+        assert not history.output_counts.any()

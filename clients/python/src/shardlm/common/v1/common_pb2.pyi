@@ -518,19 +518,22 @@ class SamplingParams(google.protobuf.message.Message):
     by it. Unset means 1.0 (disabled). Must be > 0.
     """
     presence_penalty: builtins.float
-    """Presence penalty with OpenAI semantics over generated tokens only: subtracted
-    once from the logit of every token generated at least once. 0 disables it.
-    Valid range [-2, 2].
+    """Presence penalty with OpenAI semantics over generated tokens only (those
+    of the current turn: a Generate's output, a session's tokens since its
+    last Prefill): subtracted once from the logit of every token generated at
+    least once. 0 disables it. Valid range [-2, 2].
     """
     frequency_penalty: builtins.float
-    """Frequency penalty with OpenAI semantics over generated tokens only:
-    subtracted from a token's logit once per time it was generated. 0 disables
-    it. Valid range [-2, 2].
+    """Frequency penalty with OpenAI semantics over generated tokens only (of the
+    current turn, as presence_penalty): subtracted from a token's logit once
+    per time it was generated. 0 disables it. Valid range [-2, 2].
     """
     seed: builtins.int
-    """Seed of the sequence's random number generator. The same seed, prompt,
-    parameters, model and server configuration give the same tokens. Unset
-    means a random seed.
+    """Seed of the sequence's random draws. The same seed, prompt, parameters,
+    model and server configuration give the same tokens. Each draw is keyed by
+    the seed and the position of the token it draws, so a sequence preempted
+    and recomputed, or verifying drafts, draws as it would have otherwise.
+    Unset means a random seed.
     """
     logprobs: builtins.bool
     """Return the log probability of each chosen token (`Logprobs.chosen`)."""

@@ -15,15 +15,15 @@ _sym_db = _symbol_database.Default()
 from shardlm.common.v1 import common_pb2 as shardlm_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardlm/worker/v1/worker.proto\x12\x11shardlm.worker.v1\x1a\x1eshardlm/common/v1/common.proto\"\x8c\x01\n\x12\x43ommunicatorConfig\x12/\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1e.shardlm.worker.v1.CommBackend\x12\x14\n\x0cinit_address\x18\x02 \x01(\t\x12\x16\n\x0enccl_unique_id\x18\x03 \x01(\x0c\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x02\"\xd3\x01\n\rEngineOptions\x12\x1b\n\x13\x64isable_cuda_graphs\x18\x01 \x01(\x08\x12\x1c\n\x14\x63uda_graph_max_batch\x18\x02 \x01(\r\x12\x1e\n\x16\x63uda_graph_max_context\x18\x03 \x01(\r\x12\x18\n\x10\x64isable_cpu_simd\x18\x04 \x01(\x08\x12\x1c\n\x14\x61\x63tivation_precision\x18\x05 \x01(\t\x12\x13\n\x0bspeculation\x18\x06 \x01(\t\x12\x1a\n\x12speculative_tokens\x18\x07 \x01(\r\"\xc1\x02\n\x0bLoadRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\'\n\x05\x64type\x18\x02 \x01(\x0e\x32\x18.shardlm.common.v1.Dtype\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x33\n\x04\x63omm\x18\x06 \x01(\x0b\x32%.shardlm.worker.v1.CommunicatorConfig\x12\x32\n\x08kv_cache\x18\x07 \x01(\x0b\x32 .shardlm.common.v1.KvCacheConfig\x12\x30\n\x06\x65ngine\x18\x08 \x01(\x0b\x32 .shardlm.worker.v1.EngineOptions\x12\x10\n\x08quantize\x18\t \x01(\t\x12\x16\n\x0etokenizer_json\x18\n \x01(\t\"q\n\x0cLoadComplete\x12+\n\x05model\x18\x01 \x01(\x0b\x32\x1c.shardlm.common.v1.ModelInfo\x12\x34\n\x08\x63\x61pacity\x18\x02 \x01(\x0b\x32\".shardlm.common.v1.KvCacheCapacity\"\xb8\x01\n\x0cLoadResponse\x12\x33\n\x08progress\x18\x01 \x01(\x0b\x32\x1f.shardlm.common.v1.LoadProgressH\x00\x12\x18\n\x0enccl_unique_id\x18\x02 \x01(\x0cH\x00\x12\x1b\n\x11\x63omm_init_address\x18\x04 \x01(\tH\x00\x12\x33\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1f.shardlm.worker.v1.LoadCompleteH\x00\x42\x07\n\x05\x65vent\"\xb0\x02\n\x0fPrefillSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.shardlm.common.v1.SamplingParams\x12/\n\x04stop\x18\x06 \x01(\x0b\x32!.shardlm.common.v1.StopConditions\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x08 \x03(\x05\x12\x38\n\nconstraint\x18\t \x01(\x0b\x32$.shardlm.worker.v1.GrammarConstraint\"<\n\x11GrammarConstraint\x12\x0f\n\x07grammar\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\"[\n\x0ePrefillRequest\x12\x35\n\tsequences\x18\x01 \x03(\x0b\x32\".shardlm.worker.v1.PrefillSequence\x12\x12\n\ndebug_taps\x18\x02 \x03(\t\"\x97\x01\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.shardlm.common.v1.Logprobs\x12\x1b\n\x13\x63onstraint_complete\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05R\rfinish_reason\"\x92\x01\n\x0fPrefillResponse\x12\x30\n\x06tokens\x18\x01 \x03(\x0b\x32 .shardlm.worker.v1.SequenceToken\x12,\n\x04taps\x18\x02 \x03(\x0b\x32\x1e.shardlm.common.v1.DebugTensor\x12\x1f\n\x17\x63onstraint_mask_seconds\x18\x03 \x01(\x01\"\xed\x01\n\x0e\x44\x65\x63odeSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12\x11\n\tmax_steps\x18\x03 \x01(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.shardlm.common.v1.SamplingParams\x12/\n\x04stop\x18\x05 \x01(\x0b\x32!.shardlm.common.v1.StopConditions\x12\x38\n\nconstraint\x18\x06 \x01(\x0b\x32$.shardlm.worker.v1.GrammarConstraint\"l\n\rDecodeRequest\x12\x34\n\tsequences\x18\x01 \x03(\x0b\x32!.shardlm.worker.v1.DecodeSequence\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x12\n\ndebug_taps\x18\x03 \x03(\t\"\xcf\x01\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x30\n\x06tokens\x18\x02 \x03(\x0b\x32 .shardlm.worker.v1.SequenceToken\x12,\n\x04taps\x18\x03 \x03(\x0b\x32\x1e.shardlm.common.v1.DebugTensor\x12\x1f\n\x17\x63onstraint_mask_seconds\x18\x04 \x01(\x01\x12.\n\x06\x64rafts\x18\x05 \x03(\x0b\x32\x1e.shardlm.worker.v1.DraftTokens\"F\n\x0b\x44raftTokens\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08proposed\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\"j\n\x11ResetCacheRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x32\n\x08kv_cache\x18\x03 \x01(\x0b\x32 .shardlm.common.v1.KvCacheConfig\"J\n\x12ResetCacheResponse\x12\x34\n\x08\x63\x61pacity\x18\x01 \x01(\x0b\x32\".shardlm.common.v1.KvCacheCapacity\"\x10\n\x0eGetInfoRequest\"\x9f\x02\n\x0fGetInfoResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12+\n\x05model\x18\x02 \x01(\x0b\x32\x1c.shardlm.common.v1.ModelInfo\x12\x34\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\".shardlm.common.v1.KvCacheCapacity\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x16\n\x0elive_sequences\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x1e\n\x16memory_allocated_bytes\x18\t \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\n \x01(\x04*Y\n\x0b\x43ommBackend\x12\x1c\n\x18\x43OMM_BACKEND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OMM_BACKEND_GLOO\x10\x01\x12\x15\n\x11\x43OMM_BACKEND_NCCL\x10\x02\x32\xaa\x03\n\rWorkerService\x12I\n\x04Load\x12\x1e.shardlm.worker.v1.LoadRequest\x1a\x1f.shardlm.worker.v1.LoadResponse0\x01\x12P\n\x07Prefill\x12!.shardlm.worker.v1.PrefillRequest\x1a\".shardlm.worker.v1.PrefillResponse\x12O\n\x06\x44\x65\x63ode\x12 .shardlm.worker.v1.DecodeRequest\x1a!.shardlm.worker.v1.DecodeResponse0\x01\x12Y\n\nResetCache\x12$.shardlm.worker.v1.ResetCacheRequest\x1a%.shardlm.worker.v1.ResetCacheResponse\x12P\n\x07GetInfo\x12!.shardlm.worker.v1.GetInfoRequest\x1a\".shardlm.worker.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardlm/worker/v1/worker.proto\x12\x11shardlm.worker.v1\x1a\x1eshardlm/common/v1/common.proto\"\x8c\x01\n\x12\x43ommunicatorConfig\x12/\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1e.shardlm.worker.v1.CommBackend\x12\x14\n\x0cinit_address\x18\x02 \x01(\t\x12\x16\n\x0enccl_unique_id\x18\x03 \x01(\x0c\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x02\"\xd3\x01\n\rEngineOptions\x12\x1b\n\x13\x64isable_cuda_graphs\x18\x01 \x01(\x08\x12\x1c\n\x14\x63uda_graph_max_batch\x18\x02 \x01(\r\x12\x1e\n\x16\x63uda_graph_max_context\x18\x03 \x01(\r\x12\x18\n\x10\x64isable_cpu_simd\x18\x04 \x01(\x08\x12\x1c\n\x14\x61\x63tivation_precision\x18\x05 \x01(\t\x12\x13\n\x0bspeculation\x18\x06 \x01(\t\x12\x1a\n\x12speculative_tokens\x18\x07 \x01(\r\"\xc1\x02\n\x0bLoadRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\'\n\x05\x64type\x18\x02 \x01(\x0e\x32\x18.shardlm.common.v1.Dtype\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x33\n\x04\x63omm\x18\x06 \x01(\x0b\x32%.shardlm.worker.v1.CommunicatorConfig\x12\x32\n\x08kv_cache\x18\x07 \x01(\x0b\x32 .shardlm.common.v1.KvCacheConfig\x12\x30\n\x06\x65ngine\x18\x08 \x01(\x0b\x32 .shardlm.worker.v1.EngineOptions\x12\x10\n\x08quantize\x18\t \x01(\t\x12\x16\n\x0etokenizer_json\x18\n \x01(\t\"q\n\x0cLoadComplete\x12+\n\x05model\x18\x01 \x01(\x0b\x32\x1c.shardlm.common.v1.ModelInfo\x12\x34\n\x08\x63\x61pacity\x18\x02 \x01(\x0b\x32\".shardlm.common.v1.KvCacheCapacity\"\xb8\x01\n\x0cLoadResponse\x12\x33\n\x08progress\x18\x01 \x01(\x0b\x32\x1f.shardlm.common.v1.LoadProgressH\x00\x12\x18\n\x0enccl_unique_id\x18\x02 \x01(\x0cH\x00\x12\x1b\n\x11\x63omm_init_address\x18\x04 \x01(\tH\x00\x12\x33\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1f.shardlm.worker.v1.LoadCompleteH\x00\x42\x07\n\x05\x65vent\"\xc6\x02\n\x0fPrefillSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.shardlm.common.v1.SamplingParams\x12/\n\x04stop\x18\x06 \x01(\x0b\x32!.shardlm.common.v1.StopConditions\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x08 \x03(\x05\x12\x38\n\nconstraint\x18\t \x01(\x0b\x32$.shardlm.worker.v1.GrammarConstraint\x12\x14\n\x0coutput_start\x18\n \x01(\r\"<\n\x11GrammarConstraint\x12\x0f\n\x07grammar\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\"[\n\x0ePrefillRequest\x12\x35\n\tsequences\x18\x01 \x03(\x0b\x32\".shardlm.worker.v1.PrefillSequence\x12\x12\n\ndebug_taps\x18\x02 \x03(\t\"\x97\x01\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.shardlm.common.v1.Logprobs\x12\x1b\n\x13\x63onstraint_complete\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05R\rfinish_reason\"\x92\x01\n\x0fPrefillResponse\x12\x30\n\x06tokens\x18\x01 \x03(\x0b\x32 .shardlm.worker.v1.SequenceToken\x12,\n\x04taps\x18\x02 \x03(\x0b\x32\x1e.shardlm.common.v1.DebugTensor\x12\x1f\n\x17\x63onstraint_mask_seconds\x18\x03 \x01(\x01\"\xed\x01\n\x0e\x44\x65\x63odeSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12\x11\n\tmax_steps\x18\x03 \x01(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.shardlm.common.v1.SamplingParams\x12/\n\x04stop\x18\x05 \x01(\x0b\x32!.shardlm.common.v1.StopConditions\x12\x38\n\nconstraint\x18\x06 \x01(\x0b\x32$.shardlm.worker.v1.GrammarConstraint\"l\n\rDecodeRequest\x12\x34\n\tsequences\x18\x01 \x03(\x0b\x32!.shardlm.worker.v1.DecodeSequence\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x12\n\ndebug_taps\x18\x03 \x03(\t\"\xcf\x01\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x30\n\x06tokens\x18\x02 \x03(\x0b\x32 .shardlm.worker.v1.SequenceToken\x12,\n\x04taps\x18\x03 \x03(\x0b\x32\x1e.shardlm.common.v1.DebugTensor\x12\x1f\n\x17\x63onstraint_mask_seconds\x18\x04 \x01(\x01\x12.\n\x06\x64rafts\x18\x05 \x03(\x0b\x32\x1e.shardlm.worker.v1.DraftTokens\"F\n\x0b\x44raftTokens\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08proposed\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\"j\n\x11ResetCacheRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x32\n\x08kv_cache\x18\x03 \x01(\x0b\x32 .shardlm.common.v1.KvCacheConfig\"J\n\x12ResetCacheResponse\x12\x34\n\x08\x63\x61pacity\x18\x01 \x01(\x0b\x32\".shardlm.common.v1.KvCacheCapacity\"\x10\n\x0eGetInfoRequest\"\x9f\x02\n\x0fGetInfoResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12+\n\x05model\x18\x02 \x01(\x0b\x32\x1c.shardlm.common.v1.ModelInfo\x12\x34\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\".shardlm.common.v1.KvCacheCapacity\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x16\n\x0elive_sequences\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x1e\n\x16memory_allocated_bytes\x18\t \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\n \x01(\x04*Y\n\x0b\x43ommBackend\x12\x1c\n\x18\x43OMM_BACKEND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OMM_BACKEND_GLOO\x10\x01\x12\x15\n\x11\x43OMM_BACKEND_NCCL\x10\x02\x32\xaa\x03\n\rWorkerService\x12I\n\x04Load\x12\x1e.shardlm.worker.v1.LoadRequest\x1a\x1f.shardlm.worker.v1.LoadResponse0\x01\x12P\n\x07Prefill\x12!.shardlm.worker.v1.PrefillRequest\x1a\".shardlm.worker.v1.PrefillResponse\x12O\n\x06\x44\x65\x63ode\x12 .shardlm.worker.v1.DecodeRequest\x1a!.shardlm.worker.v1.DecodeResponse0\x01\x12Y\n\nResetCache\x12$.shardlm.worker.v1.ResetCacheRequest\x1a%.shardlm.worker.v1.ResetCacheResponse\x12P\n\x07GetInfo\x12!.shardlm.worker.v1.GetInfoRequest\x1a\".shardlm.worker.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardlm.worker.v1.worker_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_COMMBACKEND']._serialized_start=2957
-  _globals['_COMMBACKEND']._serialized_end=3046
+  _globals['_COMMBACKEND']._serialized_start=2979
+  _globals['_COMMBACKEND']._serialized_end=3068
   _globals['_COMMUNICATORCONFIG']._serialized_start=86
   _globals['_COMMUNICATORCONFIG']._serialized_end=226
   _globals['_ENGINEOPTIONS']._serialized_start=229
@@ -35,31 +35,31 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_LOADRESPONSE']._serialized_start=882
   _globals['_LOADRESPONSE']._serialized_end=1066
   _globals['_PREFILLSEQUENCE']._serialized_start=1069
-  _globals['_PREFILLSEQUENCE']._serialized_end=1373
-  _globals['_GRAMMARCONSTRAINT']._serialized_start=1375
-  _globals['_GRAMMARCONSTRAINT']._serialized_end=1435
-  _globals['_PREFILLREQUEST']._serialized_start=1437
-  _globals['_PREFILLREQUEST']._serialized_end=1528
-  _globals['_SEQUENCETOKEN']._serialized_start=1531
-  _globals['_SEQUENCETOKEN']._serialized_end=1682
-  _globals['_PREFILLRESPONSE']._serialized_start=1685
-  _globals['_PREFILLRESPONSE']._serialized_end=1831
-  _globals['_DECODESEQUENCE']._serialized_start=1834
-  _globals['_DECODESEQUENCE']._serialized_end=2071
-  _globals['_DECODEREQUEST']._serialized_start=2073
-  _globals['_DECODEREQUEST']._serialized_end=2181
-  _globals['_DECODERESPONSE']._serialized_start=2184
-  _globals['_DECODERESPONSE']._serialized_end=2391
-  _globals['_DRAFTTOKENS']._serialized_start=2393
-  _globals['_DRAFTTOKENS']._serialized_end=2463
-  _globals['_RESETCACHEREQUEST']._serialized_start=2465
-  _globals['_RESETCACHEREQUEST']._serialized_end=2571
-  _globals['_RESETCACHERESPONSE']._serialized_start=2573
-  _globals['_RESETCACHERESPONSE']._serialized_end=2647
-  _globals['_GETINFOREQUEST']._serialized_start=2649
-  _globals['_GETINFOREQUEST']._serialized_end=2665
-  _globals['_GETINFORESPONSE']._serialized_start=2668
-  _globals['_GETINFORESPONSE']._serialized_end=2955
-  _globals['_WORKERSERVICE']._serialized_start=3049
-  _globals['_WORKERSERVICE']._serialized_end=3475
+  _globals['_PREFILLSEQUENCE']._serialized_end=1395
+  _globals['_GRAMMARCONSTRAINT']._serialized_start=1397
+  _globals['_GRAMMARCONSTRAINT']._serialized_end=1457
+  _globals['_PREFILLREQUEST']._serialized_start=1459
+  _globals['_PREFILLREQUEST']._serialized_end=1550
+  _globals['_SEQUENCETOKEN']._serialized_start=1553
+  _globals['_SEQUENCETOKEN']._serialized_end=1704
+  _globals['_PREFILLRESPONSE']._serialized_start=1707
+  _globals['_PREFILLRESPONSE']._serialized_end=1853
+  _globals['_DECODESEQUENCE']._serialized_start=1856
+  _globals['_DECODESEQUENCE']._serialized_end=2093
+  _globals['_DECODEREQUEST']._serialized_start=2095
+  _globals['_DECODEREQUEST']._serialized_end=2203
+  _globals['_DECODERESPONSE']._serialized_start=2206
+  _globals['_DECODERESPONSE']._serialized_end=2413
+  _globals['_DRAFTTOKENS']._serialized_start=2415
+  _globals['_DRAFTTOKENS']._serialized_end=2485
+  _globals['_RESETCACHEREQUEST']._serialized_start=2487
+  _globals['_RESETCACHEREQUEST']._serialized_end=2593
+  _globals['_RESETCACHERESPONSE']._serialized_start=2595
+  _globals['_RESETCACHERESPONSE']._serialized_end=2669
+  _globals['_GETINFOREQUEST']._serialized_start=2671
+  _globals['_GETINFOREQUEST']._serialized_end=2687
+  _globals['_GETINFORESPONSE']._serialized_start=2690
+  _globals['_GETINFORESPONSE']._serialized_end=2977
+  _globals['_WORKERSERVICE']._serialized_start=3071
+  _globals['_WORKERSERVICE']._serialized_end=3497
 # @@protoc_insertion_point(module_scope)

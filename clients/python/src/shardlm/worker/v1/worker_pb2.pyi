@@ -340,6 +340,7 @@ class PrefillSequence(google.protobuf.message.Message):
     SAMPLE_FIELD_NUMBER: builtins.int
     PREFIX_TOKEN_IDS_FIELD_NUMBER: builtins.int
     CONSTRAINT_FIELD_NUMBER: builtins.int
+    OUTPUT_START_FIELD_NUMBER: builtins.int
     sequence_id: builtins.int
     """Sequence id assigned by the gateway, unique among live sequences. The
     first Prefill of an id creates the sequence.
@@ -354,6 +355,15 @@ class PrefillSequence(google.protobuf.message.Message):
     """Sample a token after processing token_ids. False for a non-final chunk of
     a chunked prefill: the chunk is only written to the cache and no token is
     returned for the sequence.
+    """
+    output_start: builtins.int
+    """The position in the sequence of the first token generated in its current
+    turn (a Generate's first output token, a session's first token after its
+    last Prefill RPC). The sequence's tokens from there on, fed ones and the
+    pending one, count as generated for the presence and frequency penalties
+    from then on, so a sequence prefilled again (a recompute, a restarted
+    worker) keeps its counts. 0: none of its tokens is generated yet (position
+    0 is always a prompt token).
     """
     @property
     def token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
@@ -414,9 +424,10 @@ class PrefillSequence(google.protobuf.message.Message):
         sample: builtins.bool = ...,
         prefix_token_ids: collections.abc.Iterable[builtins.int] | None = ...,
         constraint: global___GrammarConstraint | None = ...,
+        output_start: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["constraint", b"constraint", "sampling", b"sampling", "stop", b"stop"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "constraint", b"constraint", "prefix_token_ids", b"prefix_token_ids", "sample", b"sample", "sampling", b"sampling", "sequence_id", b"sequence_id", "start_position", b"start_position", "stop", b"stop", "token_ids", b"token_ids"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["block_table", b"block_table", "constraint", b"constraint", "output_start", b"output_start", "prefix_token_ids", b"prefix_token_ids", "sample", b"sample", "sampling", b"sampling", "sequence_id", b"sequence_id", "start_position", b"start_position", "stop", b"stop", "token_ids", b"token_ids"]) -> None: ...
 
 global___PrefillSequence = PrefillSequence
 
