@@ -22,6 +22,7 @@ preempted and recomputed, evicted and rebuilt, verifying drafts or not).
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -136,16 +137,17 @@ def seeded_uniform(seed: int, position: int) -> float:
     return (draw_key(seed, position) >> 11) * 2.0**-53
 
 
-_KEYED: dict[torch.device, torch.Generator] = {}
+_KEYED = threading.local()  # each thread's generators, by device
 
 
 def keyed_generator(device: torch.device, seed: int, position: int) -> torch.Generator:
-    """A generator on `device` seeded with the draw's key. One per device, reseeded for each
-    row: a kernel takes its generator's seed and offset when it is queued, so reseeding for the
-    next row cannot change a draw already queued."""
-    generator = _KEYED.get(device)
+    """A generator on `device` seeded with the draw's key. One per device and thread, reseeded
+    for each row: a kernel takes its generator's seed and offset when it is queued, so reseeding
+    for the next row cannot change a draw already queued."""
+    generators = _KEYED.__dict__.setdefault("by_device", {})
+    generator = generators.get(device)
     if generator is None:
-        generator = _KEYED[device] = torch.Generator(device=device)
+        generator = generators[device] = torch.Generator(device=device)
     return generator.manual_seed(draw_key(seed, position))
 
 
