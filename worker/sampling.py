@@ -4,8 +4,9 @@ Everything is vectorised over the batch: penalties, temperature, top-k / top-p /
 and the draw itself. On a GPU the draw uses the exponential race (argmax of p / E with E ~
 Exp(1)), which samples the categorical distribution exactly and lets a seeded row take its noise
 from a generator of its own key while unseeded rows share one call, so there is no host
-synchronisation per row. The only device-to-host copy is that of the chosen ids (and logprobs when asked), and
-`sample_on_device` leaves it to the caller, who may queue the next step's work first.
+synchronisation per row. The only device-to-host copy is that of the chosen ids (and logprobs
+when asked), and `sample_on_device` leaves it to the caller, who may queue the next step's work
+first.
 
 On CPU those torch ops cost 1 to 6 ms a row (a sort of the whole vocabulary and a random number
 per token: as much as a decode step of the default model), so rows are drawn by the compiled

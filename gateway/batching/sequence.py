@@ -82,12 +82,12 @@ class SequenceState:
     # sampling_changed; `constraint_complete` once a token ended its grammar.
     constraint: CompiledConstraint | None = None
     constraint_start: int = 0
+    constraint_changed: bool = False
+    constraint_complete: bool = False
     # The history position of the current turn's first generated token (a Generate's after its
     # prompt, a session's after its last turn): the presence and frequency penalties count the
     # tokens from there on, and the workers are told so with every prefill (a recompute too).
     output_start: int = field(init=False, default=0)
-    constraint_changed: bool = False
-    constraint_complete: bool = False
     # Progress (the module docstring):
     computed: int = 0
     on_workers: OnWorkers = OnWorkers.NOTHING
