@@ -98,7 +98,7 @@ class Engine:
         self.runner = self._decode_runner()
         self.sampler = StepSampler(self.comm, self.device)
         self.grammar = grammar  # constrained decoding, on the sampling rank (rank 0) only
-        self.states = SequenceStates(self.cfg, self.comm.rank, self.device, grammar)
+        self.states = SequenceStates(self.cfg, self.comm, self.device, grammar)
         self.sequences = self.states.by_id
         speculation = speculation or SpeculationConfig()
         self.speculator = (Speculator(speculation, model, self.comm, self.sampler, self.states)

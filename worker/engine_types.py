@@ -102,6 +102,7 @@ class ResidentSequence:
     history: TokenHistory | None = None
     output_start: int = 0  # the tokens from there on were generated in the current turn
     matcher: Any = None  # llguidance's LLMatcher of its constraint, on rank 0 (worker/grammar.py)
+    constrained: bool = False  # a grammar constrains its next tokens (known on every rank)
     # Speculative decoding (worker/speculative.py): its prompt-lookup index, made at its first
     # speculative step, and how its drafts have fared.
     drafter: NgramDrafter | None = None

@@ -1,12 +1,15 @@
 """What a rank remembers of each sequence between calls (`ResidentSequence`), and how the items
 of a call create and change it: their checks, the prefix a prefill continues, the sampler's state
-(generator, penalty history) and, on the sampling rank, the constraint's matcher; then each step's
-sampled tokens advance it."""
+(penalty history) and, on the sampling rank, the constraint's matcher; then each step's sampled
+tokens advance it. Only the sampling rank runs the grammars, so it tells the other ranks which
+sequences a step's tokens completed (`_share_completions`): every rank then finishes them at the
+same token and keeps stepping the same rows, as the collectives of tensor parallelism need."""
 
 from __future__ import annotations
 
 import torch
 
+from shardlm_server.worker.comm import Communicator
 from shardlm_server.worker.config import ModelConfig
 from shardlm_server.worker.engine_types import (
     DecodeItem,
@@ -20,16 +23,18 @@ from shardlm_server.worker.grammar import GrammarRuntime, PendingMasks, Sequence
 from shardlm_server.worker.kv_cache import KVCache
 from shardlm_server.worker.sampling import SampledToken, TokenHistory
 from shardlm_server.worker.step_checks import check_block_table, check_tokens, finish_reason
+from shardlm_server.worker.transfer import to_device
 
 
 class SequenceStates:
     """The sequences of one engine, by id (`by_id`); rank 0 alone samples, so only it keeps
     generators, penalty histories and matchers."""
 
-    def __init__(self, cfg: ModelConfig, rank: int, device: torch.device,
+    def __init__(self, cfg: ModelConfig, comm: Communicator, device: torch.device,
                  grammar: GrammarRuntime | None) -> None:
         self.cfg = cfg
-        self.rank = rank
+        self.comm = comm
+        self.rank = comm.rank
         self.device = device
         self.grammar = grammar
         self.by_id: dict[int, ResidentSequence] = {}
@@ -59,6 +64,7 @@ class SequenceStates:
         self._attach_sampler_state(seq)
         if item.sample:
             seq.matcher = self._matcher(item.constraint, seq.tokens, seq.sequence_id)
+            seq.constrained = _has_grammar(item.constraint)
         self.by_id[item.sequence_id] = seq
         return seq
 
@@ -107,6 +113,7 @@ class SequenceStates:
         if item.constraint is not None:
             seq.matcher = self._matcher(item.constraint, [*seq.tokens, seq.pending],
                                         seq.sequence_id)
+            seq.constrained = _has_grammar(item.constraint)
         return seq
 
     def _matcher(self, constraint: SequenceConstraint | None, tokens: list[int],
@@ -146,8 +153,25 @@ class SequenceStates:
             complete = False
             if seq.matcher is not None:
                 complete = GrammarRuntime.consume(seq.matcher, token.token_id)
-                if complete:
-                    seq.matcher = None  # nothing more to mask
-                    seq.finished = seq.finished or FinishReason.CONSTRAINT_COMPLETE
             outputs.append(TokenOutput(seq.sequence_id, token, complete))
+        self._share_completions(seqs, outputs)
         return outputs
+
+    def _share_completions(self, seqs: list[ResidentSequence],
+                           outputs: list[TokenOutput]) -> None:
+        """Finish the sequences whose grammars this step's tokens completed, on every rank:
+        rank 0 decided (its matchers), and with more ranks it broadcasts which (only for a
+        batch with a constrained sequence, which every rank knows from the requests)."""
+        if self.comm.world_size > 1 and any(s.constrained for s in seqs):
+            flags = to_device([o.constraint_complete for o in outputs], torch.int64, self.device)
+            self.comm.broadcast(flags, src=0)
+            for i, complete in enumerate(flags.tolist()):
+                outputs[i].constraint_complete = bool(complete)
+        for seq, out in zip(seqs, outputs, strict=True):
+            if out.constraint_complete:
+                seq.matcher, seq.constrained = None, False  # nothing more to mask
+                seq.finished = seq.finished or FinishReason.CONSTRAINT_COMPLETE
+
+
+def _has_grammar(constraint: SequenceConstraint | None) -> bool:
+    return constraint is not None and bool(constraint.grammar)

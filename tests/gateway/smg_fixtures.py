@@ -37,8 +37,8 @@ def chat_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def loaded_gateway(model: Path) -> LiveGateway:
-    gateway = LiveGateway(1, Limits())
+def loaded_gateway(model: Path, workers: int = 1) -> LiveGateway:
+    gateway = LiveGateway(workers, Limits())
     for _ in gateway.stub.Load(gateway_pb2.LoadRequest(model_path=str(model))):
         pass
     return gateway

@@ -161,6 +161,21 @@ def test_constrained_sequences_survive_preemption(tmp_path_factory):
         live.close()
 
 
+def test_tensor_parallel_workers_finish_a_completed_grammar_together(gateway, tmp_path_factory):
+    """Only rank 0 runs the grammar: it tells rank 1 which sequences a step completed, so both
+    stop them at the same token (before, rank 1 stepped on alone and the step timed out)."""
+    split = loaded_gateway(chat_checkpoint(tmp_path_factory.mktemp("split")), workers=2)
+    try:
+        for regex in (WORDS % (2, 4), WORDS % (0, 30)):
+            for constraint in ({"regex": regex}, {"choice": {"choices": ["to be", "or not"]}}):
+                one, two = (generate(g, constraint, max_new_tokens=48) for g in (gateway, split))
+                assert two[0] == one[0]
+                assert two[1].finish_reason == one[1].finish_reason
+        assert split.kv_used() == 0
+    finally:
+        split.close()
+
+
 def test_metrics_count_kinds_compiles_and_masks(gateway):
     generate(gateway, {"choice": {"choices": ["be", "not"]}})
     assert gateway.metrics.value("shardlm_constrained_requests_total", {"kind": "choice"}) >= 1
