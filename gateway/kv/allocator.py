@@ -242,12 +242,15 @@ class BlockAllocator:
             key = _chain_key(key, tokens[i * bs:(i + 1) * bs])
             table.keys.append(key)
             block = table.blocks[i]
-            if key not in self._by_key and block not in self._key_of:
+            # A block is shared only where its whole chain is: not when another sequence
+            # published the same tokens first (this copy stays private), nor after a block
+            # before it was forgotten by a clear of the cache (no lookup could reach it).
+            if (key not in self._by_key and block not in self._key_of
+                    and (parent is None or parent in self._by_key)):
                 self._by_key[key] = block
                 self._key_of[block] = key
                 if self._events is not None:
                     self._events.stored(salt, key, parent, tokens[i * bs:(i + 1) * bs], i)
-            # else another sequence published the same tokens first: this copy stays private
 
     def rewind(self, sequence_id: int, position: int) -> int:
         """The sequence writes its cache from `position` on. A published block there is shared
@@ -269,7 +272,8 @@ class BlockAllocator:
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (the workers' caches were reset or lost). Blocks that
-        sequences hold stay theirs, now private."""
+        sequences hold stay theirs, now private, and so do the blocks they go on to complete
+        after those (their chains start at a forgotten block)."""
         self._free.extend(self._idle)
         self._idle.clear()
         self._by_key.clear()

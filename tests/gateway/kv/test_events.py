@@ -6,6 +6,7 @@ filling its gap, an unknown number gets DATA_LOSS; a slow subscriber never block
 from __future__ import annotations
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -186,3 +187,68 @@ def test_publishing_can_be_switched_off():
     cache(a, 1, [1, 2, 3, 4])
     log.flush()
     assert not log._history and log.live_blocks == 0
+
+
+def test_random_operations_keep_the_routers_view_equal_to_the_cache():
+    """Allocations, publishing under the routable salt and another, rewinds, frees, evictions
+    and clears at random: replaying every batch gives, after each one, exactly the routable
+    blocks the prefix cache shares, each stored after its parent."""
+    rng = random.Random(11)
+    a, log = make(num_blocks=16)
+    private: set[bytes] = set()  # the chain keys published under the other salt
+    view: dict[int, int | None] = {}  # what a router that replays the batches knows: parents
+    histories: dict[int, tuple[list[int], bytes]] = {}
+    replayed = 0  # the last batch's number the view holds
+    for step in range(2000):
+        sid, op = rng.randrange(8), rng.random()
+        if sid not in histories:
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+            salt = SALT if rng.random() < 0.8 else b"private"
+            a.attach_prefix(sid, tokens, salt)
+            if not a.can_grow(sid, len(tokens)):
+                a.free(sid)
+                continue
+            a.grow(sid, len(tokens))
+            histories[sid] = (tokens, salt)
+        elif op < 0.3:
+            a.free(sid)
+            del histories[sid]
+            continue
+        elif op < 0.35:
+            a.clear_prefix_cache()
+            continue
+        else:
+            tokens, salt = histories[sid]
+            start = a.rewind(sid, rng.randrange(len(tokens) + 1))
+            tokens[start:] = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            if not a.can_grow(sid, len(tokens)):
+                a.free(sid)
+                del histories[sid]
+                continue
+            a.grow(sid, len(tokens))
+        tokens, salt = histories[sid]
+        a.publish(sid, tokens, len(tokens), salt)
+        if salt != SALT:
+            key = _root_key(salt)
+            for i in range(len(tokens) // BS):
+                key = _chain_key(key, tokens[i * BS:(i + 1) * BS])
+                private.add(key)
+        log.flush()
+        batches = [b for b in log._history if b.sequence_number > replayed]
+        replayed = log.last_sequence_number
+        for event in (e for batch in batches for e in batch.events):
+            kind = event.WhichOneof("data")
+            if kind == "cleared":
+                view.clear()
+            elif kind == "removed":
+                for h in event.removed.block_hashes:
+                    del view[h]  # only what it was told of is removed
+            else:
+                parent = (event.stored.parent_block_hash
+                          if event.stored.HasField("parent_block_hash") else None)
+                assert parent is None or parent in view, step
+                for block in event.stored.blocks:
+                    view[block.block_hash] = parent
+                    parent = block.block_hash
+        shared = {block_hash(k) for k in a._by_key if k not in private}
+        assert set(view) == shared, step
