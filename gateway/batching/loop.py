@@ -49,6 +49,9 @@ from shardlm_server.gateway.workers.client import WorkerPool
 log = logging.getLogger("shardlm.gateway")
 _DEFAULTS = Limits()  # the serve settings' defaults (gateway/config.py)
 EXPIRY_CHECK_S = 1.0  # idle sessions are looked for at most this often
+# While a prompt waits for blocks that only sequences outside the loop's queues hold (a released
+# call not yet freed, a session between its calls), the loop looks again this often.
+STALL_RETRY_S = 0.01
 
 
 class BatchLoop:
@@ -80,6 +83,7 @@ class BatchLoop:
         self._waiting: deque[SequenceState] = deque()
         self._running: list[SequenceState] = []
         self._to_free: list[SequenceState] = []
+        self._stalled = False  # the last admission waits for blocks held outside the queues
         self._next_expiry_check = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -135,6 +139,8 @@ class BatchLoop:
         self._reap()
         if self._running:
             await self._decode()
+        elif self._stalled:
+            await asyncio.sleep(STALL_RETRY_S)
 
     def _reap(self) -> None:
         for seq in self._to_free:
@@ -222,6 +228,7 @@ class BatchLoop:
         # the same prefix beside them.
         pending: set[bytes] = set()
         deferred: list[SequenceState] = []
+        self._stalled = False
         while self._waiting and budget > 0 and len(self._running) + len(batch) < self.max_running:
             seq = self._waiting[0]
             if self.kv.shares_pending(seq.seq_id, seq.tokens, seq.prefix_salt, pending):
@@ -240,8 +247,13 @@ class BatchLoop:
                 # attached before it had to wait, a long prompt's first chunks. They give them
                 # up, as a preempted sequence does, and are recomputed later.
                 alone = self._release_waiting(but=seq)
-                if not alone or not self.kv.grow(seq.seq_id, end):  # nothing ever will free more
-                    self._waiting.popleft()
+                if not self.kv.grow(seq.seq_id, end):
+                    if self.kv.others_hold(seq.seq_id):
+                        # Held outside the queues: a released call the next iteration frees, a
+                        # session between its calls (evictable once its handler is done).
+                        self._stalled = True
+                        break
+                    self._waiting.popleft()  # all else is free: it can never have them
                     seq.events.put_nowait(ErrorEvent(ResourceExhaustedError(
                         "the KV cache is too small for this request", reason="KV_CACHE_FULL",
                         retry_after_s=5.0, metadata={

@@ -116,7 +116,7 @@ class SessionStore:
                 if not s.busy and now - s.last_used > self.idle_timeout_s]
 
     def eviction_candidates(self) -> list[Session]:
-        """Idle sessions holding a cache, least recently used first."""
+        """Idle sessions, least recently used first (those holding no cache give up none)."""
         idle = [s for s in self._sessions.values()
-                if not s.busy and s.seq.phase is Phase.IDLE and s.seq.computed > 0]
+                if not s.busy and s.seq.phase is Phase.IDLE]
         return sorted(idle, key=lambda s: s.last_used)

@@ -115,6 +115,10 @@ class BlockAllocator:
     def holds(self, sequence_id: int) -> bool:
         return sequence_id in self._tables
 
+    def held_by_others(self, sequence_id: int) -> bool:
+        """Whether a sequence other than `sequence_id` holds a block."""
+        return any(t.blocks for sid, t in self._tables.items() if sid != sequence_id)
+
     def extra_blocks_needed(self, sequence_id: int, tokens: int) -> int:
         """Blocks to add so the sequence can hold `tokens` tokens in total."""
         have = len(self._tables[sequence_id].blocks) if sequence_id in self._tables else 0

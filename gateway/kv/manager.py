@@ -116,6 +116,11 @@ class KvManager:
                 released.append(other)
         return released
 
+    def others_hold(self, seq_id: int) -> bool:
+        """Whether blocks are held by sequences other than `seq_id` (free and idle cached
+        ones aside): blocks that may still come free."""
+        return self.allocator.held_by_others(seq_id)
+
     def grow(self, seq_id: int, tokens: int) -> bool:
         """Give the sequence blocks to hold `tokens` tokens, if it can have them now."""
         if not self.allocator.can_grow(seq_id, tokens):

@@ -1,7 +1,8 @@
 """The scheduler under random loads against the fake worker pool: Generate calls and multi-turn
-sessions sharing a prefix (or bypassing the prefix cache), some turns re-rendered from a point
-on, some calls cancelled part-way, in a KV cache too small for all of them at once, with random
-call lengths, prefill budgets and running limits, and workers that accept drafts or not.
+sessions sharing a prefix (or bypassing the prefix cache), busy between their calls for a while
+as their handlers hold them, some turns re-rendered from a point on, some calls cancelled
+part-way, in a KV cache too small for all of them at once, with random call lengths, prefill
+budgets and running limits, and workers that accept drafts or not.
 
 Every call fits the cache alone, so none may fail: each token must be the fake model's next
 token after the history its client has seen (whatever was preempted, evicted, chunked or
@@ -63,10 +64,20 @@ async def a_generate(h: Harness, rng: random.Random, shared: list[int], room: in
     h.scheduler.release(seq)
 
 
+async def between_calls(h: Harness, session, rng: random.Random) -> None:
+    """A session's handler finishing a call: a while still busy (its cache held, not yet
+    evictable), then idle a while (evictable) and busy again for the next call."""
+    await asyncio.sleep(rng.random() * 0.005)
+    h.sessions.release_busy(session)
+    await asyncio.sleep(rng.random() * 0.01)
+    session.busy = True
+
+
 async def a_session(h: Harness, rng: random.Random, shared: list[int], room: int) -> None:
     seq = h.scheduler.new_sequence([], common_pb2.SamplingParams(),
                                    prefix_salt=rng.choice(SALTS))
     session = h.sessions.create(seq)
+    session.busy = True  # as the Prefill handler holds it
     history: list[int] = []
     for turn in range(rng.randint(1, 4)):
         added = (shared if turn == 0 else []) + [rng.randint(20, 90)
@@ -82,12 +93,13 @@ async def a_session(h: Harness, rng: random.Random, shared: list[int], room: int
         first, _ = await next_event(seq)
         assert first == next_token(history)
         history.append(first)
-        await asyncio.sleep(rng.random() * 0.01)  # idle: its cache may be evicted meanwhile
+        await between_calls(h, session, rng)
         max_new = rng.randint(1, room - len(history))
+        session.busy = True  # as the Decode handler holds it
         h.scheduler.submit(seq, limits(max_new), prefill_only=False)
         await follow_call(h, seq, history, rng, max_new)
         assert seq.tokens == history
-        await asyncio.sleep(rng.random() * 0.01)
+        await between_calls(h, session, rng)
     h.scheduler.release(seq)
     h.sessions.remove(session.session_id)
 
