@@ -8,7 +8,8 @@ step's tokens to their requests as they arrive. New requests join between iterat
 waiting for the batch to finish. When blocks run out, idle sessions give up their caches first
 (least recently used), then the newest running sequence is preempted and later recomputed;
 when nothing runs, waiting sequences give up the blocks they hold (attached prefixes, a long
-prompt's first chunks) before a request is refused as too large for the cache.
+prompt's first chunks), and a request is refused as too large for the cache only when no other
+sequence holds a block (it waits for a session between calls, or a released call being freed).
 
 Only this loop talks to the workers' Prefill/Decode, so all ranks see one ordered stream of steps.
 Every KV question goes to the KV manager (gateway/kv/manager.py); every change of a sequence's
