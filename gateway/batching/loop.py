@@ -85,6 +85,8 @@ class BatchLoop:
         self._running: list[SequenceState] = []
         self._to_free: list[SequenceState] = []
         self._stalled = False  # the last admission waits for blocks held outside the queues
+        self.stopped = False
+        self.prefilling: list[SequenceState] = []  # the sequences of a prefill step in flight
         self._next_expiry_check = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -97,6 +99,9 @@ class BatchLoop:
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        """Stop the loop for good (the model is unloaded or its cache reconfigured; a new
+        scheduler takes over): calls submitted from now on are refused."""
+        self.stopped = True
         self.metrics.unfollow_load(self.stats)
         if self._task is not None:
             self._task.cancel()
@@ -292,11 +297,16 @@ class BatchLoop:
             self.kv.publish(c.seq.seq_id, c.seq.tokens, c.start + len(c.token_ids),
                             c.seq.prefix_salt)
         self.kv.flush_events()
+        # In neither queue while the workers prefill them: if the loop is stopped meanwhile
+        # (the task cancelled here), fail_all still finds them.
+        self.prefilling = [c.seq for c in batch]
         try:
             reply = await self.pool.prefill(prefill_request(batch, self.kv))
         except ShardLMError as exc:
+            self.prefilling = []
             self._fail_step([c.seq for c in batch], exc)
             raise
+        self.prefilling = []
         tokens = {t.sequence_id: t for t in reply.tokens}
         self._observe_masks(reply.constraint_mask_seconds)
         now = time.monotonic()

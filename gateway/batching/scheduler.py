@@ -15,7 +15,7 @@ import itertools
 import time
 
 from shardlm.common.v1 import common_pb2
-from shardlm.errors import ResourceExhaustedError, ShardLMError
+from shardlm.errors import ResourceExhaustedError, ShardLMError, UnavailableError
 
 from shardlm_server.gateway.batching.finish import CallLimits
 from shardlm_server.gateway.batching.loop import BatchLoop
@@ -91,6 +91,9 @@ class Scheduler(BatchLoop):
         self._wake.set()
 
     def _check_queue(self) -> None:
+        if self.stopped:  # a handler that found this model before it was unloaded or reset
+            raise UnavailableError("the model was unloaded or its KV cache reconfigured; retry",
+                                   reason="WORKER_UNAVAILABLE", retry_after_s=1.0)
         if len(self._waiting) >= self.max_waiting:
             raise ResourceExhaustedError(
                 f"the request queue is full ({self.max_waiting} waiting)", reason="QUEUE_FULL",
@@ -129,7 +132,7 @@ class Scheduler(BatchLoop):
     def fail_all(self, error: ShardLMError) -> None:
         """Workers are gone: every in-flight call ends with `error`; caches are lost (every
         session is rebuilt from its history when next used)."""
-        for seq in list(self._waiting) + self._running:
+        for seq in list(self._waiting) + self._running + self.prefilling:
             seq.events.put_nowait(ErrorEvent(error))
             self._park_or_free(seq)
         self._waiting.clear()

@@ -48,6 +48,7 @@ class FakeWorkerPool:
         self.slots: dict[tuple[int, int], list[int]] = {}
         self.fail_next_decode: ShardLMError | None = None
         self.step_delay_s = 0.0  # a decode step's duration, for tests that act mid-call
+        self.prefill_gate: asyncio.Event | None = None  # a prefill waits for it when set
         # Speculative decoding: a sequence's step also yields 0..max_accepted accepted drafts
         # (chosen by `drafts`), within the tokens the call allows it.
         self.drafts: random.Random | None = None
@@ -85,6 +86,8 @@ class FakeWorkerPool:
 
     async def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         self.prefills.append(request)
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         reply = worker_pb2.PrefillResponse()
         for item in request.sequences:
             known = self.sequences.get(item.sequence_id)

@@ -353,6 +353,22 @@ def test_a_callers_deadline_frees_its_sequence_and_spares_the_others():
     run(test)
 
 
+def test_stopping_the_loop_mid_prefill_fails_those_calls_and_refuses_new_ones():
+    # What unloading the model or reconfiguring its cache does: stop the loop, fail every call.
+    async def test(h):
+        h.pool.prefill_gate = asyncio.Event()  # the workers never answer this prefill
+        seq = h.generate(PROMPT, limits(10))
+        await until(lambda: h.pool.prefills)
+        await h.scheduler.stop()
+        h.scheduler.fail_all(UnavailableError("reconfigured", reason="WORKER_UNAVAILABLE"))
+        with pytest.raises(UnavailableError):
+            await drain(seq)
+        with pytest.raises(UnavailableError) as refused:  # a handler that found this model
+            h.generate(PROMPT, limits(10))
+        assert refused.value.reason == "WORKER_UNAVAILABLE"
+    run(test)
+
+
 def test_a_failed_step_fails_its_calls_and_drops_their_caches():
     async def test(h):
         h.pool.fail_next_decode = UnavailableError("gone", reason="WORKER_UNAVAILABLE")
