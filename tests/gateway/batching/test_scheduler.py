@@ -198,14 +198,19 @@ def test_queued_prefill_work_counts_only_what_no_cache_holds():
         await drain(warm)
         h.scheduler.release(warm)
         await until(lambda: h.allocator.used_blocks == 0)
-    h = run(test)
-    assert h.metrics.value("shardlm_waiting_uncached_prompt_tokens") == 0
-    queued = [shared + [40, 41], [7, 8, 9]]  # 16 of the first 19 tokens are cached
-    for prompt in queued:  # the scheduler is stopped: they stay queued
-        seq = h.scheduler.new_sequence(prompt, common_pb2.SamplingParams(), ephemeral=True,
-                                       prefix_salt=b"anyone")
-        h.scheduler.submit(seq, limits(1), prefill_only=False)
-    assert h.scheduler.waiting_uncached_tokens() == 3 + 3
+        assert h.metrics.value("shardlm_waiting_uncached_prompt_tokens") == 0
+        h.pool.prefill_gate = asyncio.Event()  # the loop waits on this prefill: the rest queue
+        blocker = h.generate([90, 91], limits(1))
+        await until(lambda: len(h.pool.prefills) == 2)  # warm's, then the blocker's
+        queued = [shared + [40, 41], [7, 8, 9]]  # 16 of the first 19 tokens are cached
+        for prompt in queued:
+            seq = h.scheduler.new_sequence(prompt, common_pb2.SamplingParams(), ephemeral=True,
+                                           prefix_salt=b"anyone")
+            h.scheduler.submit(seq, limits(1), prefill_only=False)
+        assert h.scheduler.waiting_uncached_tokens() == 3 + 3
+        h.pool.prefill_gate.set()
+        await drain(blocker)
+    run(test)
 
 
 # ----------------------------------------------------------------------------- memory pressure
