@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -48,16 +49,18 @@ class Call:
         return common_pb2.StopConditions(max_new_tokens=max_new, ignore_eos=True,
                                          stop_token_ids=self.stop_ids)
 
-    def run(self, live: LiveGateway, *, alone: bool = False) -> tuple[list[int], str]:
+    def run(self, live: LiveGateway, *, alone: bool = False,
+            deadline_s: float | None = None) -> tuple[list[int], str]:
         """Its tokens and text; `alone`: never cancelled (the reference run)."""
         if self.session:
             return self._converse(live)
-        return self._stream(live, None if alone else self.cancel_after)
+        return self._stream(live, None if alone else self.cancel_after, deadline_s)
 
-    def _stream(self, live: LiveGateway, cancel_after: int | None) -> tuple[list[int], str]:
+    def _stream(self, live: LiveGateway, cancel_after: int | None,
+                deadline_s: float | None) -> tuple[list[int], str]:
         call = live.stub.Generate(gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(token_ids=self.prompt), sampling=self.sampling,
-            stop=self.stop(self.max_new), constraint=self.constraint))
+            stop=self.stop(self.max_new), constraint=self.constraint), timeout=deadline_s)
         tokens, text = [], ""
         try:
             for chunk in call:
@@ -143,6 +146,39 @@ def test_random_loads_under_memory_pressure_give_each_call_its_own_tokens(llama_
                 if call.constraint is not None:  # each turn's text keeps to the grammar
                     assert all(keeps_to_words(t) for t in text.splitlines()), text
         assert preempted > 0  # the loads did press on the cache
+        assert live.kv_used() == 0
+    finally:
+        live.close()
+
+
+def test_reconfiguring_the_cache_under_load_ends_every_call_and_serves_on(llama_dir):
+    """ResetCache of all with a new cache while calls are queued, prefilling and decoding: each
+    ends, complete or UNAVAILABLE (none waits for its deadline), and the new cache serves the
+    same tokens."""
+    live = LiveGateway(1, Limits())
+    try:
+        list(live.stub.Load(gateway_pb2.LoadRequest(
+            model_path=str(llama_dir), dtype=common_pb2.DTYPE_FLOAT32,
+            kv_cache=common_pb2.KvCacheConfig(block_size=BLOCK, num_blocks=BLOCKS))))
+        calls = [c for c in random_calls(0) if not c.session]
+        alone = [call.run(live, alone=True)[0] for call in calls]
+
+        def outcome(call: Call) -> list[int] | grpc.StatusCode:
+            try:
+                return call.run(live, alone=True, deadline_s=30)[0]  # a call left behind
+            except grpc.RpcError as error:
+                return error.code()
+
+        for round_, delay in enumerate((0.0, 0.02, 0.05, 0.1)):
+            with ThreadPoolExecutor(len(calls)) as pool:
+                ended = [pool.submit(outcome, call) for call in calls]
+                time.sleep(delay)
+                live.stub.ResetCache(gateway_pb2.ResetCacheRequest(
+                    all=True, kv_cache=common_pb2.KvCacheConfig(
+                        block_size=BLOCK, num_blocks=BLOCKS + 1 + round_ % 2)))
+                for own, done in zip(alone, ended, strict=True):
+                    assert done.result() in (own, grpc.StatusCode.UNAVAILABLE)
+        assert [call.run(live, alone=True)[0] for call in calls] == alone
         assert live.kv_used() == 0
     finally:
         live.close()
