@@ -28,7 +28,7 @@ from shardlm_server.worker.transfer import to_device
 
 class SequenceStates:
     """The sequences of one engine, by id (`by_id`); rank 0 alone samples, so only it keeps
-    generators, penalty histories and matchers."""
+    penalty histories and matchers."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, device: torch.device,
                  grammar: GrammarRuntime | None) -> None:
@@ -160,9 +160,12 @@ class SequenceStates:
     def _share_completions(self, seqs: list[ResidentSequence],
                            outputs: list[TokenOutput]) -> None:
         """Finish the sequences whose grammars this step's tokens completed, on every rank:
-        rank 0 decided (its matchers), and with more ranks it broadcasts which (only for a
-        batch with a constrained sequence, which every rank knows from the requests)."""
-        if self.comm.world_size > 1 and any(s.constrained for s in seqs):
+        rank 0 decided (its matchers), and with more ranks it broadcasts which. Only a batch
+        with a constrained sequence can have one, and every rank knows which those are from
+        the requests, so an unconstrained step does nothing here."""
+        if not any(s.constrained for s in seqs):
+            return
+        if self.comm.world_size > 1:
             flags = to_device([o.constraint_complete for o in outputs], torch.int64, self.device)
             self.comm.broadcast(flags, src=0)
             for i, complete in enumerate(flags.tolist()):
