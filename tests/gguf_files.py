@@ -53,6 +53,10 @@ class GGUFSpec:
     original_context: int = 0
     rope_factors: tuple[list[float], list[float]] | None = None
     attn_factor: float = 0.0
+    # llama: rope_freqs.weight (the converter's form of "llama3" rope scaling), and a linear
+    # rope scaling factor in the metadata (0: none).
+    rope_freqs: list[float] | None = None
+    linear_rope: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -134,6 +138,9 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
     if spec.sliding_window:
         writer.add_sliding_window(spec.sliding_window)
     writer.add_rope_freq_base(spec.rope_base)
+    if spec.linear_rope:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(spec.linear_rope)
     writer.add_layer_norm_rms_eps(spec.eps)
     writer.add_vocab_size(vocab)
     writer.add_tokenizer_model(spec.tokenizer)
@@ -189,6 +196,8 @@ def write_gguf(path: Path, spec: GGUFSpec) -> dict[str, np.ndarray]:
     if spec.rope_factors is not None:  # llama.cpp writes them as float32 vectors
         for which, values in zip(("long", "short"), spec.rope_factors, strict=True):
             writer.add_tensor(f"rope_factors_{which}.weight", np.array(values, np.float32))
+    if spec.rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.array(spec.rope_freqs, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -206,42 +215,51 @@ def _phi3_keys(writer: gguf.GGUFWriter, spec: GGUFSpec) -> None:
         writer.add_rope_scaling_attn_factors(spec.attn_factor)
 
 
-_PHI3_HF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                  "output": "lm_head", "attn_norm": "input_layernorm",
-                  "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
-                  "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
-                  "ffn_down": "mlp.down_proj"}
+_HF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+             "output": "lm_head", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm", "attn_output": "self_attn.o_proj",
+             "ffn_down": "mlp.down_proj"}
+_ARCH_HF_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "llama": {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj"},
+}
+_HF_ARCHITECTURES = {"phi3": "Phi3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
-def phi3_hf_twin(folder: Path, spec: GGUFSpec, originals: dict[str, np.ndarray],
-                 config: dict) -> Path:
-    """The Hugging Face folder of the phi3 model `write_gguf` wrote from `originals`: the same
-    values under transformers' names, with `config` (the Phi3Config fields the file's metadata
-    implies) as config.json; the reference a float32 GGUF file is compared with."""
+def hf_twin(folder: Path, spec: GGUFSpec, originals: dict[str, np.ndarray],
+            config: dict) -> Path:
+    """The Hugging Face folder of the phi3 or llama model `write_gguf` wrote from `originals`:
+    the same values under transformers' names, with `config` (the config.json fields the file's
+    metadata implies beyond the shared ones) as config.json; the reference a float32 GGUF file is
+    compared with where transformers' GGUF loader does not read what the file states."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
+    names = dict(_HF_NAMES, **_ARCH_HF_NAMES[spec.arch])
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, values in originals.items():
         parts = name.split(".")
         if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_PHI3_HF_NAMES[parts[2]]}.{parts[3]}"
+            hf = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
-            hf = f"{_PHI3_HF_NAMES[parts[0]]}.{parts[1]}"
+            hf = f"{names[parts[0]]}.{parts[1]}"
         tensors[hf] = torch.from_numpy(values.copy())
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    head_dim = spec.head_dim
-    raw = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=spec.hidden,
-               intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-               num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-               max_position_embeddings=spec.context, rms_norm_eps=spec.eps,
-               vocab_size=originals["token_embd.weight"].shape[0], rope_theta=spec.rope_base,
-               partial_rotary_factor=(spec.rotary_dim or head_dim) / head_dim,
-               tie_word_embeddings=spec.tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-               sliding_window=spec.sliding_window or None, **config)
+    raw = dict(architectures=[_HF_ARCHITECTURES[spec.arch]], model_type=spec.arch,
+               hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+               num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+               num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.context,
+               rms_norm_eps=spec.eps, vocab_size=originals["token_embd.weight"].shape[0],
+               rope_theta=spec.rope_base, tie_word_embeddings=spec.tied, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0, head_dim=spec.head_dim)
+    if spec.arch == "phi3":
+        raw.update(partial_rotary_factor=(spec.rotary_dim or spec.head_dim) / spec.head_dim,
+                   sliding_window=spec.sliding_window or None)
+    raw.update(config)
     (folder / "config.json").write_text(json.dumps(raw), encoding="utf-8")
     return folder
 
@@ -275,6 +293,8 @@ def copy_with_iq4_nl(src: Path, dst: Path, tensor: str) -> None:
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type
                               if t.tensor_type not in (T.F32, T.F16) else None)
+    if spec.rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.array(spec.rope_freqs, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -11,6 +11,9 @@ equal transformers' bit for bit:
 
 `factors` is one of the checkpoint's two lists (worker/families/phi3.py says which is served).
 
+"freq_factors" (a Llama 3.x GGUF file's `rope_freqs.weight`, worker/gguf/rope_tensors.py) is the
+same division with one list and no attention factor: llama.cpp's rendering of the "llama3" kind.
+
 A table narrower than head_dim (partial rotary, e.g. Phi-4-mini's 3/4) is computed for its
 `rotary_dim` dims only, exactly as transformers computes it for `int(head_dim * factor)`:
 `ops.rotary_embedding` turns the first rotary_dim dims of each head and leaves the rest.
@@ -26,8 +29,9 @@ import torch
 from shardlm_server.worker import ops
 
 
-def longrope_inv_freq(rotary_dim: int, base: float, factors: list[float]) -> torch.Tensor:
-    """LongRoPE's inverse frequencies: the default ones, each divided by its factor."""
+def divided_inv_freq(rotary_dim: int, base: float, factors: list[float]) -> torch.Tensor:
+    """The default inverse frequencies, each divided by its factor (LongRoPE's list, or a GGUF
+    file's rope_freqs)."""
     ext_factors = torch.tensor(factors, dtype=torch.float32)
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     return 1.0 / (ext_factors * base**exponents)
@@ -50,11 +54,15 @@ def longrope_attention_factor(max_positions: int, original: int, factor: float |
 def cos_sin_cache(rotary_dim: int, max_position: int, base: float,
                   rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """float32 [max_position, rotary_dim] = [cos | sin] of position * inv_freq, on CPU."""
-    if not rope_scaling or rope_scaling.get("rope_type") != "longrope":
+    kind = (rope_scaling or {}).get("rope_type")
+    if kind == "freq_factors":
+        inv_freq, scale = divided_inv_freq(rotary_dim, base, rope_scaling["factors"]), 1.0
+    elif kind == "longrope":
+        factors = rope_scaling["long_factor" if rope_scaling["long"] else "short_factor"]
+        inv_freq = divided_inv_freq(rotary_dim, base, factors)
+        scale = rope_scaling["attention_factor"]  # a Python float, applied in float32 as transformers
+    else:
         return ops.compute_cos_sin_cache(rotary_dim, max_position, base, rope_scaling)
-    factors = rope_scaling["long_factor" if rope_scaling["long"] else "short_factor"]
-    inv_freq = longrope_inv_freq(rotary_dim, base, factors)
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(positions, inv_freq)
-    scale = rope_scaling["attention_factor"]  # a Python float, applied in float32 as transformers
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).float().contiguous()

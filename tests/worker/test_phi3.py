@@ -23,7 +23,7 @@ from shardlm_server.worker.loader import load_checkpoint_config
 from shardlm_server.worker.rope import cos_sin_cache
 from shardlm_server.worker.safetensors_reader import SafetensorsReader
 from tests.checkpoints import PHI3, PHI4_MINI, build_checkpoint, load_reference
-from tests.gguf_files import GGUFSpec, T, every_type_once, phi3_hf_twin, write_gguf
+from tests.gguf_files import GGUFSpec, T, every_type_once, hf_twin, write_gguf
 from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy, two_rank_tokens
 
 TABLE = list(range(32))  # 512 tokens
@@ -175,7 +175,7 @@ def phi4_gguf(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf-phi4")
     spec = phi4_gguf_spec()
     originals = write_gguf(folder / "model.gguf", spec)
-    twin = phi3_hf_twin(folder / "hf", spec, originals, dict(
+    twin = hf_twin(folder / "hf", spec, originals, dict(
         original_max_position_embeddings=64,
         rope_scaling={"rope_type": "longrope", "long_factor": LONG, "short_factor": SHORT}))
     return folder / "model.gguf", twin

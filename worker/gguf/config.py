@@ -12,6 +12,11 @@ from shardlm_server.worker.config import ModelConfig, parse_config
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 from shardlm_server.worker.gguf.file import GGUFFile, T
 from shardlm_server.worker.gguf.phi3 import phi3_fields
+from shardlm_server.worker.gguf.rope_tensors import (
+    FREQ_FACTOR_ARCHITECTURES,
+    FREQ_FACTORS,
+    factor_list,
+)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
@@ -42,6 +47,7 @@ def _served_dtype(file: GGUFFile) -> str:
 
 
 def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """The file's rope.scaling.* keys as config.json's rope_scaling (linear or none)."""
     kind = file.get(f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
         return {"rope_type": "linear",
@@ -49,10 +55,23 @@ def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
     if kind not in ("none", None):
         raise CheckpointError(f"GGUF rope scaling '{kind}' is not supported (supported: none, "
                               "linear)", field=f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in file.tensors:
-        raise CheckpointError("per-frequency rope factors (tensor rope_freqs.weight) are not "
-                              "supported", tensor="rope_freqs.weight")
     return None
+
+
+def _freq_factors(file: GGUFFile, arch: str, rotary: int,
+                  scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The rope a `rope_freqs.weight` tensor states (worker/gguf/rope_tensors.py), as the engine's
+    "freq_factors" kind (worker/rope.py), folded with a linear scaling where the file has both
+    (llama.cpp applies both: every frequency divided by the factor too); None without one."""
+    if FREQ_FACTORS not in file.tensors:
+        return None
+    if arch not in FREQ_FACTOR_ARCHITECTURES:
+        raise CheckpointError(f"per-frequency rope factors ({FREQ_FACTORS}) are not read for "
+                              f"architecture '{arch}' (only {', '.join(FREQ_FACTOR_ARCHITECTURES)})",
+                              tensor=FREQ_FACTORS)
+    factors = factor_list(file, FREQ_FACTORS, rotary // 2)
+    linear = scaling["factor"] if scaling else 1.0
+    return {"rope_type": "freq_factors", "factors": [f * linear for f in factors]}
 
 
 def _gemma3(file: GGUFFile, raw: dict[str, Any]) -> None:
@@ -124,5 +143,8 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     if arch == "phi3":
         raw.update(phi3_fields(file, rotary))
     cfg = parse_config(raw)
+    # A kind of llama.cpp's files, not of config.json: set past parse_config's checks.
+    if (factors := _freq_factors(file, arch, rotary, rope_scaling)) is not None:
+        cfg = replace(cfg, rope_scaling=factors)
     # llama.cpp's converter stores Gemma's norm weights with the 1 of (1 + w) already added.
     return replace(cfg, norm_weight_offset=0.0) if cfg.norm_weight_offset else cfg

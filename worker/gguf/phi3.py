@@ -12,28 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from shardlm_server.worker.errors import CheckpointError
-from shardlm_server.worker.gguf.file import GGUFFile, T
-
-ROPE_FACTOR_TENSORS = {"long_factor": "rope_factors_long.weight",
-                       "short_factor": "rope_factors_short.weight"}
-
-
-def config_tensors(file: GGUFFile) -> list[str]:
-    """Tensors of `file` that hold configuration, not weights: phi3's rope factors."""
-    if file.get("general.architecture") != "phi3":
-        return []
-    return [n for n in ROPE_FACTOR_TENSORS.values() if n in file.tensors]
-
-
-def _factors(file: GGUFFile, name: str) -> list[float]:
-    tensor = file.tensors[name]
-    if tensor.qtype not in (T.F32, T.F16) or len(tensor.shape) != 1:
-        raise CheckpointError(f"rope factors '{name}' must be a float vector, got "
-                              f"{tensor.qtype.name} {list(tensor.shape)}", tensor=name)
-    return np.asarray(tensor.data, dtype=np.float64).tolist()
+from shardlm_server.worker.gguf.file import GGUFFile
+from shardlm_server.worker.gguf.rope_tensors import PHI3_FACTORS, factor_list
 
 
 def phi3_fields(file: GGUFFile, rotary_dim: int) -> dict[str, Any]:
@@ -43,15 +24,15 @@ def phi3_fields(file: GGUFFile, rotary_dim: int) -> dict[str, Any]:
     original = file.get("phi3.rope.scaling.original_context_length")
     if original is not None:
         fields["original_max_position_embeddings"] = original
-    present = [n for n in ROPE_FACTOR_TENSORS.values() if n in file.tensors]
+    present = [n for n in PHI3_FACTORS.values() if n in file.tensors]
     if not present:
         return fields
-    if len(present) != len(ROPE_FACTOR_TENSORS):
+    if len(present) != len(PHI3_FACTORS):
         raise CheckpointError("a LongRoPE file needs both rope_factors_long.weight and "
                               "rope_factors_short.weight", tensor=present[0])
     scaling: dict[str, Any] = {"rope_type": "longrope"}
-    for key, name in ROPE_FACTOR_TENSORS.items():
-        scaling[key] = _factors(file, name)
+    for key, name in PHI3_FACTORS.items():
+        scaling[key] = factor_list(file, name)  # checked by families/phi3.py
     attn_factor = file.get("phi3.rope.scaling.attn_factor")
     if attn_factor is not None:
         scaling["attention_factor"] = attn_factor

@@ -23,7 +23,7 @@ from shardlm_server.worker.fused import FusedRows
 from shardlm_server.worker.gguf.config import gguf_config
 from shardlm_server.worker.gguf.file import GGUFTensor, open_gguf
 from shardlm_server.worker.gguf.names import hf_rows, is_rotary_permuted, shardlm_name
-from shardlm_server.worker.gguf.phi3 import config_tensors
+from shardlm_server.worker.gguf.rope_tensors import config_tensors
 
 
 class GGUFCheckpointReader:
@@ -44,7 +44,7 @@ class GGUFCheckpointReader:
             for t in self.file.tensors.values()}
         # phi3's fused q/k/v and gate/up tensors, served as their parts (worker/fused.py).
         self._fused = FusedRows(self._tensors, lambda: self.config)
-        # Tensors the configuration was read from (phi3's rope factors) are no leftovers.
+        # Tensors the configuration was read from (rope factors) are no leftovers.
         self._consumed: set[str] = set(config_tensors(self.file))
 
     @property
