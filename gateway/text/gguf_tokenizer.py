@@ -36,6 +36,13 @@ _GPT4O_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's "tekken" (Mistral Nemo, Mistral Small 3, Ministral): GPT-4o's case-aware words
+# without the contractions, and one digit at a time.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # `tokenizer.ggml.pre` kinds whose split differs from GPT-2's byte-level default (which every
 # other kind, e.g. "default", "gpt-2" or "smollm", gets, as in transformers' conversion).
 PRE_TOKENIZER_SPLITS = {
@@ -43,6 +50,7 @@ PRE_TOKENIZER_SPLITS = {
                     _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
     **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
 }
 TOKENIZER_KINDS = ("gpt2", "llama")
 # Architectures whose sentencepiece files transformers converts Gemma's way (no prefix space).

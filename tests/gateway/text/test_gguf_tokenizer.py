@@ -24,7 +24,8 @@ CORPUS = [
     "for (int i = 0; i < n; ++i) { sum += a[i]; }",
     "你好，世界。天气很好。日本語のテキストと한국어",
     "emoji 🙂🚀👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
-    "numbers 1234567 3.14159 1e-9 0x1F",
+    "numbers 1234567 3.14159 1e-9 0x1F 12345",
+    "TheQuick oneTwo camelCase ALLCAPS (paren) 'quoted'",
     "   leading spaces, trailing   ",
     "\n\n\n   \n\t\t  \r\nmixed\rline endings",
     "café naïve résumé Ångström",
@@ -70,8 +71,19 @@ def _close(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
-def write_byte_level(path, pre: str, arch: str = "qwen2") -> None:
+# Merges across the places where the pre-tokenizers' splits differ (a space before digits, digit
+# runs, a lower-to-upper case change, a space before punctuation), so that each kind's split
+# shows in the token ids.
+SPLIT_MERGES = ["Ġ 1", "1 2", "2 3", "3 4", "4 5", "e Q", "e T", "l C", "Ġ (", "Ġ '", "' s"]
+
+
+def write_byte_level(path, pre: str, arch: str = "qwen2", extra_merges: list[str] = ()) -> None:
     tokens, merges, types = byte_level_vocab()
+    for merge in extra_merges:
+        joined = merge.replace(" ", "")
+        if joined not in tokens:
+            tokens, types = tokens + [joined], types + [1]
+    merges = merges + list(extra_merges)
     writer = gguf.GGUFWriter(str(path), arch)
     _model_keys(writer)
     writer.add_tokenizer_model("gpt2")
@@ -135,13 +147,27 @@ def test_default_model_tokenizer_matches_transformers():
     assert ours.has_chat_template and ours.eos_token_ids == (2,)
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "default"])
+PRE_KINDS = ["qwen2", "llama-bpe", "tekken", "gpt-4o", "default"]
+
+
+@pytest.mark.parametrize("pre", PRE_KINDS)
 def test_byte_level_tokenizers_match_transformers(tmp_path, pre):
     path = tmp_path / "m.gguf"
-    write_byte_level(path, pre)
+    write_byte_level(path, pre, extra_merges=SPLIT_MERGES)
     ours = Tokenizer.from_pretrained(tmp_path)  # a folder holding one .gguf
     _assert_same(ours, _reference(path))
     assert ours.has_chat_template and ours.bos_token_id == 1
+
+
+def test_the_split_merges_tell_the_pre_tokenizers_apart(tmp_path):
+    """The test above could fail: with SPLIT_MERGES every kind encodes the corpus differently."""
+    encodings = set()
+    for pre in PRE_KINDS:
+        path = tmp_path / pre / "m.gguf"
+        path.parent.mkdir()
+        write_byte_level(path, pre, extra_merges=SPLIT_MERGES)
+        encodings.add(tuple(tuple(_reference(path).encode(t)) for t in CORPUS))
+    assert len(encodings) == len(PRE_KINDS)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
