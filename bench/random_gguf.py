@@ -5,8 +5,8 @@ random weights and the default model's tokenizer.
     python -m bench.run --model .bench/models/llama-3.2-1b-random.Q4_0.gguf --agreement-tokens 0
 
 The shape is bench.shapes' `llama-3.2-1b` (16 layers, hidden 2048, GQA 32/8, MLP 8192, tied
-embeddings) without its llama3 rope scaling, which changes no byte read or multiplied; the
-vocabulary is the default model's 49,152 tokens (its `tokenizer.*` keys are copied), so prompts
+embeddings), its llama3 rope scaling written as llama.cpp's converter writes it (the divisors of
+`rope_freqs.weight`, `llama3_divisors`); the vocabulary is the default model's 49,152 tokens (its `tokenizer.*` keys are copied), so prompts
 tokenize as for the default model. Weights are float16 normal(0, 0.02), norms 1: a file
 `llama-quantize` turns into the types users download, for speed and bandwidth figures only (the
 top-1 agreement of random weights means little; pass --agreement-tokens 0).
@@ -14,6 +14,7 @@ top-1 agreement of random weights means little; pass --agreement-tokens 0).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -23,6 +24,25 @@ from bench.shapes import SHAPES
 
 RANDOM_SHAPES = ("llama-3.2-1b", "tiny")  # tiny: for tests and smoke runs
 WEIGHT_STD = 0.02
+
+
+def llama3_divisors(head_dim: int, base: float, scaling: dict) -> list[float]:
+    """What llama.cpp's converter stores as `rope_freqs.weight` for a "llama3" rope scaling: each
+    default frequency over its scaled one (1 for short wavelengths, the factor for long ones, a
+    blend between), computed in float64."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return divisors
 
 
 def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> int:
@@ -61,7 +81,8 @@ def write_random_llama(path: Path, shape_name: str, tokenizer_source: Path, seed
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    base = float(config.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(base)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     vocab = _copy_tokenizer(tokenizer_source, writer)
@@ -83,6 +104,10 @@ def write_random_llama(path: Path, shape_name: str, tokenizer_source: Path, seed
         else:
             values = rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD
             writer.add_tensor(name, values.astype(np.float16))
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight",
+                          np.array(llama3_divisors(head_dim, base, scaling), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -58,8 +58,10 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("tiny", "LlamaForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
-        "tiny Llama for smoke runs"),
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "tiny Llama 3 for smoke runs"),
 )}
 
 GPU_DEFAULT = ["qwen2.5-0.5b", "llama-3.2-1b", "llama-3-8b"]

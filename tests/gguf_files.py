@@ -293,8 +293,6 @@ def copy_with_iq4_nl(src: Path, dst: Path, tensor: str) -> None:
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type
                               if t.tensor_type not in (T.F32, T.F16) else None)
-    if spec.rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", np.array(spec.rope_freqs, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

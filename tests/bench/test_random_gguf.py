@@ -23,10 +23,12 @@ def test_random_file_has_the_shape_and_the_default_tokenizer(tmp_path):
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.F16
     assert "output.weight" not in types  # tied, as Llama-3.2-1B's
+    assert types["rope_freqs.weight"] == gguf.GGMLQuantizationType.F32  # its llama3 rope
 
     engine = Engine.load(path, dtype=torch.float32, device=torch.device("cpu"),
                          cache_config=CacheConfig(block_size=16, num_blocks=8))
     assert engine.cfg.vocab_size == 49152 and engine.cfg.hidden_size == 64
+    assert engine.cfg.rope_scaling["rope_type"] == "freq_factors"
     table = list(range(4))
     first = engine.prefill([PrefillItem(0, [1, 2, 3, 4], 0, table,
                                         stop=StopParams(max_new_tokens=8))])

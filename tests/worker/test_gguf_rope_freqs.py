@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
+from bench.random_gguf import llama3_divisors
 from shardlm_server.worker.engine import Engine, PrefillItem
 from shardlm_server.worker.errors import CheckpointError
 from shardlm_server.worker.kv_cache import CacheConfig
@@ -26,24 +26,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 64}
 BASE = 500000.0
 HEAD_DIM = 16
-
-
-def llama3_divisors(head_dim: int, base: float, scaling: dict) -> list[float]:
-    """What the converter stores: each default frequency over its llama3-scaled one (float64)."""
-    inv = base ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    divisors = []
-    for f in inv:
-        wavelen = 2 * math.pi / f
-        if wavelen < old / high:
-            divisors.append(1.0)
-        elif wavelen > old / low:
-            divisors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return divisors
 
 
 def spec(**overrides) -> GGUFSpec:
