@@ -12,7 +12,8 @@ prompt's first chunks), and a request is refused as too large for the cache only
 sequence holds a block (it waits for a session between calls, or a released call being freed).
 
 Only this loop talks to the workers' Prefill/Decode, so all ranks see one ordered stream of steps.
-Every KV question goes to the KV manager (gateway/kv/manager.py); every change of a sequence's
+Every KV question goes to the KV manager (gateway/kv/manager.py), and what a sequence's cache
+becomes when its call ends or room is needed to gateway/batching/residency.py; every change of a sequence's
 progress is a transition of gateway/batching/sequence.py. Why a call ends is decided by the
 finish policy (gateway/batching/finish.py) on each token as it arrives. The handlers' side of the
 scheduler (starting, changing and ending calls) is gateway/batching/scheduler.py.
@@ -33,6 +34,7 @@ from shardlm.worker.v1 import worker_pb2
 from shardlm_server.gateway.batching.finish import UNFINISHED
 from shardlm_server.gateway.batching.load_stats import LoadStats
 from shardlm_server.gateway.batching.pacing import BUSY_DECODE_STEPS, DecodePacer
+from shardlm_server.gateway.batching.residency import EXPIRY_CHECK_S, CacheResidency
 from shardlm_server.gateway.batching.sequence import (
     ErrorEvent,
     FinishEvent,
@@ -49,7 +51,6 @@ from shardlm_server.gateway.workers.client import WorkerPool
 
 log = logging.getLogger("shardlm.gateway")
 _DEFAULTS = Limits()  # the serve settings' defaults (gateway/config.py)
-EXPIRY_CHECK_S = 1.0  # idle sessions are looked for at most this often
 # While a prompt waits for blocks that only sequences outside the loop's queues hold (a released
 # call not yet freed, a session between its calls), the loop looks again this often.
 STALL_RETRY_S = 0.01
@@ -74,6 +75,7 @@ class BatchLoop:
         self.pool = pool
         self.kv = kv
         self.sessions = sessions
+        self.residency = CacheResidency(kv, sessions)
         self.metrics = metrics
         self.prefill_token_budget = prefill_token_budget
         self.pacer = DecodePacer(max_decode_steps=max_decode_steps, decode_call_s=decode_call_s,
@@ -87,7 +89,6 @@ class BatchLoop:
         self._stalled = False  # the last admission waits for blocks held outside the queues
         self.stopped = False
         self.prefilling: list[SequenceState] = []  # the sequences of a prefill step in flight
-        self._next_expiry_check = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats = LoadStats()
@@ -152,17 +153,17 @@ class BatchLoop:
         for seq in self._to_free:
             if seq.in_call:  # a call still streams from it
                 seq.events.put_nowait(FinishEvent(common_pb2.FINISH_REASON_CANCELLED))
-            self._drop(seq)
+            self.residency.drop(seq)
             seq.phase = Phase.DONE
         freed = {id(s) for s in self._to_free}
         self._to_free.clear()
-        self._expire_idle_sessions()
+        self.residency.expire_idle_sessions()
         keep = deque()
         for seq in self._waiting:
             if id(seq) in freed or seq.phase is Phase.DONE:
                 continue
             if seq.cancelled:
-                self._park_or_free(seq)
+                self.residency.park_or_free(seq)
             else:
                 keep.append(seq)
         self._waiting = keep
@@ -171,59 +172,19 @@ class BatchLoop:
             if id(seq) in freed or seq.phase is Phase.DONE:
                 continue
             if seq.cancelled:
-                self._park_or_free(seq)
+                self.residency.park_or_free(seq)
             elif seq.phase is Phase.RUNNING:
                 running.append(seq)
         self._running = running
-
-    def _park_or_free(self, seq: SequenceState) -> None:
-        """The call is over: a session's sequence keeps its cache (less what its client was not
-        sent), a Generate's is freed."""
-        if seq.ephemeral:
-            self._drop(seq)
-            seq.phase = Phase.DONE
-            return
-        if seq.keep_generated is not None:
-            seq.trim(seq.keep_generated)
-        self.kv.trim(seq.seq_id, seq.computed + 1)  # its computed tokens and the pending one
-        seq.phase = Phase.IDLE
-
-    def _drop(self, seq: SequenceState) -> None:
-        """Every way a sequence loses its cache: the blocks go, the workers forget it, and it is
-        rebuilt from its history if used again."""
-        self.kv.release(seq.seq_id)
-        seq.forget()
 
     def _release_waiting(self, but: SequenceState) -> bool:
         """Every waiting sequence other than `but` gives up its blocks; whether any held one."""
         released = False
         for other in self._waiting:
             if other is not but and self.kv.allocator.holds(other.seq_id):
-                self._drop(other)
+                self.residency.drop(other)
                 released = True
         return released
-
-    def _expire_idle_sessions(self) -> None:
-        """Remove the sessions idle past their timeout, and their caches. A scan of every
-        session: at most once a second, not at every step."""
-        now = time.monotonic()
-        if now < self._next_expiry_check:
-            return
-        self._next_expiry_check = now + EXPIRY_CHECK_S
-        for session in self.sessions.expired(now):
-            self.sessions.remove(session.session_id)
-            self._drop(session.seq)
-            session.seq.phase = Phase.DONE
-
-    def _make_room(self, seq: SequenceState, tokens: int) -> None:
-        """Idle sessions give up their caches, least recently used first, until `seq` has room
-        for `tokens` tokens (or none is left)."""
-        if self.kv.has_room(seq.seq_id, tokens):
-            return
-        idle = {s.seq.seq_id: s for s in self.sessions.eviction_candidates() if s.seq is not seq}
-        for seq_id in self.kv.make_room(seq.seq_id, tokens, idle):
-            log.info("evicting idle session %s to free KV blocks", idle[seq_id].session_id)
-            idle[seq_id].seq.forget()
 
     # ----------------------------------------------------------------- prefill
     def _admit(self) -> list[PrefillChunk]:
@@ -244,7 +205,7 @@ class BatchLoop:
                                                     seq.prefix_salt))
             chunk = seq.uncomputed[:budget]
             end = seq.computed + len(chunk)
-            self._make_room(seq, end)
+            self.residency.make_room(seq, end)
             alone = False  # whether the other waiting sequences gave up their blocks for it
             if not self.kv.grow(seq.seq_id, end):
                 if self._running or batch:
@@ -265,7 +226,7 @@ class BatchLoop:
                         retry_after_s=5.0, metadata={
                             "required_blocks": self.kv.blocks_needed(seq.seq_id, end),
                             "free_blocks": self.kv.free_blocks})))
-                    self._park_or_free(seq)
+                    self.residency.park_or_free(seq)
                     break  # the next waiting sequence comes next iteration, after the resets
             self._waiting.popleft()
             if seq.admitted_at is None:  # the call's first prefill: what its prompt reuses
@@ -324,7 +285,7 @@ class BatchLoop:
             seq.constraint_complete = token.constraint_complete
             if seq.prefill_only:
                 seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token)))
-                self._park_or_free(seq)
+                self.residency.park_or_free(seq)
                 continue
             self._stream(seq, token)
             if seq.phase is Phase.WAITING:  # the call goes on: decode it
@@ -344,7 +305,7 @@ class BatchLoop:
         longest = 0
         for seq in sorted(self._running, key=lambda s: s.admitted_at or 0):
             want = max(1, min(k, seq.budget))
-            self._make_room(seq, seq.computed + want)
+            self.residency.make_room(seq, seq.computed + want)
             steps = self.kv.grow_up_to(seq.seq_id, seq.computed, want)
             if steps:
                 spare = self.kv.room_after(seq.seq_id, seq.computed + steps)
@@ -358,7 +319,7 @@ class BatchLoop:
     def _preempt(self, seq: SequenceState) -> None:
         log.info("preempting sequence %d (recompute later): KV cache full", seq.seq_id)
         self.metrics.preemptions.inc()
-        self._drop(seq)
+        self.residency.drop(seq)
         seq.phase = Phase.WAITING
         self._running.remove(seq)
         self._waiting.appendleft(seq)
@@ -401,7 +362,7 @@ class BatchLoop:
                                           grammar_complete=token.constraint_complete)
         seq.events.put_nowait(TokenEvent(token.token_id, _logprobs(token), reason))
         if reason != UNFINISHED:
-            self._park_or_free(seq)
+            self.residency.park_or_free(seq)
             if seq in self._running:
                 self._running.remove(seq)
 
@@ -421,7 +382,7 @@ class BatchLoop:
     def _fail_step(self, seqs: list[SequenceState], error: ShardLMError) -> None:
         for seq in seqs:
             seq.events.put_nowait(ErrorEvent(error))
-            self._drop(seq)
+            self.residency.drop(seq)
             seq.phase = Phase.DONE if seq.ephemeral else Phase.IDLE
             if seq in self._running:
                 self._running.remove(seq)

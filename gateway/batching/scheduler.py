@@ -115,7 +115,7 @@ class Scheduler(BatchLoop):
         """The sequence is gone for good (Generate ended, session reset): free its cache."""
         seq.request_end(None)
         if seq.phase in (Phase.IDLE, Phase.DONE):  # in no step: free now, so callers see it
-            self._drop(seq)
+            self.residency.drop(seq)
             seq.phase = Phase.DONE
         else:
             self._to_free.append(seq)
@@ -134,7 +134,7 @@ class Scheduler(BatchLoop):
         session is rebuilt from its history when next used)."""
         for seq in list(self._waiting) + self._running + self.prefilling:
             seq.events.put_nowait(ErrorEvent(error))
-            self._park_or_free(seq)
+            self.residency.park_or_free(seq)
         self._waiting.clear()
         self._running.clear()
         for session in self.sessions.all():
