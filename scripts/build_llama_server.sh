@@ -10,6 +10,9 @@
 # distribution through pip (the version installed in PYTHON's environment when there is one, so
 # the in-process and the server comparisons run the same llama.cpp), built with the machine's own
 # SIMD (GGML_NATIVE), statically, without the web UI, TLS or curl. About 8 minutes on 2 cores.
+# The same source's HF-to-GGUF converter (convert_hf_to_gguf.py, its conversion/ package and its
+# gguf-py) is kept in DEST/converter: tests/worker/test_llama_cpp_converter.py checks that files
+# it writes load as their Hugging Face checkpoints do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=$(realpath -m "${1:-.bench}")
@@ -42,4 +45,10 @@ for tool in llama-server llama-quantize; do
   install -m 755 "$WORK/build/bin/$tool" "$DEST/bin/$tool"
   echo "$SPEC" > "$DEST/bin/$tool.version"
 done
-echo "built llama-server and llama-quantize in $DEST/bin from $SPEC"
+rm -rf "$DEST/converter"
+mkdir -p "$DEST/converter"
+cp "$SRC/convert_hf_to_gguf.py" "$DEST/converter/"
+cp -r "$SRC/gguf-py" "$DEST/converter/"
+[ -d "$SRC/conversion" ] && cp -r "$SRC/conversion" "$DEST/converter/"
+echo "$SPEC" > "$DEST/converter/version"
+echo "built llama-server and llama-quantize in $DEST/bin from $SPEC (and kept its converter)"
