@@ -14,7 +14,6 @@ top-1 agreement of random weights means little; pass --agreement-tokens 0).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import gguf
@@ -29,20 +28,10 @@ WEIGHT_STD = 0.02
 def llama3_divisors(head_dim: int, base: float, scaling: dict) -> list[float]:
     """What llama.cpp's converter stores as `rope_freqs.weight` for a "llama3" rope scaling: each
     default frequency over its scaled one (1 for short wavelengths, the factor for long ones, a
-    blend between), computed in float64."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    divisors = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * base ** (i / head_dim)
-        if wavelen < old / high:
-            divisors.append(1.0)
-        elif wavelen > old / low:
-            divisors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return divisors
+    blend between), from the engine's own frequencies of both kinds."""
+    from shardlm_server.worker.ops import rope_inv_freq
+
+    return (rope_inv_freq(head_dim, base, None) / rope_inv_freq(head_dim, base, scaling)).tolist()
 
 
 def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> int:

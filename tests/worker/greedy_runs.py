@@ -30,6 +30,15 @@ def greedy_tokens(engine: Engine, seq: int, ids: list[int], n: int,
     return tokens
 
 
+def last_logits(engine: Engine, reference, ids: list[int],
+                block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits after `ids`: the engine's (one prefill) and transformers' `reference`'s."""
+    out = engine.prefill([PrefillItem(0, ids, 0, block_table)], taps=["logits"])
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1].float()
+    return out.taps["logits"][0], expected
+
+
 def reference_greedy(reference, ids: list[int], n: int) -> list[int]:
     """transformers' n greedy tokens after `ids`, with no end token."""
     with torch.no_grad():

@@ -12,12 +12,18 @@ import pytest
 import torch
 
 from bench.random_gguf import llama3_divisors
-from shardlm_server.worker.engine import Engine, PrefillItem
+from shardlm_server.worker.engine import Engine
 from shardlm_server.worker.errors import CheckpointError
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import load_reference
 from tests.gguf_files import GGUFSpec, T, hf_twin, write_gguf
-from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy, two_rank_tokens
+from tests.worker.greedy_runs import (
+    greedy_tokens,
+    last_logits,
+    prompt,
+    reference_greedy,
+    two_rank_tokens,
+)
 
 TABLE = list(range(32))  # 512 tokens
 # Llama 3.1's scaling with an original context of 64, so that a 16-dim head has frequencies in
@@ -61,11 +67,10 @@ def test_a_llama3_file_equals_its_hugging_face_twin(llama3_gguf):
     path, twin, plain = llama3_gguf
     engine, reference = load(path), load_reference(twin)
     ids = prompt(300, engine.cfg.vocab_size, 7)  # far past the original context of 64
-    out = engine.prefill([PrefillItem(0, ids, 0, TABLE)], taps=["logits"])
+    ours, expected = last_logits(engine, reference, ids, TABLE)
     with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0, -1].float()
         unscaled = load_reference(plain)(torch.tensor([ids])).logits[0, -1].float()
-    torch.testing.assert_close(out.taps["logits"][0], expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
     # The divisors matter here: the same weights with the default rope give other logits.
     assert (unscaled - expected).abs().max() > 1e-2
     engine.reset()

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlm_server.worker.engine import Engine, PrefillItem
+from shardlm_server.worker.engine import Engine
 from shardlm_server.worker.kv_cache import CacheConfig
 from tests.checkpoints import LLAMA, build_checkpoint, load_reference
-from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy
+from tests.worker.greedy_runs import greedy_tokens, last_logits, prompt, reference_greedy
 
 CONVERTER = Path(__file__).resolve().parents[2] / ".bench" / "converter"
 TABLE = list(range(32))  # 512 tokens
@@ -75,9 +75,6 @@ def test_a_llama3_file_from_llama_cpps_converter_serves_as_its_checkpoint(conver
     assert engine.cfg.rope_scaling["rope_type"] == "freq_factors"
     reference = load_reference(folder)
     ids = prompt(300, engine.cfg.vocab_size, 1)  # far past the original context of 64
-    out = engine.prefill([PrefillItem(0, ids, 0, TABLE)], taps=["logits"])
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0, -1].float()
-    torch.testing.assert_close(out.taps["logits"][0], expected, atol=2e-4, rtol=0)
+    torch.testing.assert_close(*last_logits(engine, reference, ids, TABLE), atol=2e-4, rtol=0)
     engine.reset()
     assert greedy_tokens(engine, 0, ids, 24, TABLE) == reference_greedy(reference, ids, 24)

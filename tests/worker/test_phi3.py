@@ -24,7 +24,13 @@ from shardlm_server.worker.rope import cos_sin_cache
 from shardlm_server.worker.safetensors_reader import SafetensorsReader
 from tests.checkpoints import PHI3, PHI4_MINI, build_checkpoint, load_reference
 from tests.gguf_files import GGUFSpec, T, every_type_once, hf_twin, write_gguf
-from tests.worker.greedy_runs import greedy_tokens, prompt, reference_greedy, two_rank_tokens
+from tests.worker.greedy_runs import (
+    greedy_tokens,
+    last_logits,
+    prompt,
+    reference_greedy,
+    two_rank_tokens,
+)
 
 TABLE = list(range(32))  # 512 tokens
 CPU = torch.device("cpu")
@@ -207,10 +213,7 @@ def test_a_phi4_file_equals_its_hugging_face_twin(phi4_gguf):
     assert scaling["long"] and scaling["long_factor"] == pytest.approx(LONG)
     assert scaling["attention_factor"] == pytest.approx(expected["attention_factor"], rel=1e-7)
     ids = prompt(70, cfg.vocab_size, 5)  # past the original context: the long list both sides
-    out = engine.prefill([PrefillItem(0, ids, 0, TABLE)], taps=["logits"])
-    with torch.no_grad():
-        logits = reference(torch.tensor([ids])).logits[0, -1].float()
-    torch.testing.assert_close(out.taps["logits"][0], logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(*last_logits(engine, reference, ids, TABLE), atol=1e-4, rtol=0)
     engine.reset()
     assert greedy_tokens(engine, 0, ids, 64, TABLE) == reference_greedy(reference, ids, 64)
     assert two_rank_tokens(path, ids, 12) == reference_greedy(reference, ids, 12)

@@ -51,6 +51,7 @@ __all__ = [
     "quant_rows",
     "reshape_and_cache",
     "rms_norm",
+    "rope_inv_freq",
     "rotary_embedding",
     "sample_rows",
     "set_activation_precision",
@@ -375,7 +376,9 @@ def penalize_rows(logits: torch.Tensor, seen: list[torch.Tensor], counts: list[t
     return logits
 
 
-def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    """float32 [head_dim / 2]: the rotary inverse frequencies of the default, linear and llama3
+    kinds."""
     # Same float32 arithmetic as transformers' _compute_default_rope_parameters.
     inv_freq = 1.0 / (
         base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim)
@@ -420,7 +423,7 @@ def compute_cos_sin_cache(
     ``cos(cat(freqs, freqs))`` repeats the same half, so storing each half once is
     equivalent. Compute on the model's ``device`` to reproduce HF bit for bit.
     """
-    inv_freq = _rope_inv_freq(head_dim, base, rope_scaling).to(device)
+    inv_freq = rope_inv_freq(head_dim, base, rope_scaling).to(device)
     positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().contiguous()
