@@ -1,4 +1,4 @@
-"""GGML's Q4_K and Q5_0 blocks, and the layouts the CPU kernels read them in (tensors only).
+"""GGML's K-quant and 5-bit blocks, and the layouts the CPU kernels read them in (tensors only).
 
 Q4_K (144 bytes per 256 weights): float16 d and dmin, 12 bytes of 6-bit scales and mins for the
 8 sub-blocks of 32 weights, then 128 bytes of nibbles: bytes 32c .. 32c+31 hold sub-block 2c in
@@ -16,7 +16,9 @@ computes (d * sc) * (q - 32) in float32, the first product exact, as GGML does.
 Q5_0 (22 bytes per 32 weights): float16 d, 32 high bits, 16 bytes of nibbles (weight i in the
 low nibble of byte i, i + 16 in its high one); w = d * (q - 16) with q in 0..31. `q5_0_to_q8_0`
 stores the same weights as Q8_0 (the signed quant q - 16 fits an int8, d unchanged): exact, and
-read by the Q8_0 kernels, at 34 bytes a block instead of 22.
+read by the Q8_0 kernels, at 34 bytes a block instead of 22. Q5_1 (24 bytes) adds a float16
+offset m after d: w = d * q + m, the product exact; `to_q51x8` regroups it into Q51x8 (Q5x8's
+words with each row's m beside its d), read by the Q4x8 kernels like Q4_1's Q4x8.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ Q4KX8_SUPER_BYTES = 1184  # one group of 8 rows, one super-block (quant_blocks.h
 ROWS = 8  # rows of a Q4Kx8 group
 Q5_0_BLOCK_BYTES = 22
 Q5X8_BLOCK_BYTES = 176  # one group of 8 rows, one block of 32 (quant_blocks.h)
+Q5_1_BLOCK_BYTES = 24
+Q51X8_BLOCK_BYTES = 192  # one group of 8 rows, one block of 32 (quant_blocks.h)
 Q5_K_BLOCK_BYTES = 176
 Q5KX8_SUPER_BYTES = 1440  # one group of 8 rows, one super-block (quant_blocks.h)
 Q6_K_BLOCK_BYTES = 210
@@ -223,22 +227,38 @@ def high_bits(words: torch.Tensor) -> torch.Tensor:
     return _word_fields(words, 1, _HIGH_BIT, 1).squeeze(-2) << 4
 
 
+def _q5_parts(blocks: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, ...]:
+    """The fields of Q5_0 / Q5_1 blocks [n, K / 32 * bytes]: the float16 bytes ahead of the
+    high bits ([n, nb, 2] d, for Q5_1 then [n, nb, 2] m) and the quants [n, nb, 32] (uint8,
+    0..31) in weight order."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, block_bytes)
+    lead = block_bytes - 20  # d (and m), then 4 bytes of high bits and 16 of nibbles
+    high = b[..., lead:lead + 4].contiguous().view(torch.int32)  # [n, nb, 1], little-endian
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32], weight order
+    qs = b[..., lead + 4:]
+    low = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
+    halves = tuple(b[..., i:i + 2] for i in range(0, lead, 2))
+    return (*halves, (low | (bits << 4)).to(torch.uint8))
+
+
 def q5_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fields of Q5_0 blocks [n, K / 32 * 22]: d as float16 bytes [n, nb, 2] and the quants
     [n, nb, 32] (uint8, 0..31) in weight order."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, Q5_0_BLOCK_BYTES)
-    high = b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 1], little-endian as GGML's
-    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32], weight order
-    qs = b[..., 6:]
-    low = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
-    return b[..., 0:2], (low | (bits << 4)).to(torch.uint8)
+    return _q5_parts(blocks, Q5_0_BLOCK_BYTES)
 
 
 def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [n, K] of Q5_0 blocks, as GGML computes them: d * (q - 16), exact."""
     d, q = q5_0_parts(blocks)
     return (_halves(d) * (q.float() - 16)).reshape(blocks.shape[0], -1)
+
+
+def dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q5_1 blocks (24 bytes: d, m, high bits, nibbles), as GGML computes
+    them: d * q + m, the product exact."""
+    d, m, q = _q5_parts(blocks, Q5_1_BLOCK_BYTES)
+    return (_halves(d) * q.float() + _halves(m)).reshape(blocks.shape[0], -1)
 
 
 def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -249,24 +269,59 @@ def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat((d, quants), -1).reshape(blocks.shape[0], -1)
 
 
-def to_q5x8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q5_0 blocks [n, K / 32 * 22] (n a multiple of 8) as Q5x8 [n / 8, K / 32 * 176]."""
-    d, q = q5_0_parts(blocks)
+def _by_group_rows(field: torch.Tensor) -> torch.Tensor:
+    """A per-row, per-block field [n, nb, w] as [n / 8, nb, 8 w], the group's rows side by side."""
+    n, nb, width = field.shape
+    groups = n // ROWS
+    return field.reshape(groups, ROWS, nb, width).permute(0, 2, 1, 3).reshape(groups, nb, ROWS * width)
+
+
+def _to_5bit_x8(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Q5x8 / Q51x8 bytes [n / 8, ...] of `_q5_parts` fields: per block the rows' float16
+    fields (d[8], for Q5_1 then m[8]), their high-bit words, then their nibble words."""
+    *halves, q = parts
     n, nb = q.shape[:2]
     groups = n // ROWS
-    d = d.reshape(groups, ROWS, nb, 2).permute(0, 2, 1, 3).reshape(groups, nb, 2 * ROWS)
     q = q.reshape(groups, ROWS, nb, 32)
-    return torch.cat((d, high_words(q), nibble_words(q)), -1).reshape(groups, -1).contiguous()
+    fields = [_by_group_rows(h) for h in halves]
+    return torch.cat((*fields, high_words(q), nibble_words(q)), -1).reshape(groups, -1).contiguous()
+
+
+def to_q5x8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [n, K / 32 * 22] (n a multiple of 8) as Q5x8 [n / 8, K / 32 * 176]."""
+    return _to_5bit_x8(q5_0_parts(blocks))
+
+
+def to_q51x8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_1 blocks [n, K / 32 * 24] (n a multiple of 8) as Q51x8 [n / 8, K / 32 * 192]."""
+    return _to_5bit_x8(_q5_parts(blocks, Q5_1_BLOCK_BYTES))
+
+
+def _dequantize_5bit_x8(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """float32 [N, K] of Q5x8 (or, 192-byte blocks, Q51x8) blocks, as GGML computes Q5_0's
+    (Q5_1's)."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, block_bytes)
+    nb = b.shape[1]
+    lead = block_bytes - 160
+
+    def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 16] -> [g, r, nb, 1]
+        return _halves(raw.reshape(groups, nb, ROWS, 2)).permute(0, 2, 1, 3)
+
+    d = by_row(b[..., 0:16])
+    q = (high_bits(b[..., lead:lead + 32]) | nibble_quants(b[..., lead + 32:])).float()
+    values = d * q + by_row(b[..., 16:32]) if lead == 32 else d * (q - 16)
+    return values.reshape(groups * ROWS, nb * 32)
 
 
 def dequantize_q5x8(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of Q5x8 blocks [N / 8, K / 32 * 176], as GGML computes the Q5_0 ones."""
-    groups = blocks.shape[0]
-    b = blocks.reshape(groups, -1, Q5X8_BLOCK_BYTES)
-    nb = b.shape[1]
-    d = _halves(b[..., 0:16].reshape(groups, nb, ROWS, 2)).permute(0, 2, 1, 3)  # [g, r, nb, 1]
-    q = high_bits(b[..., 16:48]) | nibble_quants(b[..., 48:])  # [g, r, nb, 32]
-    return (d * (q.float() - 16)).reshape(groups * ROWS, nb * 32)
+    return _dequantize_5bit_x8(blocks, Q5X8_BLOCK_BYTES)
+
+
+def dequantize_q51x8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q51x8 blocks [N / 8, K / 32 * 192], as GGML computes the Q5_1 ones."""
+    return _dequantize_5bit_x8(blocks, Q51X8_BLOCK_BYTES)
 
 
 def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

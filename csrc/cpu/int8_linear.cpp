@@ -308,6 +308,7 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ5x8: return f(nib::Q5x8Layout{});
     case quant::kQ40x8: return f(nib::Q40x8Layout{});
     case quant::kQ5Kx8: return f(nib::Q5Kx8Layout{});
+    case quant::kQ51x8: return f(nib::Q51x8Layout{});
     case quant::kQ6Kx8: return f(Q6KLayout{});
     default: return f(nib::Q4x8Layout{});
   }

@@ -20,6 +20,7 @@ using quant::kBlock;
 using quant::kGroupBlockBytes;
 using quant::kQ40GroupBlockBytes;
 using quant::kQ5GroupBlockBytes;
+using quant::kQ51GroupBlockBytes;
 using quant::kQ5SuperGroupBytes;
 using quant::kSuperBlocks;
 using quant::kSuperGroupBytes;
@@ -31,9 +32,9 @@ using quant::kSuperGroupBytes;
 // it; its end is quants + 128). kImpliedOffset: for layouts that store no
 // offset, m = kImpliedOffset * d (0: m is stored).
 //
-// Q4x8 (Q4_1, `--quantize int4`), Q40x8 (Q4_0) and Q5x8 (Q5_0), per block of
-// 32 weights and group of 8 rows: the rows' float16 scales d[8], their offsets
-// m[8] unless implied (Q4_0's m = -8 d, Q5_0's -16 d, exact in float32), for
+// Q4x8 (Q4_1, `--quantize int4`), Q40x8 (Q4_0), Q5x8 (Q5_0) and Q51x8 (Q5_1),
+// per block of 32 weights and group of 8 rows: the rows' float16 scales d[8],
+// their offsets m[8] unless implied (Q4_0's m = -8 d, Q5_0's -16 d, exact in float32), for
 // 5-bit quants the high-bit words h[8], then the quant words q[4][8].
 // kOff is an int: a float template parameter is C++20, and torch up to 2.13
 // builds extensions as C++17 (tests/test_cxx_standard.py).
@@ -61,8 +62,9 @@ struct BlockLayout {
 using Q4x8Layout = BlockLayout<quant::kQ4x8, false, 0>;
 using Q40x8Layout = BlockLayout<quant::kQ40x8, false, -8>;
 using Q5x8Layout = BlockLayout<quant::kQ5x8, true, -16>;
+using Q51x8Layout = BlockLayout<quant::kQ51x8, true, 0>;
 static_assert(Q4x8Layout::kBytes == kGroupBlockBytes && Q40x8Layout::kBytes == kQ40GroupBlockBytes &&
-              Q5x8Layout::kBytes == kQ5GroupBlockBytes);
+              Q5x8Layout::kBytes == kQ5GroupBlockBytes && Q51x8Layout::kBytes == kQ51GroupBlockBytes);
 
 // Q4_K and Q5_K: a 160-byte header per super-block of 256 weights (d, dmin,
 // then 6-bit scales and mins), d = d_super * scale, m = -(dmin_super * min),

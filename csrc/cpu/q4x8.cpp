@@ -330,6 +330,7 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ5x8: return f(Q5x8Layout{});
     case quant::kQ40x8: return f(Q40x8Layout{});
     case quant::kQ5Kx8: return f(Q5Kx8Layout{});
+    case quant::kQ51x8: return f(Q51x8Layout{});
     default: return f(Q4x8Layout{});
   }
 }

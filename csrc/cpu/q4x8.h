@@ -3,8 +3,8 @@
 // time, or with AVX-512 two groups against up to 8; on AVX-512, AVX2 or
 // portably), and a
 // group's rows unpacked to floats for the panel and tiled paths of more input
-// rows (panel_linear.cpp, quant_linear.cpp). `qtype` is kQ4x8, kQ4Kx8, kQ5x8
-// or kQ5Kx8 (the layouts: nibble_layouts.h).
+// rows (panel_linear.cpp, quant_linear.cpp). `qtype` is kQ4x8, kQ40x8, kQ4Kx8,
+// kQ5x8, kQ51x8 or kQ5Kx8 (the layouts: nibble_layouts.h).
 #pragma once
 
 #include <cstdint>

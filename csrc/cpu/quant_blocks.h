@@ -71,9 +71,13 @@ constexpr int64_t kBlock = 32;  // weights per block
 // Q40x8 (id 105) holds GGML's Q4_0 (w = d * (q - 8)) at its own 4.5 bits a
 // weight: per group of 8 rows and block of 32 weights, 144 bytes:
 //     d[8] float16, q[4][8] uint32 (Q4x8's words; m = -8 d, exact)
+//
+// Q51x8 (id 107) holds GGML's Q5_1 (w = d * q + m, q in 0..31) at its own 6
+// bits a weight: per group of 8 rows and block of 32 weights, 192 bytes:
+//     d[8] float16, m[8] float16, h[8] uint32, q[4][8] uint32 (Q5x8's words)
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
-  kQ5Kx8 = 104, kQ40x8 = 105
+  kQ5Kx8 = 104, kQ40x8 = 105, kQ51x8 = 107  // 106: a Mixed weight (mixed_rows.h)
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -84,11 +88,12 @@ constexpr int64_t kQ6SuperGroupBytes = 1680;  // one Q6Kx8 group's super-block
 constexpr int64_t kQ5GroupBlockBytes = 176;   // one Q5x8 group-block
 constexpr int64_t kQ5SuperGroupBytes = 1440;  // one Q5Kx8 group's super-block
 constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
+constexpr int64_t kQ51GroupBlockBytes = 192;  // one Q51x8 group-block
 
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
   return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
-         qtype == kQ5Kx8 || qtype == kQ40x8;
+         qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8;
 }
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
@@ -105,6 +110,7 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ5x8: return kQ5GroupBlockBytes;
     case kQ5Kx8: return kQ5SuperGroupBytes / kSuperBlocks;
     case kQ40x8: return kQ40GroupBlockBytes;
+    case kQ51x8: return kQ51GroupBlockBytes;
     default: return 0;
   }
 }

@@ -33,7 +33,8 @@ def layout_weight(layout: str, seed: int = 0):
     """A weight of 7 groups of 8 rows (AVX-512 takes groups in pairs: one is left alone)."""
     if layout in ("Q4x8", "Q40x8"):
         return to_q4x8(ggml_weight(56, 288, "Q4_1" if layout == "Q4x8" else "Q4_0", seed=seed))
-    source = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0"}[layout]
+    source = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0",
+              "Q51x8": "Q5_1"}[layout]
     return k_weight(56, 512, source, seed=seed)
 
 

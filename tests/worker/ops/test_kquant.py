@@ -1,11 +1,12 @@
-"""Q4_K, Q5_K, Q6_K and Q5_0 kept packed (regrouped into Q4Kx8, Q5Kx8, Q6Kx8 and Q5x8) and
+"""Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 kept packed (regrouped into Q4Kx8, Q5Kx8, Q6Kx8, Q5x8 and
+Q51x8) and
 Q5_0 stored as Q8_0 (worker/kquant.py): the formats against the `gguf` package's GGML
 dequantizers, and quant_linear on the regrouped layouts against its reference on every path
 (decode rows, panel, tiles); the SIMD paths are compared in test_quant_ops.py.
 
 The `gguf` package cannot quantize to the K-quants, so their blocks are random bytes with
 float16 scales of a realistic size: every field takes every value, which is what a layout must
-carry. Q5_0 blocks are quantized from random values.
+carry. Q5_0 and Q5_1 blocks are quantized from random values.
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32: summation order only
 LAYOUTS = {"Q4_K": ("Q4Kx8", 256, kquant.Q4KX8_SUPER_BYTES),
            "Q5_K": ("Q5Kx8", 256, kquant.Q5KX8_SUPER_BYTES),
            "Q6_K": ("Q6Kx8", 256, kquant.Q6KX8_SUPER_BYTES),
-           "Q5_0": ("Q5x8", 32, kquant.Q5X8_BLOCK_BYTES)}
+           "Q5_0": ("Q5x8", 32, kquant.Q5X8_BLOCK_BYTES),
+           "Q5_1": ("Q51x8", 32, kquant.Q51X8_BLOCK_BYTES)}
 
 
 def k_blocks(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> torch.Tensor:
     """Random `qtype` blocks [n, K / block * bytes] with scales like a quantizer's."""
     rng = np.random.default_rng(seed)
     kind = gguf.GGMLQuantizationType[qtype]
-    if qtype == "Q5_0":
+    if qtype in ("Q5_0", "Q5_1"):
         values = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return torch.from_numpy(gguf.quants.quantize(values, kind))
     return torch.from_numpy(random_k_blocks(n, k, kind, rng))

@@ -29,6 +29,7 @@ WEIGHTS = {
     "Q6Kx8": lambda: k_weight(56, 768, "Q6_K", seed=5),
     "Q5x8": lambda: k_weight(56, 512, "Q5_0", seed=4),
     "Q5Kx8": lambda: k_weight(56, 512, "Q5_K", seed=6),
+    "Q51x8": lambda: k_weight(56, 512, "Q5_1", seed=7),
 }
 
 
