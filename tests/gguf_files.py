@@ -2,7 +2,8 @@
 them out (its tensor names, its Q/K row permutation for Llama, its tokenizer metadata).
 
 Block-quantized tensors come from `gguf.quants.quantize` where the package has a quantizer, and
-from random blocks with small scales for the K-quants (it only dequantizes those); either way
+from random blocks with small scales for the K-quants and i-quants (it only dequantizes those);
+either way
 ShardLM and transformers read the very same bytes.
 """
 
@@ -18,9 +19,14 @@ from tests.checkpoints import TOKENIZER_TEXT
 
 T = gguf.GGMLQuantizationType
 QUANTIZABLE = (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
-# Byte offsets of the float16 scales (d, and dmin where there is one) inside each K-quant block.
+# Byte offsets of the float16 scales (d, and dmin where there is one) inside each K-quant and
+# i-quant block (IQ1_M keeps its d in the top nibbles of its last four uint16: `random_k_blocks`).
 K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-                   T.Q6_K: (208,)}
+                   T.Q6_K: (208,), T.IQ1_M: (),
+                   **{t: (0,) for t in (T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_S,
+                                        T.IQ2_XS, T.IQ2_XXS, T.IQ1_S)}}
+# A type the `gguf` package knows and ShardLM refuses (BitNet's ternary blocks).
+UNSUPPORTED_TYPE = T.TQ2_0
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # phi3 keeps Hugging Face's fused tensors: attn_qkv ([q; k; v] rows), ffn_up ([gate; up] rows).
 PHI3_MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
@@ -113,6 +119,11 @@ def random_k_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType,
     for offset in K_SCALE_OFFSETS[qtype]:
         scale = rng.uniform(2e-4, 1e-3, blocks.shape[0]).astype(np.float16)
         blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    if qtype == T.IQ1_M:  # d's bits 4i .. 4i+3 are the top nibble of uint16 i at byte 48
+        bits = rng.uniform(2e-4, 1e-3, blocks.shape[0]).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            nibble = ((bits >> (4 * i)) & 0x0F).astype(np.uint8)
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (nibble << 4)
     return blocks.reshape(rows, -1)
 
 
@@ -276,9 +287,9 @@ def every_type_once(spec: GGUFSpec, types: list[gguf.GGMLQuantizationType],
     return spec
 
 
-def copy_with_iq4_nl(src: Path, dst: Path, tensor: str) -> None:
-    """Copy the GGUF file `src` to `dst` with `tensor` (a 2-D tensor) stored as IQ4_NL, a type
-    ShardLM does not support (32 weights in 18 bytes; zeros suffice)."""
+def copy_with_unsupported_type(src: Path, dst: Path, tensor: str) -> None:
+    """Copy the GGUF file `src` to `dst` with `tensor` (a 2-D tensor) stored as UNSUPPORTED_TYPE
+    (zeros suffice)."""
     reader = gguf.GGUFReader(str(src))
     writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
     for f in reader.fields.values():
@@ -288,8 +299,9 @@ def copy_with_iq4_nl(src: Path, dst: Path, tensor: str) -> None:
     for t in reader.tensors:
         if t.name == tensor:
             rows, cols = (int(d) for d in reversed(t.shape.tolist()))
-            writer.add_tensor(t.name, np.zeros((rows, cols // 32 * 18), np.uint8),
-                              raw_dtype=T.IQ4_NL)
+            block, size = gguf.GGML_QUANT_SIZES[UNSUPPORTED_TYPE]
+            writer.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8),
+                              raw_dtype=UNSUPPORTED_TYPE)
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type
                               if t.tensor_type not in (T.F32, T.F16) else None)

@@ -22,7 +22,7 @@ from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, Pref
 from shardlm_server.worker.kv_cache import CacheConfig
 from shardlm_server.worker.speculative import SpeculationConfig
 from tests.gateway.conftest import LiveGateway
-from tests.gguf_files import GGUFSpec, T, copy_with_iq4_nl, write_gguf
+from tests.gguf_files import GGUFSpec, T, copy_with_unsupported_type, write_gguf
 
 CHATS = [
     "What is the capital of France?",
@@ -163,10 +163,10 @@ def _bad_files(folder):
     (folder / "truncated.gguf").write_bytes(data[: len(data) - 4096])
     (folder / "corrupt.gguf").write_bytes(b"GGUX" + data[4:])
     write_gguf(folder / "mamba.gguf", GGUFSpec("mamba", layers=1))
-    copy_with_iq4_nl(good, folder / "iq4_nl.gguf", "blk.0.ffn_up.weight")
+    copy_with_unsupported_type(good, folder / "tq2_0.gguf", "blk.0.ffn_up.weight")
     write_gguf(folder / "bert-tokenizer.gguf", GGUFSpec("llama", layers=1, tokenizer="bert"))
     return {"truncated.gguf": "CHECKPOINT_INVALID", "corrupt.gguf": "CHECKPOINT_INVALID",
-            "mamba.gguf": "UNSUPPORTED_ARCHITECTURE", "iq4_nl.gguf": "CHECKPOINT_INVALID",
+            "mamba.gguf": "UNSUPPORTED_ARCHITECTURE", "tq2_0.gguf": "CHECKPOINT_INVALID",
             "bert-tokenizer.gguf": "CHECKPOINT_INVALID"}
 
 

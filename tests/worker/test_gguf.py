@@ -20,7 +20,7 @@ from tests.gguf_files import (
     QUANTIZABLE,
     GGUFSpec,
     T,
-    copy_with_iq4_nl,
+    copy_with_unsupported_type,
     every_type_once,
     write_gguf,
 )
@@ -31,14 +31,15 @@ BLOCKS = list(range(16))
 
 
 def _spec(arch: str) -> GGUFSpec:
+    # 3 layers: 22 matrices or more, so that each file holds every supported type
     if arch == "llama":  # grouped-query attention, untied head, permuted Q/K
-        return every_type_once(GGUFSpec("llama", tied=False), ALL_TYPES)
+        return every_type_once(GGUFSpec("llama", layers=3, tied=False), ALL_TYPES)
     if arch == "qwen3":  # per-head q/k norms, no biases, untied head; head_dim 128, because
         # transformers reads no key_length from the file and takes Qwen3's default
-        return every_type_once(GGUFSpec("qwen3", heads=2, kv_heads=1, rope_base=1e6, eps=1e-6),
-                               ALL_TYPES, offset=11)
-    return every_type_once(GGUFSpec("qwen2", tied=True, bias=True, rope_base=1e6, eps=1e-6),
-                           ALL_TYPES, offset=7)
+        return every_type_once(GGUFSpec("qwen3", layers=3, heads=2, kv_heads=1, rope_base=1e6,
+                                        eps=1e-6), ALL_TYPES, offset=11)
+    return every_type_once(GGUFSpec("qwen2", layers=3, tied=True, bias=True, rope_base=1e6,
+                                    eps=1e-6), ALL_TYPES, offset=7)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -195,8 +196,8 @@ def test_unknown_architecture_is_named(tmp_path):
 
 def test_unsupported_tensor_type_is_named(tmp_path):
     write_gguf(tmp_path / "ok.gguf", GGUFSpec("llama", layers=1))
-    copy_with_iq4_nl(tmp_path / "ok.gguf", tmp_path / "m.gguf", "blk.0.ffn_up.weight")
-    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight.*IQ4_NL"):
+    copy_with_unsupported_type(tmp_path / "ok.gguf", tmp_path / "m.gguf", "blk.0.ffn_up.weight")
+    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight.*TQ2_0"):
         load_checkpoint_config(tmp_path / "m.gguf")
 
 

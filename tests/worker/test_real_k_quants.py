@@ -1,6 +1,7 @@
 """The default model re-quantized by llama.cpp's own `llama-quantize` (bench/quantize.py) into
-the files users download: every matrix stays packed on CPU, and the packed model's logits equal
-the dequantized one's up to summation order. Skipped unless `make llama-quantize` has run (the
+the files users download: every matrix of a type the kernels read (or that recode.py re-encodes
+exactly) stays packed on CPU, and the packed model's logits equal the dequantized one's up to
+summation order. Skipped unless `make llama-quantize` has run (the
 kernels' own tests, tests/worker/ops/test_kquant.py, need no file)."""
 
 from __future__ import annotations
@@ -26,12 +27,25 @@ def _linears(engine: Engine):
     yield engine.model.lm_head
 
 
+# A file type -> the layouts its matrices take (SmolLM2's 576-wide rows fill no 256-weight
+# super-blocks, so llama-quantize falls back to 32-weight types for most of them: Q5_1 for Q5_K,
+# IQ4_NL for IQ4_XS). "dense": IQ4_XS, read as floats.
+LAYOUTS = {"Q4_K_M": {"Q4Kx8", "Q5x8", "Q6Kx8", "Q8_0"},
+           "Q6_K": {"Q6Kx8", "Q8_0"},
+           "Q5_K_M": {"Q51x8", "Q5Kx8", "Q6Kx8", "Q8_0", "Mixed"},
+           "Q3_K_S": {"Q40x8", "Q6Kx8", "Q8_0"},  # its Q3_K down projections as Q6_K
+           "IQ4_NL": {"Q5Kx8", "Q8_0"},  # IQ4_NL as Q8_0
+           "IQ4_XS": {"Q5Kx8", "Q8_0", "dense"}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
 def test_a_llama_quantize_file_stays_packed_and_equals_its_dequantized_model(qtype):
     path = quantize.quantized(default_model_path(), qtype, quantize.binary(), threads=2)
     packed = Engine.load(path, dtype="float32", cache_config=CACHE)
-    assert all(isinstance(lin.weight, QuantizedWeight) for lin in _linears(packed))
+    layouts = {lin.weight.qtype if isinstance(lin.weight, QuantizedWeight) else "dense"
+               for lin in _linears(packed)}
+    assert layouts == LAYOUTS[qtype]
     assert isinstance(packed.model.embed.weight, QuantizedWeight)
     dense = Engine.load(path, dtype="float32", cache_config=CACHE, quantize="none")
     ids = list(range(100, 164))

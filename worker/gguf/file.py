@@ -23,9 +23,11 @@ from shardlm.gguf_header import find_gguf as _find_gguf
 from shardlm_server.worker.errors import CheckpointError
 
 T = gguf.GGMLQuantizationType
-# The tensor types ShardLM dequantizes at load, in the order the docs list them.
+# The tensor types ShardLM reads (worker.quant says which stay packed), in the order the docs
+# list them.
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-                   T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+                   T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+                   T.IQ3_S, T.IQ3_XXS, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS, T.IQ1_S, T.IQ1_M)
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in SUPPORTED_TYPES)
 # Types whose data is typed numbers; every other one is [rows, bytes per row] uint8 (BF16, blocks).
 _ELEMENT_DTYPES: dict[gguf.GGMLQuantizationType, np.dtype] = {T.F32: np.dtype(np.float32),
