@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from shardlm_server.worker.iquant import IQ4_VALUES, iq4_nibbles
+
 Q3_K_BLOCK_BYTES = 110
 IQ4_NL_BLOCK_BYTES = 18
-#: GGML's kvalues_iq4nl: the int8 value each IQ4_NL / IQ4_XS nibble stands for.
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,8 +80,7 @@ def iq4_nl_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     """IQ4_NL blocks [n, K / 32 * 18] as Q8_0 [n, K / 32 * 34]: the same weights exactly."""
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, IQ4_NL_BLOCK_BYTES)
-    qs = b[..., 2:].to(torch.int64)
-    nibbles = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+    nibbles = iq4_nibbles(b[..., 2:]).squeeze(-2).long()
     values = torch.tensor(IQ4_VALUES, dtype=torch.int8)[nibbles]
     return torch.cat((b[..., 0:2], values.view(torch.uint8)), dim=-1).reshape(n, -1).contiguous()
 

@@ -2,7 +2,8 @@
 // int8_linear.cpp) read, each as a type the kernels are templates over: where
 // block b (32 weights) of a group of 8 rows keeps its quant words, its high
 // bits (5-bit layouts) and its scales; the unpacking of one word of quants to
-// 8 or 16 rows' quant j in place; and the block's scales as vectors.
+// 8 or 16 rows' quant j in place (or, for a table layout, to the values its
+// nibbles index); and the block's scales as vectors.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,7 @@ using quant::kBlock;
 using quant::kGroupBlockBytes;
 using quant::kQ40GroupBlockBytes;
 using quant::kQ5GroupBlockBytes;
+using quant::kIQ4SuperGroupBytes;
 using quant::kQ51GroupBlockBytes;
 using quant::kQ5SuperGroupBytes;
 using quant::kSuperBlocks;
@@ -41,7 +43,7 @@ using quant::kSuperGroupBytes;
 template <int64_t kT, bool kF, int kOff>
 struct BlockLayout {
   static constexpr int64_t kType = kT;
-  static constexpr bool kSuper = false, kFive = kF;
+  static constexpr bool kSuper = false, kFive = kF, kTable = false;
   static constexpr float kImpliedOffset = static_cast<float>(kOff);
   static constexpr int64_t kScaleBytes = kOff != 0 ? 16 : 32;
   static constexpr int64_t kLead = kScaleBytes + (kF ? 32 : 0);
@@ -73,7 +75,7 @@ static_assert(Q4x8Layout::kBytes == kGroupBlockBytes && Q40x8Layout::kBytes == k
 template <int64_t kT, bool kF>
 struct SuperLayout {
   static constexpr int64_t kType = kT;
-  static constexpr bool kSuper = true, kFive = kF;
+  static constexpr bool kSuper = true, kFive = kF, kTable = false;
   static constexpr float kImpliedOffset = 0.f;
   static constexpr int64_t kBlockBytes = kF ? 160 : 128;
   static constexpr int64_t kBytes = 160 + kSuperBlocks * kBlockBytes;
@@ -100,6 +102,42 @@ using Q4Kx8Layout = SuperLayout<quant::kQ4Kx8, false>;
 using Q5Kx8Layout = SuperLayout<quant::kQ5Kx8, true>;
 static_assert(Q4Kx8Layout::kBytes == kSuperGroupBytes && Q5Kx8Layout::kBytes == kQ5SuperGroupBytes);
 
+// GGML's kvalues_iq4nl: the int8 value each IQ4_NL / IQ4_XS nibble stands for.
+constexpr float kIQ4Values[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
+                                  1.f,    13.f,   25.f,  38.f,  53.f,  69.f,  89.f,  113.f};
+
+// IQ4_XS: an 80-byte header per super-block of 256 weights (d[8] float16, then
+// the 6-bit scales less 32 as int8 sc[8][8], block-major), then per block the
+// quant words, each nibble an index into kIQ4Values: w = d * sc * kv[q], no
+// offset. d * sc * kv has at most 11 + 5 + 7 significant bits, so GGML's
+// (d * sc) * kv is exact in float32, and so is each of the kernels' products.
+// A table layout (kTable) reads its quants through the table, against inputs
+// that are not pre-scaled, and never as subnormals.
+struct IQ4x8Layout {
+  static constexpr int64_t kType = quant::kIQ4x8;
+  static constexpr bool kSuper = true, kFive = false, kTable = true;
+  static constexpr float kImpliedOffset = 0.f;
+  static constexpr int64_t kHeaderBytes = 80;
+  static constexpr int64_t kBytes = kHeaderBytes + kSuperBlocks * 128;
+  static int64_t group_bytes(int64_t k) { return k / (kBlock * kSuperBlocks) * kBytes; }
+  static const uint8_t* super(const uint8_t* w, int64_t b) { return w + b / kSuperBlocks * kBytes; }
+  static const uint8_t* highs(const uint8_t*, int64_t) { return nullptr; }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) {
+    return super(w, b) + kHeaderBytes + 128 * (b % kSuperBlocks);
+  }
+  static const uint8_t* stream_begin(const uint8_t* w, int64_t b) {
+    return b % kSuperBlocks == 0 ? super(w, b) : quants(w, b);
+  }
+  static const uint8_t* scales(const uint8_t* w, int64_t b) {
+    return super(w, b) + 16 + 8 * (b % kSuperBlocks);
+  }
+  static float d(const uint8_t* w, int64_t b, int64_t r) {
+    return half_at(super(w, b) + 2 * r) * static_cast<float>(static_cast<int8_t>(scales(w, b)[r]));
+  }
+  static float m(const uint8_t*, int64_t, int64_t) { return 0.f; }
+};
+static_assert(IQ4x8Layout::kBytes == kIQ4SuperGroupBytes);
+
 inline uint32_t word_at(const uint8_t* p) {
   uint32_t word;
   std::memcpy(&word, p, sizeof word);
@@ -110,6 +148,7 @@ inline uint32_t word_at(const uint8_t* p) {
 template <class L>
 inline float quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   uint32_t q = (word_at(L::quants(w, b) + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
+  if constexpr (L::kTable) return kIQ4Values[q];
   if constexpr (L::kFive) q |= ((word_at(L::highs(w, b) + 4 * r) >> (4 * (i % 8) + i / 8)) & 1) << 4;
   return static_cast<float>(q);
 }
@@ -144,8 +183,18 @@ SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
 // (quant_avx2), or with kSub read as subnormals from the joined words
 // (grouped::joined_subnormal_avx2; a 4-bit word is its own even and odd
 // words, with quant 7 shifted down as its top).
+// The table's values of nibble j of each lane of v: two 8-entry permutes
+// (each reads the index's low 3 bits) and a blend on its bit 3.
+SHARDLM_AVX2 inline __m256 table_avx2(__m256i v, int j) {
+  const __m256i index = _mm256_srli_epi32(v, 4 * j);
+  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kIQ4Values), index);
+  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kIQ4Values + 8), index);
+  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28 - 4 * j)));
+}
+
 template <class L, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_float_avx2(const Words256& q, int j) {
+  if constexpr (L::kTable) return table_avx2(q.lo, j);
   if constexpr (kSub) return grouped::joined_subnormal_avx2(q.joined, j, L::kFive ? 0x1f : 0x0f);
   return _mm256_cvtepi32_ps(quant_avx2<L>(q, j));
 }
@@ -177,6 +226,9 @@ SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
 
 template <class L, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_float_avx512(const Words512& q, int j) {
+  if constexpr (L::kTable) {  // a 16-entry permute reads the index's low 4 bits
+    return _mm512_permutexvar_ps(_mm512_srli_epi32(q.lo, 4 * j), _mm512_loadu_ps(kIQ4Values));
+  }
   if constexpr (kSub) return grouped::joined_subnormal_avx512(q.joined, j, L::kFive ? 0x1f : 0x0f);
   return _mm512_cvtepi32_ps(quant_avx512<L>(q, j));
 }
@@ -192,10 +244,18 @@ SHARDLM_AVX2 inline __m256 bytes8(const uint8_t* p) {
       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+SHARDLM_AVX2 inline __m256 signed_bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Block b's 8 scales and 8 offsets, one row a lane.
 template <class L>
 SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m256& m) {
-  if constexpr (L::kSuper) {
+  if constexpr (L::kTable) {
+    d = _mm256_mul_ps(halves8(L::super(w, b)), signed_bytes8(L::scales(w, b)));
+    m = _mm256_setzero_ps();
+  } else if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);
     const int64_t s = b % kSuperBlocks;
     d = _mm256_mul_ps(halves8(h), bytes8(h + 32 + 8 * s));
@@ -224,10 +284,21 @@ SHARDLM_AVX512 inline __m512 bytes_pair(const uint8_t* p, int64_t next) {
 }
 
 // scales_avx2 for block b of the groups at w and w + next.
+// The 8 signed bytes at p and the 8 at p + next as 16 floats.
+SHARDLM_AVX512 inline __m512 signed_bytes_pair(const uint8_t* p, int64_t next) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + next));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi)));
+}
+
 template <class L>
 SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
                                        __m512& m) {
-  if constexpr (L::kSuper) {
+  if constexpr (L::kTable) {
+    d = _mm512_mul_ps(grouped::halves_pair(L::super(w, b), next),
+                      signed_bytes_pair(L::scales(w, b), next));
+    m = _mm512_setzero_ps();
+  } else if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);
     const int64_t s = b % kSuperBlocks;
     d = _mm512_mul_ps(grouped::halves_pair(h, next), bytes_pair(h + 32 + 8 * s, next));

@@ -19,7 +19,10 @@
 // high bits beside them that joins each quant before it is masked in place
 // (nibble_layouts.h); only where a block's scale and offset come from differs,
 // so every kernel here is a template over the layout and the arithmetic after
-// the scales is the same.
+// the scales is the same. IQ4x8 (IQ4_XS) has Q4x8's words too, each nibble an
+// index into a table of 16 values (nibble_layouts.h): its kernels look the
+// values up (one 16-entry permute with AVX-512) and read the input as given,
+// not pre-scaled.
 #include "q4x8.h"
 
 #include <algorithm>
@@ -157,14 +160,16 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
     const uint8_t* qw = L::quants(w, b);
     const __m256i h = highs_avx2<L>(w, b);
     __m256 scale[8];
-    for (int j = 0; j < 8; ++j) scale[j] = _mm256_mul_ps(d, _mm256_set1_ps(kNibbleScale[j]));
+    for (int j = 0; j < 8; ++j) {
+      scale[j] = L::kTable ? d : _mm256_mul_ps(d, _mm256_set1_ps(kNibbleScale[j]));
+    }
     float* o = panel + b * kBlock * stride;
     for (int s = 0; s < 4; ++s) {
       const Words256 words = words_avx2<L>(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 q = _mm256_cvtepi32_ps(quant_avx2<L>(words, j));
+        const __m256 q = quant_float_avx2<L, false>(words, j);
         _mm256_storeu_ps(o + (8 * s + j) * stride, _mm256_fmadd_ps(q, scale[j], m));
       }
     }
@@ -302,13 +307,13 @@ void gemv_of(T* out, const uint8_t* w, const float* x, const float* xs, const T*
              int64_t n, int64_t k) {
   const bool avx2 = cpu::use_avx2();
 #if SHARDLM_HAVE_AVX2
-  if (avx2 && cpu::use_subnormal_quants()) {
+  if (!L::kTable && avx2 && cpu::use_subnormal_quants()) {
     if (const float* xp = grouped::prescaled_subnormal(x, m, k)) {
       return gemv_with<L, true>(out, w, xp, xs, bias, m, n, k, avx2);
     }
   }
 #endif
-  const float* xp = avx2 ? grouped::prescaled(x, m * k) : x;
+  const float* xp = avx2 && !L::kTable ? grouped::prescaled(x, m * k) : x;
   gemv_with<L, false>(out, w, xp, xs, bias, m, n, k, avx2);
 }
 
@@ -331,6 +336,7 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ40x8: return f(Q40x8Layout{});
     case quant::kQ5Kx8: return f(Q5Kx8Layout{});
     case quant::kQ51x8: return f(Q51x8Layout{});
+    case quant::kIQ4x8: return f(IQ4x8Layout{});
     default: return f(Q4x8Layout{});
   }
 }

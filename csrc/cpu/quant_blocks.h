@@ -75,9 +75,16 @@ constexpr int64_t kBlock = 32;  // weights per block
 // Q51x8 (id 107) holds GGML's Q5_1 (w = d * q + m, q in 0..31) at its own 6
 // bits a weight: per group of 8 rows and block of 32 weights, 192 bytes:
 //     d[8] float16, m[8] float16, h[8] uint32, q[4][8] uint32 (Q5x8's words)
+//
+// IQ4x8 (id 108) holds GGML's IQ4_XS (w = d * (ls - 32) * kv[q], kv a fixed
+// table of 16 int8 values, ls a 6-bit scale per 32 weights) at 4.3125 bits a
+// weight (IQ4_XS's 4.25): per group of 8 rows and super-block of 256, 1104 bytes:
+//     d[8] float16, sc[8][8] int8 (ls - 32, block-major), then per block
+//     q[4][8] uint32 (Q4x8's words, each nibble an index into kv)
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
-  kQ5Kx8 = 104, kQ40x8 = 105, kQ51x8 = 107  // 106: a Mixed weight (mixed_rows.h)
+  kQ5Kx8 = 104, kQ40x8 = 105, kQ51x8 = 107,  // 106: a Mixed weight (mixed_rows.h)
+  kIQ4x8 = 108
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -89,11 +96,12 @@ constexpr int64_t kQ5GroupBlockBytes = 176;   // one Q5x8 group-block
 constexpr int64_t kQ5SuperGroupBytes = 1440;  // one Q5Kx8 group's super-block
 constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
 constexpr int64_t kQ51GroupBlockBytes = 192;  // one Q51x8 group-block
+constexpr int64_t kIQ4SuperGroupBytes = 1104;  // one IQ4x8 group's super-block
 
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
   return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
-         qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8;
+         qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8 || qtype == kIQ4x8;
 }
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
@@ -111,6 +119,7 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ5Kx8: return kQ5SuperGroupBytes / kSuperBlocks;
     case kQ40x8: return kQ40GroupBlockBytes;
     case kQ51x8: return kQ51GroupBlockBytes;
+    case kIQ4x8: return kIQ4SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
 }

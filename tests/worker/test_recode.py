@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm_server.worker import kquant, recode
+from shardlm_server.worker import iquant, kquant, recode
 from shardlm_server.worker.checkpoint import PackedTensor
 from shardlm_server.worker.quant import QuantizedWeight, dequantize_blocks, read_blocks, read_linear
 from tests.gguf_files import random_k_blocks
@@ -27,7 +27,7 @@ def _ggml(blocks: torch.Tensor, qtype: T) -> torch.Tensor:
 
 
 def test_the_iq4_table_is_ggmls():
-    assert recode.IQ4_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)
+    assert iquant.IQ4_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)
 
 
 def test_q3_k_fields_dequantize_as_ggml():

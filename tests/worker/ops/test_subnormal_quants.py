@@ -30,6 +30,7 @@ WEIGHTS = {
     "Q5x8": lambda: k_weight(56, 512, "Q5_0", seed=4),
     "Q5Kx8": lambda: k_weight(56, 512, "Q5_K", seed=6),
     "Q51x8": lambda: k_weight(56, 512, "Q5_1", seed=7),
+    "IQ4x8": lambda: k_weight(56, 512, "IQ4_XS", seed=8),  # never subnormal: the same sums
 }
 
 
