@@ -1,4 +1,5 @@
-"""GGML's IQ4_XS blocks and IQ4x8, the layout the CPU kernels read them in (tensors only).
+"""GGML's IQ4_XS and IQ4_NL blocks, and IQ4x8 and IQ4NLx8, the layouts the CPU kernels read them
+in (tensors only).
 
 IQ4_XS (136 bytes per 256 weights): a float16 d, 16 bits of scale highs, 4 bytes of scale lows,
 then per sub-block of 32 weights 16 bytes of nibbles (weight i in the low nibble of byte i, i + 16
@@ -8,6 +9,9 @@ GGML computes as (d * (ls - 32)) * value in float32, both products exact (11 + 5
 `to_iq4x8` regroups it into IQ4x8 (csrc/cpu/quant_blocks.h: 8 rows side by side, each
 sub-block's nibbles as a Q4x8 block's words, ls - 32 stored as an int8), which the Q4x8 kernels
 read through the table.
+
+IQ4_NL (18 bytes per 32 weights) is a float16 d and IQ4_XS's nibbles, w = d * value, the product
+exact; `to_iq4nlx8` regroups it into IQ4NLx8, Q40x8's bytes (each row's d, then the words).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS, SUPER, nibble_quants,
 
 IQ4_XS_BLOCK_BYTES = 136
 IQ4X8_SUPER_BYTES = 1104  # one group of 8 rows, one super-block (quant_blocks.h)
+IQ4_NL_BLOCK_BYTES = 18
+IQ4NLX8_BLOCK_BYTES = 144  # one group of 8 rows, one block of 32 (quant_blocks.h)
 #: GGML's kvalues_iq4nl: the int8 value each IQ4_NL / IQ4_XS nibble stands for.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _TABLE = torch.tensor(IQ4_VALUES, dtype=torch.float32)
@@ -81,3 +87,32 @@ def dequantize_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
               .permute(0, 3, 1, 2))  # [g, r, nb, s]
     nibbles = nibble_quants(b[..., 80:].reshape(groups, supers, SUB_BLOCKS, 128))
     return _values(d, scales, nibbles).reshape(groups * ROWS, supers * SUPER)
+
+
+def dequantize_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of IQ4_NL blocks, as GGML computes them: d * value, exact."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, IQ4_NL_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    return (d * _TABLE[iq4_nibbles(b[..., 2:]).squeeze(-2).long()]).reshape(n, -1)
+
+
+def to_iq4nlx8(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL blocks [n, K / 32 * 18] (n a multiple of 8) as IQ4NLx8 [n / 8, K / 32 * 144]."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, IQ4_NL_BLOCK_BYTES)
+    nb, groups = b.shape[1], n // ROWS
+    d = b[..., 0:2].reshape(groups, ROWS, nb, 2).permute(0, 2, 1, 3).reshape(groups, nb, 16)
+    words = nibble_words(iq4_nibbles(b[..., 2:]).reshape(groups, ROWS, nb, 32))
+    return torch.cat((d, words), dim=-1).reshape(groups, -1).contiguous()
+
+
+def dequantize_iq4nlx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of IQ4NLx8 blocks [N / 8, K / 32 * 144], as GGML computes the IQ4_NL ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, IQ4NLX8_BLOCK_BYTES)
+    nb = b.shape[1]
+    d = (b[..., 0:16].contiguous().view(torch.float16).float()
+         .reshape(groups, nb, ROWS).permute(0, 2, 1).unsqueeze(-1))  # [g, r, nb, 1]
+    nibbles = nibble_quants(b[..., 16:])  # [g, r, nb, 32]
+    return (d * _TABLE[nibbles.long()]).reshape(groups * ROWS, nb * 32)

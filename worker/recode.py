@@ -1,4 +1,5 @@
-"""GGML block types the CPU kernels do not read, re-encoded exactly into ones they do (tensors only).
+"""GGML block types the CPU kernels do not read (or, for Q5_0 and IQ4_NL, not in rows that fill
+no group of 8), re-encoded exactly into ones they do (tensors only).
 
 Each re-encoding keeps every weight bit for bit as GGML dequantizes it, so a file of these types
 stays packed in memory (at a little under twice its bytes for those matrices instead of the
@@ -12,6 +13,7 @@ seven to nine times that float32 takes) and multiplies as exactly as the file's 
 - IQ4_NL (18 bytes per 32 weights: a float16 d, then 16 bytes of nibbles, weight i in the low
   nibble of byte i and i + 16 in its high one, each an index into a fixed table of 16 int8
   values) as Q8_0: the same d, the table's values as the int8 quants.
+- Q5_0 as Q8_0 (kquant.q5_0_to_q8_0): the same d, q - 16 as the int8 quant.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from shardlm_server.worker.iquant import IQ4_VALUES, iq4_nibbles
+from shardlm_server.worker.kquant import q5_0_to_q8_0
 
 Q3_K_BLOCK_BYTES = 110
 IQ4_NL_BLOCK_BYTES = 18
@@ -86,4 +89,5 @@ def iq4_nl_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 #: The types re-encoded at load: what into, and how.
-RECODED = {"Q3_K": ("Q6_K", q3_k_to_q6_k), "IQ4_NL": ("Q8_0", iq4_nl_to_q8_0)}
+RECODED = {"Q3_K": ("Q6_K", q3_k_to_q6_k), "IQ4_NL": ("Q8_0", iq4_nl_to_q8_0),
+           "Q5_0": ("Q8_0", q5_0_to_q8_0)}

@@ -383,8 +383,10 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 
 }  // namespace
 
-// IQ4x8's quants index a table of int8 values, which these kernels do not read.
-bool takes(int64_t qtype) { return quant::grouped(qtype) && qtype != quant::kIQ4x8; }
+// IQ4x8's and IQ4NLx8's quants index a table of int8 values, which these kernels do not read.
+bool takes(int64_t qtype) {
+  return quant::grouped(qtype) && qtype != quant::kIQ4x8 && qtype != quant::kIQ4NLx8;
+}
 
 template <typename T>
 void linear(T* out, int64_t qtype, const uint8_t* w, const Int8Rows& x, const T* bias, int64_t m,

@@ -138,6 +138,23 @@ struct IQ4x8Layout {
 };
 static_assert(IQ4x8Layout::kBytes == kIQ4SuperGroupBytes);
 
+// IQ4_NL: Q40x8's bytes (d[8] float16, then the quant words per block of 32),
+// each nibble an index into kIQ4Values: w = d * kv[q], no offset.
+struct IQ4NLx8Layout {
+  static constexpr int64_t kType = quant::kIQ4NLx8;
+  static constexpr bool kSuper = false, kFive = false, kTable = true;
+  static constexpr float kImpliedOffset = 0.f;
+  static constexpr int64_t kBytes = 16 + 128;
+  static int64_t group_bytes(int64_t k) { return k / kBlock * kBytes; }
+  static const uint8_t* header(const uint8_t* w, int64_t b) { return w + b * kBytes; }
+  static const uint8_t* highs(const uint8_t*, int64_t) { return nullptr; }
+  static const uint8_t* quants(const uint8_t* w, int64_t b) { return header(w, b) + 16; }
+  static const uint8_t* stream_begin(const uint8_t* w, int64_t b) { return header(w, b); }
+  static float d(const uint8_t* w, int64_t b, int64_t r) { return half_at(header(w, b) + 2 * r); }
+  static float m(const uint8_t*, int64_t, int64_t) { return 0.f; }
+};
+static_assert(IQ4NLx8Layout::kBytes == kQ40GroupBlockBytes);
+
 inline uint32_t word_at(const uint8_t* p) {
   uint32_t word;
   std::memcpy(&word, p, sizeof word);
@@ -253,7 +270,11 @@ SHARDLM_AVX2 inline __m256 signed_bytes8(const uint8_t* p) {
 template <class L>
 SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m256& m) {
   if constexpr (L::kTable) {
-    d = _mm256_mul_ps(halves8(L::super(w, b)), signed_bytes8(L::scales(w, b)));
+    if constexpr (L::kSuper) {
+      d = _mm256_mul_ps(halves8(L::super(w, b)), signed_bytes8(L::scales(w, b)));
+    } else {
+      d = halves8(L::header(w, b));
+    }
     m = _mm256_setzero_ps();
   } else if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);
@@ -295,8 +316,12 @@ template <class L>
 SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
                                        __m512& m) {
   if constexpr (L::kTable) {
-    d = _mm512_mul_ps(grouped::halves_pair(L::super(w, b), next),
-                      signed_bytes_pair(L::scales(w, b), next));
+    if constexpr (L::kSuper) {
+      d = _mm512_mul_ps(grouped::halves_pair(L::super(w, b), next),
+                        signed_bytes_pair(L::scales(w, b), next));
+    } else {
+      d = grouped::halves_pair(L::header(w, b), next);
+    }
     m = _mm512_setzero_ps();
   } else if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);

@@ -19,7 +19,7 @@
 // high bits beside them that joins each quant before it is masked in place
 // (nibble_layouts.h); only where a block's scale and offset come from differs,
 // so every kernel here is a template over the layout and the arithmetic after
-// the scales is the same. IQ4x8 (IQ4_XS) has Q4x8's words too, each nibble an
+// the scales is the same. IQ4x8 and IQ4NLx8 (IQ4_XS, IQ4_NL) have Q4x8's words too, each nibble an
 // index into a table of 16 values (nibble_layouts.h): its kernels look the
 // values up (one 16-entry permute with AVX-512) and read the input as given,
 // not pre-scaled.
@@ -337,6 +337,7 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ5Kx8: return f(Q5Kx8Layout{});
     case quant::kQ51x8: return f(Q51x8Layout{});
     case quant::kIQ4x8: return f(IQ4x8Layout{});
+    case quant::kIQ4NLx8: return f(IQ4NLx8Layout{});
     default: return f(Q4x8Layout{});
   }
 }

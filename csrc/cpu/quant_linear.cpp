@@ -207,6 +207,7 @@ void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
     case kQ5Kx8: return rows_at<kQ5Kx8>(o, w, id, d.count, d.k);
     case kQ51x8: return rows_at<kQ51x8>(o, w, id, d.count, d.k);
     case kIQ4x8: return rows_at<kIQ4x8>(o, w, id, d.count, d.k);
+    case kIQ4NLx8: return rows_at<kIQ4NLx8>(o, w, id, d.count, d.k);
     default: return rows_at<kQ8_0>(o, w, id, d.count, d.k);
   }
 }
@@ -231,6 +232,7 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kQ5Kx8: return quant_linear_typed<kQ5Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ51x8: return quant_linear_typed<kQ51x8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kIQ4x8: return quant_linear_typed<kIQ4x8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ4NLx8: return quant_linear_typed<kIQ4NLx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }
 }

@@ -12,13 +12,17 @@ import torch
 from shardlm_server.worker import iquant, kquant, recode
 from shardlm_server.worker.checkpoint import PackedTensor
 from shardlm_server.worker.quant import QuantizedWeight, dequantize_blocks, read_blocks, read_linear
-from tests.gguf_files import random_k_blocks
+from tests.gguf_files import QUANTIZABLE, random_k_blocks
 
 T = gguf.GGMLQuantizationType
 
 
 def _blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    return torch.from_numpy(random_k_blocks(rows, cols, qtype, np.random.default_rng(seed)))
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(values, qtype))
+    return torch.from_numpy(random_k_blocks(rows, cols, qtype, rng))
 
 
 def _ggml(blocks: torch.Tensor, qtype: T) -> torch.Tensor:
@@ -72,9 +76,11 @@ class _Reader:
         return self.dense
 
 
-@pytest.mark.parametrize("qtype,layout", [(T.Q3_K, "Q6Kx8"), (T.IQ4_NL, "Q8_0")])
-def test_a_file_tensor_of_a_recoded_type_stays_packed(qtype, layout):
-    rows, cols = 24, 512
+# rows: whole groups of 8, or not (then IQ4_NL is held as Q8_0, and its own layout otherwise)
+@pytest.mark.parametrize("qtype,rows,layout", [(T.Q3_K, 24, "Q6Kx8"), (T.IQ4_NL, 20, "Q8_0"),
+                                               (T.IQ4_NL, 24, "IQ4NLx8"), (T.Q5_0, 20, "Q8_0")])
+def test_a_file_tensor_of_a_recoded_type_stays_packed(qtype, rows, layout):
+    cols = 512
     reader = _Reader(qtype, _blocks(qtype, rows, cols, seed=4), (rows, cols))
     weight = read_linear(reader, "w", (rows, cols))
     assert isinstance(weight, QuantizedWeight) and weight.qtype == layout

@@ -1,10 +1,10 @@
-"""Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and IQ4_XS kept packed (regrouped into Q4Kx8, Q5Kx8, Q6Kx8,
-Q5x8, Q51x8 and IQ4x8) and
+"""Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_XS and IQ4_NL kept packed (regrouped into Q4Kx8, Q5Kx8,
+Q6Kx8, Q5x8, Q51x8, IQ4x8 and IQ4NLx8) and
 Q5_0 stored as Q8_0 (worker/kquant.py): the formats against the `gguf` package's GGML
 dequantizers, and quant_linear on the regrouped layouts against its reference on every path
 (decode rows, panel, tiles); the SIMD paths are compared in test_quant_ops.py.
 
-The `gguf` package cannot quantize to the K-quants or IQ4_XS, so their blocks are random bytes with
+The `gguf` package cannot quantize to the K-quants or the i-quants, so their blocks are random bytes with
 float16 scales of a realistic size: every field takes every value, which is what a layout must
 carry. Q5_0 and Q5_1 blocks are quantized from random values.
 """
@@ -36,7 +36,8 @@ LAYOUTS = {"Q4_K": ("Q4Kx8", 256, kquant.Q4KX8_SUPER_BYTES),
            "Q6_K": ("Q6Kx8", 256, kquant.Q6KX8_SUPER_BYTES),
            "Q5_0": ("Q5x8", 32, kquant.Q5X8_BLOCK_BYTES),
            "Q5_1": ("Q51x8", 32, kquant.Q51X8_BLOCK_BYTES),
-           "IQ4_XS": ("IQ4x8", 256, iquant.IQ4X8_SUPER_BYTES)}
+           "IQ4_XS": ("IQ4x8", 256, iquant.IQ4X8_SUPER_BYTES),
+           "IQ4_NL": ("IQ4NLx8", 32, iquant.IQ4NLX8_BLOCK_BYTES)}
 
 
 def k_blocks(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> torch.Tensor:

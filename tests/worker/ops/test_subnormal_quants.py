@@ -31,6 +31,7 @@ WEIGHTS = {
     "Q5Kx8": lambda: k_weight(56, 512, "Q5_K", seed=6),
     "Q51x8": lambda: k_weight(56, 512, "Q5_1", seed=7),
     "IQ4x8": lambda: k_weight(56, 512, "IQ4_XS", seed=8),  # never subnormal: the same sums
+    "IQ4NLx8": lambda: k_weight(56, 512, "IQ4_NL", seed=9),
 }
 
 
