@@ -66,7 +66,7 @@ void unpack(float* panel, int64_t qtype, const uint8_t* w, int64_t g, int64_t k,
             bool avx2) {
   const int64_t blocks_row_bytes = k / kBlock * block_bytes(qtype);
   const uint8_t* group = w + g * (grouped(qtype) ? 1 : kGroupRows) * blocks_row_bytes;
-  if (qtype == kQ6Kx8) return q6kx8::unpack_panel(panel, group, k, stride, avx2);
+  if (half_scaled(qtype)) return q6kx8::unpack_panel(panel, qtype, group, k, stride, avx2);
   if (grouped(qtype)) return q4x8::unpack_panel(panel, qtype, group, k, stride, avx2);
 #if SHARDLM_HAVE_AVX2
   if (avx2) return unpack_q8_0_avx2(panel, group, blocks_row_bytes, k, stride);

@@ -1,6 +1,7 @@
-// Where GGML's Q6_K regrouped as Q6Kx8 (quant_blocks.h) keeps each part of a
-// group's super-block: the kernels of q6kx8.cpp (float inputs) and of
-// int8_linear.cpp (int8 inputs) both read it through these.
+// Where GGML's Q6_K regrouped as Q6Kx8, and its Q3_K as Q3Kx8 (quant_blocks.h),
+// keep each part of a group's super-block: the kernels of q6kx8.cpp (float
+// inputs, both layouts) and of int8_linear.cpp (int8 inputs, Q6Kx8) read them
+// through these.
 #pragma once
 
 #include <cstdint>
@@ -17,28 +18,50 @@ using quant::kSuperBlocks;
 
 constexpr int64_t kHalf = 16;          // weights per scale
 constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
-constexpr int64_t kBlockBytes = 192;   // nibble words (128), high-bit words (64)
 
+// The two layouts: Q6Kx8 (6-bit quants: nibble words, then two high bits a
+// quant in high-bit words; w = d * sc * (q - 32)) and Q3Kx8 (GGML's Q3_K,
+// 3-bit quants plus 4 in nibble words alone; w = d * sc * (q - 4)).
+struct Q6K {
+  static constexpr bool kHighWords = true;
+  static constexpr int kOffset = 32, kField = 0x3f;  // the quants' offset and their mask
+  static constexpr int64_t kBlockBytes = 192;           // nibble words (128), high-bit words (64)
+  static constexpr int64_t kSuperBytes = kQ6SuperGroupBytes;
+};
+struct Q3K {
+  static constexpr bool kHighWords = false;
+  static constexpr int kOffset = 4, kField = 0x0f;
+  static constexpr int64_t kBlockBytes = 128;  // nibble words
+  static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
+};
+static_assert(kHeaderBytes + kSuperBlocks * Q6K::kBlockBytes == Q6K::kSuperBytes &&
+              kHeaderBytes + kSuperBlocks * Q3K::kBlockBytes == Q3K::kSuperBytes);
+constexpr int64_t kBlockBytes = Q6K::kBlockBytes;
+
+template <class P = Q6K>
 inline const uint8_t* super_of(const uint8_t* w, int64_t b) {
-  return w + b / kSuperBlocks * kQ6SuperGroupBytes;
+  return w + b / kSuperBlocks * P::kSuperBytes;
 }
 
-// Block b's nibble words; its high-bit words follow 128 bytes on.
+// Block b's nibble words; its high-bit words (Q6Kx8) follow 128 bytes on.
+template <class P = Q6K>
 inline const uint8_t* words_of(const uint8_t* w, int64_t b) {
-  return super_of(w, b) + kHeaderBytes + kBlockBytes * (b % kSuperBlocks);
+  return super_of<P>(w, b) + kHeaderBytes + P::kBlockBytes * (b % kSuperBlocks);
 }
 
 // Where block b's stretch of the group's bytes begins: the super-block's
 // header is read with its first block (the stretch ends at words_of + kBlockBytes).
+template <class P = Q6K>
 inline const uint8_t* stream_begin(const uint8_t* w, int64_t b) {
-  return b % kSuperBlocks == 0 ? super_of(w, b) : words_of(w, b);
+  return b % kSuperBlocks == 0 ? super_of<P>(w, b) : words_of<P>(w, b);
 }
 
 // Byte offset, in the super-block, of the 8 rows' int8 scales of half h of block b.
 inline int64_t scales_at(int64_t b, int64_t h) { return 16 + 8 * (2 * (b % kSuperBlocks) + h); }
 
+template <class P = Q6K>
 inline float scale_of(const uint8_t* w, int64_t b, int64_t h, int64_t r) {
-  const uint8_t* s = super_of(w, b);
+  const uint8_t* s = super_of<P>(w, b);
   return half_at(s + 2 * r) * static_cast<float>(static_cast<int8_t>(s[scales_at(b, h) + r]));
 }
 
@@ -48,10 +71,12 @@ inline uint32_t word_at(const uint8_t* p) {
   return word;
 }
 
-// Row r's quant i (0..31) of block b, 0..63.
+// Row r's quant i (0..31) of block b, 0..63 (Q3Kx8: 0..7).
+template <class P = Q6K>
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
-  const uint8_t* q = words_of(w, b);
+  const uint8_t* q = words_of<P>(w, b);
   const uint32_t lo = (word_at(q + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
+  if constexpr (!P::kHighWords) return static_cast<int>(lo);
   const uint32_t hi =
       (word_at(q + 128 + 4 * (8 * (i / kHalf) + r)) >> (4 * (i % 8) + 2 * ((i / 8) % 2))) & 3;
   return static_cast<int>(lo | (hi << 4));

@@ -31,6 +31,7 @@ using quant::kGroupRows;
 using namespace layout;
 
 // acc[r] = dot(row r, x) for one input row; xs16 holds x's 16-element sums.
+template <class P>
 void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs16, int64_t k) {
   for (int64_t r = 0; r < kGroupRows; ++r) {
     float total = 0.f;
@@ -38,9 +39,9 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
       for (int64_t h = 0; h < 2; ++h) {
         float part = 0.f;
         for (int64_t i = kHalf * h; i < kHalf * (h + 1); ++i) {
-          part += static_cast<float>(quant_of(w, b, r, i)) * x[b * kBlock + i];
+          part += static_cast<float>(quant_of<P>(w, b, r, i)) * x[b * kBlock + i];
         }
-        total += scale_of(w, b, h, r) * (part - 32.f * xs16[2 * b + h]);
+        total += scale_of<P>(w, b, h, r) * (part - P::kOffset * xs16[2 * b + h]);
       }
     }
     acc[r] = total;
@@ -85,45 +86,57 @@ SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m25
 // Nibble word s of a block (v) joined with its high bits (high word s / 2,
 // quant 8s + j's two at 4j + 2 (s % 2)): quant j in place is
 // grouped::joined_quant_avx2(.., j, 0x3f).
+// Q3Kx8's nibbles are whole quants: the word is its own even and odd words,
+// quant 7 shifted down its top.
+template <class P>
 SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+  if constexpr (!P::kHighWords) return {v, v, _mm256_srli_epi32(v, 28)};
   return grouped::join_avx2(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))), 2 * (s % 2),
-      0x30);
+      v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))),
+      2 * (s % 2), 0x30);
+}
+
+template <class P>
+SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, int64_t next) {
+  const __m512i v = grouped::load_pair(q + 32 * s, next);
+  if constexpr (!P::kHighWords) return {v, v, _mm512_srli_epi32(v, 28)};
+  return grouped::join_avx512(v, grouped::load_pair(q + 128 + 32 * (s / 2), next), 2 * (s % 2),
+                              0x30);
 }
 
 // Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
 // quant 7 shifted down), or with kSub read as a subnormal (subnormal.h).
-template <bool kSub>
+template <class P, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
-  if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, 0x3f);
-  return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, 0x3f));
+  if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, P::kField);
+  return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, P::kField));
 }
 
-template <bool kSub>
+template <class P, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
-  if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, 0x3f);
-  return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, 0x3f));
+  if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, P::kField);
+  return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, P::kField));
 }
 
-// A half-block's sum less 32 times its inputs' sum, d * sc times it into the
-// row's total; with kSub the sums are 2^-kSubnormalShift of the converted
-// kernels', so the offset is too and the scale makes up for it (both exact:
-// the same bits).
-template <bool kSub>
-constexpr float kOffset = kSub ? 32.f / kSubnormalBlockScale : 32.f;
+// A half-block's sum less the offset (32; Q3Kx8: 4) times its inputs' sum,
+// d * sc times it into the row's total; with kSub the sums are
+// 2^-kSubnormalShift of the converted kernels', so the offset is too and the
+// scale makes up for it (both exact: the same bits).
+template <class P, bool kSub>
+constexpr float kOffset = kSub ? P::kOffset / kSubnormalBlockScale : static_cast<float>(P::kOffset);
 
 // R input rows against one group; C chains per half and row keep about 8 FMAs
 // in flight.
-template <int R, bool kSub>
+template <class P, int R, bool kSub>
 SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int64_t stride,
                             int64_t k) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   __m256 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* q = words_of(w, b);
-    grouped::prefetch_span(w, stream_begin(w, b), q + kBlockBytes, 0);
+    const uint8_t* q = words_of<P>(w, b);
+    grouped::prefetch_span(w, stream_begin<P>(w, b), q + P::kBlockBytes, 0);
     __m256 c[R][2][C];
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
@@ -132,18 +145,18 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
     }
 #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
-      const grouped::Joined256 words = words_avx2(q, s);
+      const grouped::Joined256 words = words_avx2<P>(q, s);
       const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256 f = quant_avx2<kSub>(words, j);
+        const __m256 f = quant_avx2<P, kSub>(words, j);
         for (int r = 0; r < R; ++r) {
           __m256& chain = c[r][s / 2][j % C];
           chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x8 + r * stride + j), chain);
         }
       }
     }
-    const uint8_t* sp = super_of(w, b);
+    const uint8_t* sp = super_of<P>(w, b);
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
     if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
     const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
@@ -152,7 +165,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
         __m256 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][h][i]);
         const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
-        part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<kSub>), _mm256_set1_ps(xsum), part);
+        part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>), _mm256_set1_ps(xsum), part);
         sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
       }
     }
@@ -169,15 +182,15 @@ SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
 }
 
-template <int R, bool kSub>
+template <class P, int R, bool kSub>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const Inputs& in,
                                 int64_t stride, int64_t k) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* q = words_of(w, b);
-    grouped::prefetch_span(w, stream_begin(w, b), q + kBlockBytes, next);
+    const uint8_t* q = words_of<P>(w, b);
+    grouped::prefetch_span(w, stream_begin<P>(w, b), q + P::kBlockBytes, next);
     __m512 c[R][2][C];
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
@@ -186,20 +199,18 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     }
 #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
     for (int s = 0; s < 4; ++s) {
-      const grouped::Joined512 words = grouped::join_avx512(
-          grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),
-          2 * (s % 2), 0x30);
+      const grouped::Joined512 words = words_avx512<P>(q, s, next);
       const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 f = quant_avx512<kSub>(words, j);
+        const __m512 f = quant_avx512<P, kSub>(words, j);
         for (int r = 0; r < R; ++r) {
           __m512& chain = c[r][s / 2][j % C];
           chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x8[r * stride + j]), chain);
         }
       }
     }
-    const uint8_t* sp = super_of(w, b);
+    const uint8_t* sp = super_of<P>(w, b);
     __m512 d = grouped::halves_pair(sp, next);
     if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
     const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
@@ -208,7 +219,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
         __m512 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][h][i]);
         const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
-        part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<kSub>), _mm512_set1_ps(xsum), part);
+        part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>), _mm512_set1_ps(xsum), part);
         sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
       }
     }
@@ -216,27 +227,29 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 2 * kGroupRows * r, sum[r]);
 }
 
-// The quants 8s .. 8s+7 of block b as integers 0..63 minus 32, one row a lane.
+// The quants 8s .. 8s+7 of block b less the offset, one row a lane.
+template <class P>
 SHARDLM_AVX2 inline void signed_quants(const uint8_t* q, int s, __m256i out[8]) {
-  const grouped::Joined256 words = words_avx2(q, s);
+  const grouped::Joined256 words = words_avx2<P>(q, s);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
     out[j] = _mm256_sub_epi32(
-        _mm256_srli_epi32(grouped::joined_quant_avx2(words, j, 0x3f), j < 7 ? 4 * j : 0),
-                              _mm256_set1_epi32(32));
+        _mm256_srli_epi32(grouped::joined_quant_avx2(words, j, P::kField), j < 7 ? 4 * j : 0),
+                              _mm256_set1_epi32(P::kOffset));
   }
 }
 
-// (d * sc) * (q - 32), one rounding, as the reference computes it.
+// (d * sc) * (q - offset), one rounding, as the reference computes it.
+template <class P>
 SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* sp = super_of(w, b);
+    const uint8_t* sp = super_of<P>(w, b);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
     const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
-    const uint8_t* q = words_of(w, b);
+    const uint8_t* q = words_of<P>(w, b);
     for (int s = 0; s < 4; ++s) {
       __m256i quants[8];
-      signed_quants(q, s, quants);
+      signed_quants<P>(q, s, quants);
       float* o = panel + (b * kBlock + 8 * s) * stride;
       for (int j = 0; j < 8; ++j) {
         _mm256_storeu_ps(o + j * stride,
@@ -247,35 +260,35 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 }
 #endif
 
-template <bool kSub>
+template <class P, bool kSub>
 void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, int64_t rows,
               int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
     switch (rows) {
-      case 1: return rows_avx2<1, kSub>(acc, w, in, stride, k);
-      case 2: return rows_avx2<2, kSub>(acc, w, in, stride, k);
-      case 3: return rows_avx2<3, kSub>(acc, w, in, stride, k);
-      default: return rows_avx2<4, kSub>(acc, w, in, stride, k);
+      case 1: return rows_avx2<P, 1, kSub>(acc, w, in, stride, k);
+      case 2: return rows_avx2<P, 2, kSub>(acc, w, in, stride, k);
+      case 3: return rows_avx2<P, 3, kSub>(acc, w, in, stride, k);
+      default: return rows_avx2<P, 4, kSub>(acc, w, in, stride, k);
     }
   }
 #endif
   (void)avx2;
   for (int64_t r = 0; r < rows; ++r) {
-    group_scalar(acc + kGroupRows * r, w, in.x + r * stride,
+    group_scalar<P>(acc + kGroupRows * r, w, in.x + r * stride,
                  in.sums + r * stride / kHalf, k);
   }
 }
 
 #if SHARDLM_HAVE_AVX2
-template <bool kSub>
+template <class P, bool kSub>
 void pair_dot(float* acc, const uint8_t* w, int64_t next, const Inputs& in, int64_t stride,
               int64_t rows, int64_t k) {
   switch (rows) {
-    case 1: return pair_avx512<1, kSub>(acc, w, next, in, stride, k);
-    case 2: return pair_avx512<2, kSub>(acc, w, next, in, stride, k);
-    case 3: return pair_avx512<3, kSub>(acc, w, next, in, stride, k);
-    default: return pair_avx512<4, kSub>(acc, w, next, in, stride, k);
+    case 1: return pair_avx512<P, 1, kSub>(acc, w, next, in, stride, k);
+    case 2: return pair_avx512<P, 2, kSub>(acc, w, next, in, stride, k);
+    case 3: return pair_avx512<P, 3, kSub>(acc, w, next, in, stride, k);
+    default: return pair_avx512<P, 4, kSub>(acc, w, next, in, stride, k);
   }
 }
 #endif
@@ -285,60 +298,85 @@ Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
   return {in.x + m0 * k, in.sums + m0 * k / kHalf, in.subnormal};
 }
 
-template <bool kSub, typename T>
+template <class P, bool kSub, typename T>
 void gemv_with(T* out, const uint8_t* w, const Inputs& in, const T* bias, int64_t m, int64_t n,
                int64_t k, bool avx2) {
-  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes;
+  const int64_t group_bytes = k / (kBlock * kSuperBlocks) * P::kSuperBytes;
   grouped::gemv(out, bias, m, n, group_bytes,
                 [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
 #if SHARDLM_HAVE_AVX2
     if (width == 2 * kGroupRows) {
-      return pair_dot<kSub>(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows,
+      return pair_dot<P, kSub>(acc, w + g * group_bytes, group_bytes, rows_from(in, m0, k), k, rows,
                             k);
     }
 #endif
-    rows_dot<kSub>(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
+    rows_dot<P, kSub>(acc, w + g * group_bytes, rows_from(in, m0, k), k, rows, k, avx2);
   }, kSub);
 }
 
-}  // namespace
-
-template <typename T>
-void gemv(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, int64_t n,
-          int64_t k) {
-  const bool avx2 = cpu::use_avx2();
-  const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
-  if (in.subnormal) return gemv_with<true>(out, w, in, bias, m, n, k, avx2);
-  gemv_with<false>(out, w, in, bias, m, n, k, avx2);
+// Calls f with the layout of `qtype` (kQ6Kx8 or kQ3Kx8), a value of that layout's type.
+template <class F>
+decltype(auto) with_layout(int64_t qtype, const F& f) {
+  return qtype == quant::kQ3Kx8 ? f(Q3K{}) : f(Q6K{});
 }
 
-template void gemv<float>(float*, const uint8_t*, const float*, const float*, int64_t, int64_t,
-                          int64_t);
-template void gemv<c10::BFloat16>(c10::BFloat16*, const uint8_t*, const float*,
-                                  const c10::BFloat16*, int64_t, int64_t, int64_t);
-template void gemv<c10::Half>(c10::Half*, const uint8_t*, const float*, const c10::Half*, int64_t,
-                              int64_t, int64_t);
+template <class P, typename T>
+void gemv_of(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, int64_t n,
+             int64_t k) {
+  const bool avx2 = cpu::use_avx2();
+  const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
+  if (in.subnormal) return gemv_with<P, true>(out, w, in, bias, m, n, k, avx2);
+  gemv_with<P, false>(out, w, in, bias, m, n, k, avx2);
+}
 
-void unpack_panel(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
+template <class P>
+void unpack_panel_of(float* panel, const uint8_t* w, int64_t k, int64_t stride, bool avx2) {
 #if SHARDLM_HAVE_AVX2
-  if (avx2) return unpack_panel_avx2(panel, w, k, stride);
+  if (avx2) return unpack_panel_avx2<P>(panel, w, k, stride);
 #endif
   (void)avx2;
   for (int64_t b = 0; b < k / kBlock; ++b) {
     for (int64_t r = 0; r < kGroupRows; ++r) {
       for (int64_t i = 0; i < kBlock; ++i) {
         panel[(b * kBlock + i) * stride + r] =
-            scale_of(w, b, i / kHalf, r) * static_cast<float>(quant_of(w, b, r, i) - 32);
+            scale_of<P>(w, b, i / kHalf, r) *
+            static_cast<float>(quant_of<P>(w, b, r, i) - P::kOffset);
       }
     }
   }
 }
 
-void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  grouped::dequantize_rows(dst, w, n0, n1, k, k / (kBlock * kSuperBlocks) * kQ6SuperGroupBytes,
-                           [k](float* panel, const uint8_t* group, bool avx2) {
-                             unpack_panel(panel, group, k, kGroupRows, avx2);
-                           });
+}  // namespace
+
+template <typename T>
+void gemv(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
+          int64_t n, int64_t k) {
+  with_layout(qtype, [&](auto layout) { gemv_of<decltype(layout)>(out, w, x, bias, m, n, k); });
+}
+
+template void gemv<float>(float*, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                          int64_t, int64_t);
+template void gemv<c10::BFloat16>(c10::BFloat16*, int64_t, const uint8_t*, const float*,
+                                  const c10::BFloat16*, int64_t, int64_t, int64_t);
+template void gemv<c10::Half>(c10::Half*, int64_t, const uint8_t*, const float*, const c10::Half*,
+                              int64_t, int64_t, int64_t);
+
+void unpack_panel(float* panel, int64_t qtype, const uint8_t* w, int64_t k, int64_t stride,
+                  bool avx2) {
+  with_layout(qtype, [&](auto layout) {
+    unpack_panel_of<decltype(layout)>(panel, w, k, stride, avx2);
+  });
+}
+
+void dequantize_rows(float* dst, int64_t qtype, const uint8_t* w, int64_t n0, int64_t n1,
+                     int64_t k) {
+  with_layout(qtype, [&](auto layout) {
+    using P = decltype(layout);
+    grouped::dequantize_rows(dst, w, n0, n1, k, k / (kBlock * kSuperBlocks) * P::kSuperBytes,
+                             [k](float* panel, const uint8_t* group, bool avx2) {
+                               unpack_panel_of<P>(panel, group, k, kGroupRows, avx2);
+                             });
+  });
 }
 
 }  // namespace shardlm::cpu::q6kx8

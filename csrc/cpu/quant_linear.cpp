@@ -79,7 +79,7 @@ Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int
     x = converted.data();
   }
   // Only the matrix-vector kernels read sums (q6kx8.cpp makes its own 16-element ones).
-  if (path != Path::kGemv || qtype == kQ6Kx8) return {x, nullptr, nullptr};
+  if (path != Path::kGemv || half_scaled(qtype)) return {x, nullptr, nullptr};
   const int64_t blocks = k / kBlock;
   if (static_cast<int64_t>(sums.size()) < m * blocks) sums.resize(m * blocks);
   for (int64_t i = 0; i < m * blocks; ++i) {
@@ -94,7 +94,7 @@ Activations prepare_input(const at::Tensor& input, int64_t qtype, int64_t m, int
 // W rows [n0, n1) as float32 into `dst` ([n1 - n0, K]), the reference's values exactly.
 template <int64_t kType>
 void dequantize_rows(float* dst, const uint8_t* w, int64_t n0, int64_t n1, int64_t k) {
-  if constexpr (kType == kQ6Kx8) return cpu::q6kx8::dequantize_rows(dst, w, n0, n1, k);
+  if constexpr (half_scaled(kType)) return cpu::q6kx8::dequantize_rows(dst, kType, w, n0, n1, k);
   if constexpr (grouped(kType)) return cpu::q4x8::dequantize_rows(dst, kType, w, n0, n1, k);
   const int64_t blocks = k / kBlock;
   const int64_t row_bytes = blocks * block_bytes(kType);
@@ -177,8 +177,8 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
     } else if (path == Path::kTiled) {
       tiled_gemm<kType>(out, a, w, bias, m, n, k);
     } else {
-      if constexpr (kType == kQ6Kx8) {
-        cpu::q6kx8::gemv(o, w, a.x, b, m, n, k);
+      if constexpr (half_scaled(kType)) {
+        cpu::q6kx8::gemv(o, kType, w, a.x, b, m, n, k);
       } else if constexpr (grouped(kType)) {
         cpu::q4x8::gemv(o, kType, w, a.x, a.xs, b, m, n, k);
       } else {
@@ -208,6 +208,7 @@ void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
     case kQ51x8: return rows_at<kQ51x8>(o, w, id, d.count, d.k);
     case kIQ4x8: return rows_at<kIQ4x8>(o, w, id, d.count, d.k);
     case kIQ4NLx8: return rows_at<kIQ4NLx8>(o, w, id, d.count, d.k);
+    case kQ3Kx8: return rows_at<kQ3Kx8>(o, w, id, d.count, d.k);
     default: return rows_at<kQ8_0>(o, w, id, d.count, d.k);
   }
 }
@@ -233,6 +234,7 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kQ51x8: return quant_linear_typed<kQ51x8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kIQ4x8: return quant_linear_typed<kIQ4x8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kIQ4NLx8: return quant_linear_typed<kIQ4NLx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kQ3Kx8: return quant_linear_typed<kQ3Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }
 }

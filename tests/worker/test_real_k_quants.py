@@ -33,7 +33,7 @@ def _linears(engine: Engine):
 LAYOUTS = {"Q4_K_M": {"Q4Kx8", "Q5x8", "Q6Kx8", "Q8_0"},
            "Q6_K": {"Q6Kx8", "Q8_0"},
            "Q5_K_M": {"Q51x8", "Q5Kx8", "Q6Kx8", "Q8_0", "Mixed"},
-           "Q3_K_S": {"Q40x8", "Q6Kx8", "Q8_0"},  # its Q3_K down projections as Q6_K
+           "Q3_K_S": {"Q40x8", "Q3Kx8", "Q8_0"},
            "IQ4_NL": {"IQ4NLx8", "Q5Kx8", "Q8_0"},
            "IQ4_XS": {"IQ4x8", "IQ4NLx8", "Q5Kx8", "Q8_0"}}
 

@@ -1,6 +1,7 @@
-"""Q3_K re-encoded as Q6_K and IQ4_NL as Q8_0 (worker/recode.py): every weight equal bit for bit
-to what the `gguf` package's GGML dequantizers give for the file's own blocks, and a file's
-tensors of those types kept packed in the kernels' layouts when a model reads them."""
+"""IQ4_NL and Q5_0 re-encoded as Q8_0 (worker/recode.py) where rows fill no group of 8: every
+weight equal bit for bit to what the `gguf` package's GGML dequantizers give for the file's own
+blocks; and a file's tensors of the types with 8-row layouts kept packed, in those layouts where
+the rows fill groups of 8 (Q3_K: worker/q3k.py), else re-encoded or read dense."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm_server.worker import iquant, kquant, recode
+from shardlm_server.worker import iquant, q3k, recode
 from shardlm_server.worker.checkpoint import PackedTensor
 from shardlm_server.worker.quant import QuantizedWeight, dequantize_blocks, read_blocks, read_linear
 from tests.gguf_files import QUANTIZABLE, random_k_blocks
@@ -34,26 +35,6 @@ def test_the_iq4_table_is_ggmls():
     assert iquant.IQ4_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)
 
 
-def test_q3_k_fields_dequantize_as_ggml():
-    blocks = _blocks(T.Q3_K, 6, 768)
-    d, scales, quants = recode.q3_k_parts(blocks)
-    assert int(quants.min()) == -4 and int(quants.max()) == 3  # random bytes take every value
-    assert int(scales.min()) == -32 and int(scales.max()) == 31
-    assert torch.equal(recode.dequantize_q3_k(blocks), _ggml(blocks, T.Q3_K))
-
-
-def test_q6_k_blocks_undo_q6_k_parts():
-    blocks = _blocks(T.Q6_K, 4, 512, seed=1)
-    assert torch.equal(recode.q6_k_blocks(*kquant.q6_k_parts(blocks)), blocks)
-
-
-def test_q3_k_as_q6_k_holds_the_same_weights():
-    blocks = _blocks(T.Q3_K, 16, 512, seed=2)
-    q6 = recode.q3_k_to_q6_k(blocks)
-    assert q6.shape == (16, 2 * 210)
-    assert torch.equal(dequantize_blocks(q6, "Q6_K"), _ggml(blocks, T.Q3_K))
-
-
 def test_iq4_nl_as_q8_0_holds_the_same_weights():
     blocks = _blocks(T.IQ4_NL, 5, 320, seed=3)
     q8 = recode.iq4_nl_to_q8_0(blocks)
@@ -76,15 +57,23 @@ class _Reader:
         return self.dense
 
 
-# rows: whole groups of 8, or not (then IQ4_NL is held as Q8_0, and its own layout otherwise)
-@pytest.mark.parametrize("qtype,rows,layout", [(T.Q3_K, 24, "Q6Kx8"), (T.IQ4_NL, 20, "Q8_0"),
+# rows: whole groups of 8 (the type's 8-row layout), or not (IQ4_NL and Q5_0 then held as Q8_0)
+@pytest.mark.parametrize("qtype,rows,layout", [(T.Q3_K, 24, "Q3Kx8"), (T.IQ4_NL, 20, "Q8_0"),
                                                (T.IQ4_NL, 24, "IQ4NLx8"), (T.Q5_0, 20, "Q8_0")])
-def test_a_file_tensor_of_a_recoded_type_stays_packed(qtype, rows, layout):
+def test_a_file_tensor_stays_packed(qtype, rows, layout):
     cols = 512
     reader = _Reader(qtype, _blocks(qtype, rows, cols, seed=4), (rows, cols))
     weight = read_linear(reader, "w", (rows, cols))
     assert isinstance(weight, QuantizedWeight) and weight.qtype == layout
     assert torch.equal(weight.dequantize(), reader.dense)
+
+
+def test_q3_k_fields_dequantize_as_ggml():
+    blocks = _blocks(T.Q3_K, 6, 768)
+    d, scales, quants = q3k.q3_k_parts(blocks)
+    assert int(quants.min()) == -4 and int(quants.max()) == 3  # random bytes take every value
+    assert int(scales.min()) == -32 and int(scales.max()) == 31
+    assert torch.equal(q3k.dequantize_q3_k(blocks), _ggml(blocks, T.Q3_K))
 
 
 def test_q3_k_rows_that_fill_no_groups_of_8_are_read_dense():

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from shardlm.constants import ACTIVATION_PRECISIONS
 
-from shardlm_server.worker.quant import BLOCK, GROUPED_LAYOUTS, TABLE_LAYOUTS
+from shardlm_server.worker.quant import BLOCK, EXACT_ONLY_LAYOUTS, GROUPED_LAYOUTS
 
 from .native import library as _C
 
@@ -29,8 +29,8 @@ __all__ = ["ACTIVATION_PRECISIONS", "INT16_BLOCK", "INT16_LEVELS", "INT16_WEIGHT
            "round_blocks", "round_to_int16", "round_to_int8", "rounds_input", "rounds_panel",
            "set_activation_precision", "using"]
 #: The weight layouts the int8 fast mode covers: every 8-row grouped one (csrc: quant::grouped)
-#: but those whose quants index a table (csrc/cpu/int8_linear.h: takes), which stay exact.
-INT8_LAYOUTS = tuple(t for t in ("Q4x8", *GROUPED_LAYOUTS) if t not in TABLE_LAYOUTS)
+#: but those it has no kernel for (csrc/cpu/int8_linear.h: takes), which stay exact.
+INT8_LAYOUTS = tuple(t for t in ("Q4x8", *GROUPED_LAYOUTS) if t not in EXACT_ONLY_LAYOUTS)
 #: The layouts the panel path takes (csrc/cpu/panel_linear.h: takes), Q8_0 only in whole groups
 #: of 8 output rows; the int16 precision rounds there from INT16_MIN_ROWS input rows
 #: (csrc/cpu/panel_int16.h: kMinRows).

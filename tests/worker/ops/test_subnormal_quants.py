@@ -32,6 +32,7 @@ WEIGHTS = {
     "Q51x8": lambda: k_weight(56, 512, "Q5_1", seed=7),
     "IQ4x8": lambda: k_weight(56, 512, "IQ4_XS", seed=8),  # never subnormal: the same sums
     "IQ4NLx8": lambda: k_weight(56, 512, "IQ4_NL", seed=9),
+    "Q3Kx8": lambda: k_weight(56, 768, "Q3_K", seed=10),
 }
 
 
