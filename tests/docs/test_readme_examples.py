@@ -56,7 +56,8 @@ OPENAI_BASE = f"http://127.0.0.1:{OPENAI_PORT}"
 RUN = {"python", "js", "sh"}
 NEVER_RUN = {"text", "console"}
 FENCE = re.compile(r"^(\s*)```(.*)$")
-SKIP_DIRS = {"node_modules", ".venv", ".cache", ".git"}
+# Installed or built here, not the project's own (.bench: llama.cpp's tools and converter, models).
+SKIP_DIRS = {"node_modules", ".venv", ".cache", ".git", ".bench", "build"}
 
 
 @dataclass(frozen=True)
