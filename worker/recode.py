@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from shardlm_server.worker.iquant import IQ4_VALUES, iq4_nibbles
+from shardlm_server.worker.iquant import IQ4_NL_BLOCK_BYTES, IQ4_VALUES, iq4_nibbles
 from shardlm_server.worker.kquant import q5_0_to_q8_0
-
-IQ4_NL_BLOCK_BYTES = 18
 
 
 def iq4_nl_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:

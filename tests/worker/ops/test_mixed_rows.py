@@ -15,7 +15,6 @@ from shardlm_server.worker.quant import (
     fuse_rows,
     mixed_parts,
     mixed_rows,
-    regrouped,
 )
 from tests.worker.ops.test_kquant import k_weight
 from tests.worker.ops.test_quant_ops import TOL, ggml_weight
@@ -25,14 +24,16 @@ if ops.USE_REFERENCE:
 
 
 def parts() -> list[QuantizedWeight]:
-    return [regrouped(k_weight(64, 512, "Q4_K")), regrouped(k_weight(16, 512, "Q6_K", seed=1)),
-            ggml_weight(8, 512, "Q8_0", seed=2)]
+    """A Q4_K_M file's mix, a Q3_K_M one's (Q3_K) and an IQ4_XS one's: k_weight regroups."""
+    return [k_weight(64, 512, "Q4_K"), k_weight(16, 512, "Q6_K", seed=1),
+            ggml_weight(8, 512, "Q8_0", seed=2), k_weight(16, 512, "Q3_K", seed=3),
+            k_weight(8, 512, "IQ4_XS", seed=4)]
 
 
 def test_the_parts_come_back_as_they_went_in():
     pieces = parts()
     weight = mixed_rows(pieces)
-    assert weight.qtype == "Mixed" and weight.shape == (88, 512)
+    assert weight.qtype == "Mixed" and weight.shape == (112, 512)
     assert weight.blocks.shape[0] == 1 and weight.nbytes < sum(p.nbytes for p in pieces) + 4 * 64
     for got, want in zip(mixed_parts(weight.blocks), pieces, strict=True):
         assert got.qtype == want.qtype and got.shape == want.shape
@@ -45,7 +46,7 @@ def test_the_parts_come_back_as_they_went_in():
 @pytest.mark.parametrize("m", [1, 3, 40])
 def test_quant_linear_is_the_parts_side_by_side(precision, m):
     weight = mixed_rows(parts())
-    x, bias = torch.randn(m, 512), torch.randn(88)
+    x, bias = torch.randn(m, 512), torch.randn(112)
     with activations.using(precision):
         got = ops.quant_linear(x, weight, bias)
         expected = reference.quant_linear(x, weight.blocks, weight.qtype, bias)
@@ -72,7 +73,7 @@ def test_fuse_rows_keeps_parts_of_different_types_packed():
 
 def test_malformed_headers_are_refused():
     weight = mixed_rows(parts())
-    x, out = torch.randn(1, 512), torch.empty(1, 88)
+    x, out = torch.randn(1, 512), torch.empty(1, 112)
 
     def run(blocks: torch.Tensor) -> None:
         torch.ops.shardlm.quant_linear(out, x, blocks, 106, None)
