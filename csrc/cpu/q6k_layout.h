@@ -19,23 +19,36 @@ using quant::kSuperBlocks;
 constexpr int64_t kHalf = 16;          // weights per scale
 constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
 
-// The two layouts: Q6Kx8 (6-bit quants: nibble words, then two high bits a
-// quant in high-bit words; w = d * sc * (q - 32)) and Q3Kx8 (GGML's Q3_K,
-// 3-bit quants plus 4 in nibble words alone; w = d * sc * (q - 4)).
+// The layouts: Q6Kx8 (6-bit quants: nibble words, then two high bits a quant
+// in high-bit words; w = d * sc * (q - 32)), Q3Kx8 (GGML's Q3_K, 3-bit quants
+// plus 4 in nibble words alone; w = d * sc * (q - 4)) and Q2Kx8 (GGML's Q2_K,
+// 2-bit quants in nibble words, each half's minimum after the scales:
+// w = d * sc * q - dmin * mn).
 struct Q6K {
-  static constexpr bool kHighWords = true;
+  static constexpr bool kHighWords = true, kMins = false;
+  static constexpr int64_t kHeader = kHeaderBytes;
   static constexpr int kOffset = 32, kField = 0x3f;  // the quants' offset and their mask
   static constexpr int64_t kBlockBytes = 192;           // nibble words (128), high-bit words (64)
   static constexpr int64_t kSuperBytes = kQ6SuperGroupBytes;
 };
 struct Q3K {
-  static constexpr bool kHighWords = false;
+  static constexpr bool kHighWords = false, kMins = false;
+  static constexpr int64_t kHeader = kHeaderBytes;
   static constexpr int kOffset = 4, kField = 0x0f;
   static constexpr int64_t kBlockBytes = 128;  // nibble words
   static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
 };
-static_assert(kHeaderBytes + kSuperBlocks * Q6K::kBlockBytes == Q6K::kSuperBytes &&
-              kHeaderBytes + kSuperBlocks * Q3K::kBlockBytes == Q3K::kSuperBytes);
+struct Q2K {
+  static constexpr bool kHighWords = false, kMins = true;
+  // Q6Kx8's header, then dmin[8] float16 and mn[16][8] uint8 (mins_at).
+  static constexpr int64_t kHeader = kHeaderBytes + 16 + 128;
+  static constexpr int kOffset = 0, kField = 0x0f;
+  static constexpr int64_t kBlockBytes = 128;  // nibble words
+  static constexpr int64_t kSuperBytes = quant::kQ2SuperGroupBytes;
+};
+static_assert(Q6K::kHeader + kSuperBlocks * Q6K::kBlockBytes == Q6K::kSuperBytes &&
+              Q3K::kHeader + kSuperBlocks * Q3K::kBlockBytes == Q3K::kSuperBytes &&
+              Q2K::kHeader + kSuperBlocks * Q2K::kBlockBytes == Q2K::kSuperBytes);
 constexpr int64_t kBlockBytes = Q6K::kBlockBytes;
 
 template <class P = Q6K>
@@ -46,7 +59,7 @@ inline const uint8_t* super_of(const uint8_t* w, int64_t b) {
 // Block b's nibble words; its high-bit words (Q6Kx8) follow 128 bytes on.
 template <class P = Q6K>
 inline const uint8_t* words_of(const uint8_t* w, int64_t b) {
-  return super_of<P>(w, b) + kHeaderBytes + P::kBlockBytes * (b % kSuperBlocks);
+  return super_of<P>(w, b) + P::kHeader + P::kBlockBytes * (b % kSuperBlocks);
 }
 
 // Where block b's stretch of the group's bytes begins: the super-block's
@@ -65,13 +78,23 @@ inline float scale_of(const uint8_t* w, int64_t b, int64_t h, int64_t r) {
   return half_at(s + 2 * r) * static_cast<float>(static_cast<int8_t>(s[scales_at(b, h) + r]));
 }
 
+// Q2Kx8: dmin[8] at byte 144 of the super-block, then the 8 rows' minimums
+// of half h of block b (uint8) at mins_at; a half's offset is dmin * mn, exact.
+inline int64_t mins_at(int64_t b, int64_t h) { return kHeaderBytes + 16 + 8 * (2 * (b % kSuperBlocks) + h); }
+
+template <class P>
+inline float min_of(const uint8_t* w, int64_t b, int64_t h, int64_t r) {
+  const uint8_t* s = super_of<P>(w, b);
+  return half_at(s + kHeaderBytes + 2 * r) * static_cast<float>(s[mins_at(b, h) + r]);
+}
+
 inline uint32_t word_at(const uint8_t* p) {
   uint32_t word;
   std::memcpy(&word, p, sizeof word);
   return word;
 }
 
-// Row r's quant i (0..31) of block b, 0..63 (Q3Kx8: 0..7).
+// Row r's quant i (0..31) of block b, 0..63 (Q3Kx8: 0..7, Q2Kx8: 0..3).
 template <class P = Q6K>
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint8_t* q = words_of<P>(w, b);

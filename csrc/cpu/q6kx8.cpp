@@ -12,6 +12,11 @@
 // is shifted down instead (masked in place it would read as negative). Where
 // the CPU takes subnormal FMA inputs at full speed, the quants in the low 22
 // bits skip the conversion (subnormal.h): the same sums, bit for bit.
+//
+// Q3Kx8 and Q2Kx8 (GGML's Q3_K and Q2_K, q6k_layout.h) keep the same header
+// and halves with their quants in nibble words alone: every kernel here is a
+// template over the three layouts. Q3Kx8's offset is 4; Q2Kx8 has none but a
+// minimum per half, dmin * mn times the half's input sum taken off its total.
 #include "q6kx8.h"
 
 #include <cstring>
@@ -41,7 +46,11 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
         for (int64_t i = kHalf * h; i < kHalf * (h + 1); ++i) {
           part += static_cast<float>(quant_of<P>(w, b, r, i)) * x[b * kBlock + i];
         }
-        total += scale_of<P>(w, b, h, r) * (part - P::kOffset * xs16[2 * b + h]);
+        if constexpr (P::kMins) {
+          total += scale_of<P>(w, b, h, r) * part - min_of<P>(w, b, h, r) * xs16[2 * b + h];
+        } else {
+          total += scale_of<P>(w, b, h, r) * (part - P::kOffset * xs16[2 * b + h]);
+        }
       }
     }
     acc[r] = total;
@@ -78,6 +87,14 @@ Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal) 
 }
 
 #if SHARDLM_HAVE_AVX2
+// Q2Kx8: the 8 rows' dmin * mn of half h of block b (exact: float16 times 4 bits).
+SHARDLM_AVX2 inline __m256 mins8(const uint8_t* s, int64_t b, int64_t h) {
+  const __m256 dmin =
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kHeaderBytes)));
+  return _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + mins_at(b, h))))));
+}
+
 SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m256 d) {
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h))))));
@@ -160,13 +177,19 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
     if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
     const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
+    __m256 mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if constexpr (P::kMins) mins[0] = mins8(sp, b, 0), mins[1] = mins8(sp, b, 1);
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
         __m256 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][h][i]);
-        const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
-        part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>), _mm256_set1_ps(xsum), part);
-        sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
+        const __m256 xsum = _mm256_set1_ps(in.sums[(r * stride + b * kBlock) / kHalf + h]);
+        if constexpr (P::kMins) {  // the sums of the inputs unscaled: the minimums as they are
+          sum[r] = _mm256_fnmadd_ps(mins[h], xsum, _mm256_fmadd_ps(scale[h], part, sum[r]));
+        } else {
+          part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>), xsum, part);
+          sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
+        }
       }
     }
   }
@@ -180,6 +203,13 @@ SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t
   const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h)));
   const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + scales_at(b, h)));
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
+}
+
+SHARDLM_AVX512 inline __m512 mins_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + mins_at(b, h)));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + mins_at(b, h)));
+  return _mm512_mul_ps(grouped::halves_pair(s + kHeaderBytes, next),
+                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))));
 }
 
 template <class P, int R, bool kSub>
@@ -214,13 +244,19 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     __m512 d = grouped::halves_pair(sp, next);
     if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
     const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
+    __m512 mins[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    if constexpr (P::kMins) mins[0] = mins_pair(sp, next, b, 0), mins[1] = mins_pair(sp, next, b, 1);
     for (int r = 0; r < R; ++r) {
       for (int h = 0; h < 2; ++h) {
         __m512 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][h][i]);
-        const float xsum = in.sums[(r * stride + b * kBlock) / kHalf + h];
-        part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>), _mm512_set1_ps(xsum), part);
-        sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
+        const __m512 xsum = _mm512_set1_ps(in.sums[(r * stride + b * kBlock) / kHalf + h]);
+        if constexpr (P::kMins) {
+          sum[r] = _mm512_fnmadd_ps(mins[h], xsum, _mm512_fmadd_ps(scale[h], part, sum[r]));
+        } else {
+          part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>), xsum, part);
+          sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
+        }
       }
     }
   }
@@ -239,21 +275,25 @@ SHARDLM_AVX2 inline void signed_quants(const uint8_t* q, int s, __m256i out[8]) 
   }
 }
 
-// (d * sc) * (q - offset), one rounding, as the reference computes it.
+// (d * sc) * (q - offset), one rounding, as the reference computes it; for
+// Q2Kx8 (d * sc) * q - dmin * mn, the product exact, so one rounding too.
 template <class P>
 SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* sp = super_of<P>(w, b);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
     const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
+    __m256 mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if constexpr (P::kMins) mins[0] = mins8(sp, b, 0), mins[1] = mins8(sp, b, 1);
     const uint8_t* q = words_of<P>(w, b);
     for (int s = 0; s < 4; ++s) {
       __m256i quants[8];
       signed_quants<P>(q, s, quants);
       float* o = panel + (b * kBlock + 8 * s) * stride;
       for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_ps(o + j * stride,
-                         _mm256_mul_ps(scale[s / 2], _mm256_cvtepi32_ps(quants[j])));
+        const __m256 f = _mm256_cvtepi32_ps(quants[j]);
+        _mm256_storeu_ps(o + j * stride, P::kMins ? _mm256_fmsub_ps(scale[s / 2], f, mins[s / 2])
+                                                  : _mm256_mul_ps(scale[s / 2], f));
       }
     }
   }
@@ -314,10 +354,14 @@ void gemv_with(T* out, const uint8_t* w, const Inputs& in, const T* bias, int64_
   }, kSub);
 }
 
-// Calls f with the layout of `qtype` (kQ6Kx8 or kQ3Kx8), a value of that layout's type.
+// Calls f with the layout of `qtype` (kQ6Kx8, kQ3Kx8 or kQ2Kx8), a value of that layout's type.
 template <class F>
 decltype(auto) with_layout(int64_t qtype, const F& f) {
-  return qtype == quant::kQ3Kx8 ? f(Q3K{}) : f(Q6K{});
+  switch (qtype) {
+    case quant::kQ3Kx8: return f(Q3K{});
+    case quant::kQ2Kx8: return f(Q2K{});
+    default: return f(Q6K{});
+  }
 }
 
 template <class P, typename T>
@@ -338,9 +382,10 @@ void unpack_panel_of(float* panel, const uint8_t* w, int64_t k, int64_t stride, 
   for (int64_t b = 0; b < k / kBlock; ++b) {
     for (int64_t r = 0; r < kGroupRows; ++r) {
       for (int64_t i = 0; i < kBlock; ++i) {
+        const float scaled = scale_of<P>(w, b, i / kHalf, r) *
+                             static_cast<float>(quant_of<P>(w, b, r, i) - P::kOffset);
         panel[(b * kBlock + i) * stride + r] =
-            scale_of<P>(w, b, i / kHalf, r) *
-            static_cast<float>(quant_of<P>(w, b, r, i) - P::kOffset);
+            P::kMins ? scaled - min_of<P>(w, b, i / kHalf, r) : scaled;
       }
     }
   }

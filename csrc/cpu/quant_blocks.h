@@ -88,13 +88,19 @@ constexpr int64_t kBlock = 32;  // weights per block
 // 1168 bytes: d[8] float16, sc[16][8] int8 (sc - 32), then per block q[4][8]
 // uint32 (Q4x8's words; each quant q3 + 4)
 //
+// Q2Kx8 (id 111) holds GGML's Q2_K (w = d * sc * q - dmin * mn, q in 0..3, a
+// 4-bit scale and minimum per 16 weights) at 5.125 bits a weight (Q2_K's 2.625):
+// per group of 8 rows and super-block of 256, 1312 bytes: d[8] float16,
+// sc[16][8] int8, dmin[8] float16, mn[16][8] uint8, then per block q[4][8]
+// uint32 (Q4x8's words)
+//
 // IQ4NLx8 (id 109) holds GGML's IQ4_NL (w = d * kv[q], 32 weights a block) at
 // its own 4.5 bits a weight, in Q40x8's bytes: per group of 8 rows and block
 // of 32 weights, 144 bytes: d[8] float16, q[4][8] uint32 (indices into kv)
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
   kQ5Kx8 = 104, kQ40x8 = 105, kQ51x8 = 107,  // 106: a Mixed weight (mixed_rows.h)
-  kIQ4x8 = 108, kIQ4NLx8 = 109, kQ3Kx8 = 110
+  kIQ4x8 = 108, kIQ4NLx8 = 109, kQ3Kx8 = 110, kQ2Kx8 = 111
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -108,17 +114,20 @@ constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
 constexpr int64_t kQ51GroupBlockBytes = 192;  // one Q51x8 group-block
 constexpr int64_t kIQ4SuperGroupBytes = 1104;  // one IQ4x8 group's super-block
 constexpr int64_t kQ3SuperGroupBytes = 1168;   // one Q3Kx8 group's super-block
+constexpr int64_t kQ2SuperGroupBytes = 1312;   // one Q2Kx8 group's super-block
 
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
   return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
          qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8 || qtype == kIQ4x8 ||
-         qtype == kIQ4NLx8 || qtype == kQ3Kx8;
+         qtype == kIQ4NLx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8;
 }
 
 // Whether `qtype` is one of the layouts with a scale per 16 weights, which the
-// kernels of q6kx8.cpp read (Q6Kx8, Q3Kx8); the other grouped ones are q4x8.cpp's.
-constexpr bool half_scaled(int64_t qtype) { return qtype == kQ6Kx8 || qtype == kQ3Kx8; }
+// kernels of q6kx8.cpp read (Q6Kx8, Q3Kx8, Q2Kx8); the other grouped ones are q4x8.cpp's.
+constexpr bool half_scaled(int64_t qtype) {
+  return qtype == kQ6Kx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8;
+}
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
 // Q4Kx8 the same per 32 weights, an eighth of a super-block), or 0 when the
@@ -138,6 +147,7 @@ inline int64_t block_bytes(int64_t qtype) {
     case kIQ4x8: return kIQ4SuperGroupBytes / kSuperBlocks;
     case kIQ4NLx8: return kQ40GroupBlockBytes;
     case kQ3Kx8: return kQ3SuperGroupBytes / kSuperBlocks;
+    case kQ2Kx8: return kQ2SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
 }

@@ -209,6 +209,7 @@ void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
     case kIQ4x8: return rows_at<kIQ4x8>(o, w, id, d.count, d.k);
     case kIQ4NLx8: return rows_at<kIQ4NLx8>(o, w, id, d.count, d.k);
     case kQ3Kx8: return rows_at<kQ3Kx8>(o, w, id, d.count, d.k);
+    case kQ2Kx8: return rows_at<kQ2Kx8>(o, w, id, d.count, d.k);
     default: return rows_at<kQ8_0>(o, w, id, d.count, d.k);
   }
 }
@@ -235,6 +236,7 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kIQ4x8: return quant_linear_typed<kIQ4x8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kIQ4NLx8: return quant_linear_typed<kIQ4NLx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ3Kx8: return quant_linear_typed<kQ3Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kQ2Kx8: return quant_linear_typed<kQ2Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }
 }

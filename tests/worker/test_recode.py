@@ -1,7 +1,7 @@
 """IQ4_NL and Q5_0 re-encoded as Q8_0 (worker/recode.py) where rows fill no group of 8: every
 weight equal bit for bit to what the `gguf` package's GGML dequantizers give for the file's own
 blocks; and a file's tensors of the types with 8-row layouts kept packed, in those layouts where
-the rows fill groups of 8 (Q3_K: worker/q3k.py), else re-encoded or read dense."""
+the rows fill groups of 8 (Q3_K: worker/lowbit.py), else re-encoded or read dense."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm_server.worker import iquant, q3k, recode
+from shardlm_server.worker import iquant, lowbit, recode
 from shardlm_server.worker.checkpoint import PackedTensor
 from shardlm_server.worker.quant import QuantizedWeight, dequantize_blocks, read_blocks, read_linear
 from tests.gguf_files import QUANTIZABLE, random_k_blocks
@@ -70,10 +70,10 @@ def test_a_file_tensor_stays_packed(qtype, rows, layout):
 
 def test_q3_k_fields_dequantize_as_ggml():
     blocks = _blocks(T.Q3_K, 6, 768)
-    d, scales, quants = q3k.q3_k_parts(blocks)
+    d, scales, quants = lowbit.q3_k_parts(blocks)
     assert int(quants.min()) == -4 and int(quants.max()) == 3  # random bytes take every value
     assert int(scales.min()) == -32 and int(scales.max()) == 31
-    assert torch.equal(q3k.dequantize_q3_k(blocks), _ggml(blocks, T.Q3_K))
+    assert torch.equal(lowbit.dequantize_q3_k(blocks), _ggml(blocks, T.Q3_K))
 
 
 def test_q3_k_rows_that_fill_no_groups_of_8_are_read_dense():

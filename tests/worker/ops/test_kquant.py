@@ -1,5 +1,5 @@
-"""Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_XS and IQ4_NL kept packed (regrouped into Q3Kx8,
-Q4Kx8, Q5Kx8, Q6Kx8, Q5x8, Q51x8, IQ4x8 and IQ4NLx8) and
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_XS and IQ4_NL kept packed (regrouped into
+Q2Kx8, Q3Kx8, Q4Kx8, Q5Kx8, Q6Kx8, Q5x8, Q51x8, IQ4x8 and IQ4NLx8) and
 Q5_0 stored as Q8_0 (worker/kquant.py): the formats against the `gguf` package's GGML
 dequantizers, and quant_linear on the regrouped layouts against its reference on every path
 (decode rows, panel, tiles); the SIMD paths are compared in test_quant_ops.py.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm_server.worker import iquant, kquant, ops, q3k
+from shardlm_server.worker import iquant, kquant, lowbit, ops
 from shardlm_server.worker.ops import reference
 from shardlm_server.worker.quant import (
     QuantizedWeight,
@@ -38,7 +38,8 @@ LAYOUTS = {"Q4_K": ("Q4Kx8", 256, kquant.Q4KX8_SUPER_BYTES),
            "Q5_1": ("Q51x8", 32, kquant.Q51X8_BLOCK_BYTES),
            "IQ4_XS": ("IQ4x8", 256, iquant.IQ4X8_SUPER_BYTES),
            "IQ4_NL": ("IQ4NLx8", 32, iquant.IQ4NLX8_BLOCK_BYTES),
-           "Q3_K": ("Q3Kx8", 256, q3k.Q3KX8_SUPER_BYTES)}
+           "Q3_K": ("Q3Kx8", 256, lowbit.Q3KX8_SUPER_BYTES),
+           "Q2_K": ("Q2Kx8", 256, lowbit.Q2KX8_SUPER_BYTES)}
 
 
 def k_blocks(n: int, k: int, qtype: str = "Q4_K", seed: int = 0) -> torch.Tensor:

@@ -24,7 +24,7 @@ def table(layout: str) -> QuantizedWeight:
     """A random [ROWS, COLS] table held in `layout`, as a model loads it on CPU."""
     k_sources = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0",
                  "Q51x8": "Q5_1", "IQ4x8": "IQ4_XS", "IQ4NLx8": "IQ4_NL",
-                 "Q3Kx8": "Q3_K"}
+                 "Q3Kx8": "Q3_K", "Q2Kx8": "Q2_K"}
     if layout in k_sources:
         weight = k_weight(ROWS, COLS, k_sources[layout], seed=4)
     elif layout in ("Q4x8", "Q40x8"):

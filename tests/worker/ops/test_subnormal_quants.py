@@ -33,6 +33,7 @@ WEIGHTS = {
     "IQ4x8": lambda: k_weight(56, 512, "IQ4_XS", seed=8),  # never subnormal: the same sums
     "IQ4NLx8": lambda: k_weight(56, 512, "IQ4_NL", seed=9),
     "Q3Kx8": lambda: k_weight(56, 768, "Q3_K", seed=10),
+    "Q2Kx8": lambda: k_weight(56, 768, "Q2_K", seed=11),
 }
 
 

@@ -1,0 +1,168 @@
+"""GGML's Q2_K and Q3_K blocks, and Q2Kx8 and Q3Kx8, the layouts the CPU kernels read them in
+(tensors only).
+
+Q3_K (110 bytes per 256 weights): 32 bytes of high bits, 64 of 2-bit quants, 12 bytes of 16 6-bit
+scales, then a float16 d; a weight is d * (sc - 32) * q with q in -4..3, one scale per 16
+weights, which GGML computes as (d * (sc - 32)) * q in float32, the first product exact.
+`to_q3kx8` regroups it into Q3Kx8 (csrc/cpu/quant_blocks.h): Q6Kx8's header (each row's d, then
+the int8 scales sc - 32 of its 16-weight halves) and per block of 32 weights Q4x8's nibble words
+holding q + 4 (0..7), read by Q6Kx8's kernels (csrc/cpu/q6kx8.cpp) with an offset of 4 for
+Q6_K's 32 and no high-bit words: 4.5625 bits a weight for the file's 3.4375.
+
+Q2_K (84 bytes per 256 weights): 16 bytes of scales (per 16 weights a 4-bit scale sc in the low
+nibble and a 4-bit minimum mn in the high one), 64 bytes of 2-bit quants laid out as Q3_K's, then
+float16 d and dmin; a weight is (d * sc) * q - dmin * mn, both products exact. `to_q2kx8` gives
+Q2Kx8: Q3Kx8's header with sc as the scales, then dmin and the minimums, and the quants (0..3)
+in nibble words: 5.125 bits a weight for the file's 2.625.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS, SUPER, nibble_quants, nibble_words
+
+Q3_K_BLOCK_BYTES = 110
+Q3KX8_SUPER_BYTES = 1168  # one group of 8 rows, one super-block (quant_blocks.h)
+OFFSET = 4  # Q3Kx8 holds q + OFFSET
+Q2_K_BLOCK_BYTES = 84
+Q2KX8_SUPER_BYTES = 1312  # one group of 8 rows, one super-block (quant_blocks.h)
+
+
+def _float16(raw: torch.Tensor) -> torch.Tensor:
+    """Byte pairs [..., 2] as float32 [..., 1]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _two_bit_quants(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K's and Q3_K's 64 bytes of 2-bit quants [n, nb, 64] as [n, nb, h, j, t] (uint8, 0..3),
+    weight 128 h + 32 j + t: bits 2j, 2j+1 of byte 32 h + t."""
+    n, supers = qs.shape[:2]
+    shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    return (qs.reshape(n, supers, 2, 1, 32) >> (2 * shifts)) & 3
+
+
+def _header(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Q6Kx8's header [g, nb, 144] of d as float16 bytes [n, nb, 2] and the int8 scales [n, nb,
+    16]: each row's d, then the scales [half][row]."""
+    n, supers = d.shape[:2]
+    groups = n // ROWS
+    d_bytes = d.reshape(groups, ROWS, supers, 2).permute(0, 2, 1, 3).reshape(groups, supers, 16)
+    sc = (scales.view(torch.uint8).reshape(groups, ROWS, supers, 16).permute(0, 2, 3, 1)
+          .reshape(groups, supers, 128))
+    return torch.cat((d_bytes, sc), dim=-1)
+
+
+def _header_fields(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_header` undone, as values: d float32 [g, r, nb, 1] and the scales [g, r, nb, 16]."""
+    groups, supers = header.shape[:2]
+    d = _float16(header[..., 0:16]).reshape(groups, supers, ROWS).permute(0, 2, 1).unsqueeze(-1)
+    scales = (header[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
+              .permute(0, 3, 1, 2))
+    return d, scales
+
+
+def _words(quants: torch.Tensor) -> torch.Tensor:
+    """Quants [n, nb, 256] (0..15) as each group's nibble words [g, nb, 8 * 128]."""
+    n, supers = quants.shape[:2]
+    q = quants.to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
+    return nibble_words(q).reshape(n // ROWS, supers, SUB_BLOCKS * 128)
+
+
+def _quants(words: torch.Tensor) -> torch.Tensor:
+    """`_words` undone: [g, nb, 8 * 128] as quants [g, r, nb, 256] (float32)."""
+    groups, supers = words.shape[:2]
+    q = nibble_quants(words.reshape(groups, supers, SUB_BLOCKS, 128))
+    return q.reshape(groups, ROWS, supers, SUPER).float()
+
+
+def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fields of Q3_K blocks [n, K / 256 * 110]: d as float16 bytes [n, nb, 2], the signed
+    scales sc - 32 [n, nb, 16] (int8, one per 16 weights) and the quants [n, nb, 256] (int8,
+    -4..3) in weight order, as GGML's dequantize_row_q3_K reads them."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q3_K_BLOCK_BYTES)
+    supers = b.shape[1]
+    # Weight 128 h + 32 j + t: bits 2j, 2j+1 of qs[32 h + t], its high bit bit 4h + j of hmask[t]
+    # (set: q as read, clear: q - 4).
+    low = _two_bit_quants(b[..., 32:96])  # [n, nb, h, j, t]
+    shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    hmask = b[..., 0:32].reshape(n, supers, 1, 1, 32)
+    places = (4 * torch.arange(2, dtype=torch.uint8).view(1, 1, 2, 1, 1) + shifts)
+    high = (hmask >> places) & 1
+    quants = (low.to(torch.int8) - 4 * (1 - high.to(torch.int8))).reshape(n, supers, 256)
+    # Scale i's low 4 bits: byte i's low nibble (i < 8) or byte i - 8's high one; its high 2 bits:
+    # bits 2 (i / 4 % 4) .. of byte 8 + i % 4.
+    raw = b[..., 96:108]
+    low_bits = torch.cat((raw[..., 0:8] & 0x0F, raw[..., 0:8] >> 4), dim=-1)
+    tail = raw[..., 8:12]
+    high_bits = torch.cat([(tail >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    scales = (low_bits | (high_bits << 4)).to(torch.int16) - 32
+    return b[..., 108:110], scales.to(torch.int8), quants
+
+
+def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q3_K blocks, as GGML computes them: (d * (sc - 32)) * q."""
+    d, scales, quants = q3_k_parts(blocks)
+    scale = (_float16(d) * scales.float()).repeat_interleave(16, dim=-1)
+    return (scale * quants.float()).reshape(blocks.shape[0], -1)
+
+
+def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 1168]."""
+    d, scales, quants = q3_k_parts(blocks)
+    packed = torch.cat((_header(d, scales), _words(quants + OFFSET)), dim=-1)
+    return packed.reshape(packed.shape[0], -1).contiguous()
+
+
+def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 1168], as GGML computes the Q3_K ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
+    d, scales = _header_fields(b[..., :144])
+    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
+    return (scale * (_quants(b[..., 144:]) - OFFSET)).reshape(groups * ROWS, -1)
+
+
+def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fields of Q2_K blocks [n, K / 256 * 84]: d and dmin as float16 bytes [n, nb, 2], the
+    scales and minimums [n, nb, 16] (uint8, 0..15, one per 16 weights) and the quants [n, nb,
+    256] (uint8, 0..3) in weight order, as GGML's dequantize_row_q2_K reads them."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q2_K_BLOCK_BYTES)
+    quants = _two_bit_quants(b[..., 16:80]).reshape(n, b.shape[1], SUPER)
+    return b[..., 80:82], b[..., 82:84], b[..., 0:16] & 0x0F, b[..., 0:16] >> 4, quants
+
+
+def _q2_values(d, dmin, scales, mins, quants) -> torch.Tensor:
+    """(d * sc) * q - dmin * mn per weight: d, dmin float32 [..., 1], scales and mins [..., 16],
+    quants [..., 256]."""
+    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
+    offset = (dmin * mins.float()).repeat_interleave(16, dim=-1)
+    return scale * quants.float() - offset
+
+
+def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, K] of Q2_K blocks, as GGML computes them."""
+    d, dmin, scales, mins, quants = q2_k_parts(blocks)
+    return _q2_values(_float16(d), _float16(dmin), scales, mins, quants).reshape(
+        blocks.shape[0], -1)
+
+
+def to_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q2_K blocks [n, K / 256 * 84] (n a multiple of 8) as Q2Kx8 [n / 8, K / 256 * 1312]."""
+    d, dmin, scales, mins, quants = q2_k_parts(blocks)
+    header = _header(d, scales.view(torch.int8))  # 0..15: the same bytes as int8
+    minimums = _header(dmin, mins.view(torch.int8))  # dmin and the minimums, laid out alike
+    packed = torch.cat((header, minimums, _words(quants)), dim=-1)
+    return packed.reshape(packed.shape[0], -1).contiguous()
+
+
+def dequantize_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q2Kx8 blocks [N / 8, K / 256 * 1312], as GGML computes the Q2_K ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q2KX8_SUPER_BYTES)
+    d, scales = _header_fields(b[..., :144])
+    dmin, mins = _header_fields(b[..., 144:288])
+    return _q2_values(d, dmin, scales, mins.view(torch.uint8), _quants(b[..., 288:])).reshape(
+        groups * ROWS, -1)
