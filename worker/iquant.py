@@ -18,7 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS, SUPER, nibble_quants, nibble_words
+from shardlm_server.worker.kquant import (
+    ROWS,
+    SUB_BLOCKS,
+    SUPER,
+    group_columns,
+    group_rows,
+    nibble_quants,
+    nibble_words,
+    row_halves,
+)
 
 IQ4_XS_BLOCK_BYTES = 136
 IQ4X8_SUPER_BYTES = 1104  # one group of 8 rows, one super-block (quant_blocks.h)
@@ -68,11 +77,9 @@ def to_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
     d, scales, nibbles = iq4_xs_parts(blocks)
     n, supers = d.shape[:2]
     groups = n // ROWS
-    d_bytes = d.reshape(groups, ROWS, supers, 2).permute(0, 2, 1, 3).reshape(groups, supers, 16)
-    sc = (scales.view(torch.uint8).reshape(groups, ROWS, supers, SUB_BLOCKS).permute(0, 2, 3, 1)
-          .reshape(groups, supers, SUB_BLOCKS * ROWS))  # [s][r]
     words = nibble_words(nibbles.reshape(groups, ROWS, supers, SUB_BLOCKS, 32))
-    packed = torch.cat((d_bytes, sc, words.reshape(groups, supers, SUB_BLOCKS * 128)), dim=-1)
+    packed = torch.cat((group_rows(d), group_columns(scales.view(torch.uint8)),
+                        words.reshape(groups, supers, SUB_BLOCKS * 128)), dim=-1)
     return packed.reshape(groups, -1).contiguous()
 
 
@@ -81,8 +88,7 @@ def dequantize_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, IQ4X8_SUPER_BYTES)
     supers = b.shape[1]
-    d = (b[..., 0:16].contiguous().view(torch.float16).float()
-         .reshape(groups, supers, ROWS).permute(0, 2, 1).unsqueeze(-1))  # [g, r, nb, 1]
+    d = row_halves(b[..., 0:16])  # [g, r, nb, 1]
     scales = (b[..., 16:80].contiguous().view(torch.int8).reshape(groups, supers, SUB_BLOCKS, ROWS)
               .permute(0, 3, 1, 2))  # [g, r, nb, s]
     nibbles = nibble_quants(b[..., 80:].reshape(groups, supers, SUB_BLOCKS, 128))
@@ -102,17 +108,13 @@ def to_iq4nlx8(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, IQ4_NL_BLOCK_BYTES)
     nb, groups = b.shape[1], n // ROWS
-    d = b[..., 0:2].reshape(groups, ROWS, nb, 2).permute(0, 2, 1, 3).reshape(groups, nb, 16)
     words = nibble_words(iq4_nibbles(b[..., 2:]).reshape(groups, ROWS, nb, 32))
-    return torch.cat((d, words), dim=-1).reshape(groups, -1).contiguous()
+    return torch.cat((group_rows(b[..., 0:2]), words), dim=-1).reshape(groups, -1).contiguous()
 
 
 def dequantize_iq4nlx8(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of IQ4NLx8 blocks [N / 8, K / 32 * 144], as GGML computes the IQ4_NL ones."""
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, IQ4NLX8_BLOCK_BYTES)
-    nb = b.shape[1]
-    d = (b[..., 0:16].contiguous().view(torch.float16).float()
-         .reshape(groups, nb, ROWS).permute(0, 2, 1).unsqueeze(-1))  # [g, r, nb, 1]
     nibbles = nibble_quants(b[..., 16:])  # [g, r, nb, 32]
-    return (d * _TABLE[nibbles.long()]).reshape(groups * ROWS, nb * 32)
+    return (row_halves(b[..., 0:16]) * _TABLE[nibbles.long()]).reshape(groups * ROWS, -1)

@@ -81,19 +81,8 @@ def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
 def _k_header(d, dmin, sc, mn) -> torch.Tensor:
     """Q4Kx8 / Q5Kx8's 160-byte header per group and super-block [g, nb, 160] from the fields
     `q4_k_parts` gives: d[8], dmin[8] (float16 bytes, row-minor), then sc[8][8], mn[8][8]."""
-    n, supers = d.shape[:2]
-    groups = n // ROWS
-
-    def by_group(field: torch.Tensor) -> torch.Tensor:  # [n, nb, w] -> [g, nb, 8 w], row-minor
-        width = field.shape[-1]
-        return (field.reshape(groups, ROWS, supers, width).permute(0, 2, 1, 3)
-                .reshape(groups, supers, ROWS * width))
-
-    def by_sub(field: torch.Tensor) -> torch.Tensor:  # [n, nb, 8] -> [g, nb, 64]: [s][r]
-        return (field.reshape(groups, ROWS, supers, SUB_BLOCKS).permute(0, 2, 3, 1)
-                .reshape(groups, supers, SUB_BLOCKS * ROWS))
-
-    return torch.cat((by_group(d), by_group(dmin), by_sub(sc), by_sub(mn)), dim=-1)
+    return torch.cat((group_rows(d), group_rows(dmin), group_columns(sc), group_columns(mn)),
+                     dim=-1)
 
 
 def _k_scales_of(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,11 +258,25 @@ def q5_0_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat((d, quants), -1).reshape(blocks.shape[0], -1)
 
 
-def _by_group_rows(field: torch.Tensor) -> torch.Tensor:
+def group_rows(field: torch.Tensor) -> torch.Tensor:
     """A per-row, per-block field [n, nb, w] as [n / 8, nb, 8 w], the group's rows side by side."""
     n, nb, width = field.shape
     groups = n // ROWS
     return field.reshape(groups, ROWS, nb, width).permute(0, 2, 1, 3).reshape(groups, nb, ROWS * width)
+
+
+def group_columns(field: torch.Tensor) -> torch.Tensor:
+    """A per-row, per-block field of w small values [n, nb, w] as [n / 8, nb, w * 8]: value i of
+    the group's row r at 8 i + r (the int8 scales of the K-quant layouts)."""
+    n, nb, width = field.shape
+    groups = n // ROWS
+    return field.reshape(groups, ROWS, nb, width).permute(0, 2, 3, 1).reshape(groups, nb, width * ROWS)
+
+
+def row_halves(raw: torch.Tensor) -> torch.Tensor:
+    """`group_rows` of float16 bytes undone, as values: [g, nb, 16] -> float32 [g, 8, nb, 1]."""
+    groups, nb = raw.shape[:2]
+    return _halves(raw.reshape(groups, nb, ROWS, 2)).permute(0, 2, 1, 3)
 
 
 def _to_5bit_x8(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -283,7 +286,7 @@ def _to_5bit_x8(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     n, nb = q.shape[:2]
     groups = n // ROWS
     q = q.reshape(groups, ROWS, nb, 32)
-    fields = [_by_group_rows(h) for h in halves]
+    fields = [group_rows(h) for h in halves]
     return torch.cat((*fields, high_words(q), nibble_words(q)), -1).reshape(groups, -1).contiguous()
 
 
@@ -304,13 +307,9 @@ def _dequantize_5bit_x8(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
     b = blocks.reshape(groups, -1, block_bytes)
     nb = b.shape[1]
     lead = block_bytes - 160
-
-    def by_row(raw: torch.Tensor) -> torch.Tensor:  # [g, nb, 16] -> [g, r, nb, 1]
-        return _halves(raw.reshape(groups, nb, ROWS, 2)).permute(0, 2, 1, 3)
-
-    d = by_row(b[..., 0:16])
+    d = row_halves(b[..., 0:16])
     q = (high_bits(b[..., lead:lead + 32]) | nibble_quants(b[..., lead + 32:])).float()
-    values = d * q + by_row(b[..., 16:32]) if lead == 32 else d * (q - 16)
+    values = d * q + row_halves(b[..., 16:32]) if lead == 32 else d * (q - 16)
     return values.reshape(groups * ROWS, nb * 32)
 
 
@@ -355,12 +354,10 @@ def to_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, scales, quants = q6_k_parts(blocks)
     groups, supers = n // ROWS, d.shape[1]
-    d_bytes = d.reshape(groups, ROWS, supers, 2).permute(0, 2, 1, 3).reshape(groups, supers, 16)
-    sc = (scales.view(torch.uint8).reshape(groups, ROWS, supers, 16).permute(0, 2, 3, 1)
-          .reshape(groups, supers, 128))
     q = quants.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)  # [g, r, nb, block, i]
     words = torch.cat((nibble_words(q), _pair_words(q)), dim=-1)  # [g, nb, block, 192]
-    packed = torch.cat((d_bytes, sc, words.reshape(groups, supers, SUB_BLOCKS * 192)), dim=-1)
+    packed = torch.cat((group_rows(d), group_columns(scales.view(torch.uint8)),
+                        words.reshape(groups, supers, SUB_BLOCKS * 192)), dim=-1)
     return packed.reshape(groups, -1).contiguous()
 
 

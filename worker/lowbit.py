@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS, SUPER, nibble_quants, nibble_words
+from shardlm_server.worker.kquant import (
+    ROWS,
+    SUB_BLOCKS,
+    SUPER,
+    group_columns,
+    group_rows,
+    nibble_quants,
+    nibble_words,
+    row_halves,
+)
 
 Q3_K_BLOCK_BYTES = 110
 Q3KX8_SUPER_BYTES = 1168  # one group of 8 rows, one super-block (quant_blocks.h)
@@ -45,18 +54,13 @@ def _two_bit_quants(qs: torch.Tensor) -> torch.Tensor:
 def _header(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Q6Kx8's header [g, nb, 144] of d as float16 bytes [n, nb, 2] and the int8 scales [n, nb,
     16]: each row's d, then the scales [half][row]."""
-    n, supers = d.shape[:2]
-    groups = n // ROWS
-    d_bytes = d.reshape(groups, ROWS, supers, 2).permute(0, 2, 1, 3).reshape(groups, supers, 16)
-    sc = (scales.view(torch.uint8).reshape(groups, ROWS, supers, 16).permute(0, 2, 3, 1)
-          .reshape(groups, supers, 128))
-    return torch.cat((d_bytes, sc), dim=-1)
+    return torch.cat((group_rows(d), group_columns(scales.view(torch.uint8))), dim=-1)
 
 
 def _header_fields(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`_header` undone, as values: d float32 [g, r, nb, 1] and the scales [g, r, nb, 16]."""
     groups, supers = header.shape[:2]
-    d = _float16(header[..., 0:16]).reshape(groups, supers, ROWS).permute(0, 2, 1).unsqueeze(-1)
+    d = row_halves(header[..., 0:16])
     scales = (header[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
               .permute(0, 3, 1, 2))
     return d, scales
