@@ -349,6 +349,20 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return _q6_values(_halves(d), scales, quants).reshape(blocks.shape[0], -1)
 
 
+def q6k_header(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Q6Kx8's header [g, nb, 144] (also Q3Kx8's and Q2Kx8's, lowbit.py) of d as float16 bytes
+    [n, nb, 2] and the int8 scales [n, nb, 16]: each row's d, then the scales [half][row]."""
+    return torch.cat((group_rows(d), group_columns(scales.view(torch.uint8))), dim=-1)
+
+
+def q6k_header_fields(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q6k_header` undone, as values: d float32 [g, r, nb, 1] and the scales [g, r, nb, 16]."""
+    groups, supers = header.shape[:2]
+    scales = (header[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
+              .permute(0, 3, 1, 2))
+    return row_halves(header[..., 0:16]), scales
+
+
 def to_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [n, K / 256 * 210] (n a multiple of 8) as Q6Kx8 [n / 8, K / 256 * 1680]."""
     n = blocks.shape[0]
@@ -356,8 +370,8 @@ def to_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
     groups, supers = n // ROWS, d.shape[1]
     q = quants.reshape(groups, ROWS, supers, SUB_BLOCKS, 32)  # [g, r, nb, block, i]
     words = torch.cat((nibble_words(q), _pair_words(q)), dim=-1)  # [g, nb, block, 192]
-    packed = torch.cat((group_rows(d), group_columns(scales.view(torch.uint8)),
-                        words.reshape(groups, supers, SUB_BLOCKS * 192)), dim=-1)
+    packed = torch.cat((q6k_header(d, scales), words.reshape(groups, supers, SUB_BLOCKS * 192)),
+                       dim=-1)
     return packed.reshape(groups, -1).contiguous()
 
 
@@ -384,10 +398,9 @@ def dequantize_q6kx8(blocks: torch.Tensor) -> torch.Tensor:
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, Q6KX8_SUPER_BYTES)
     supers = b.shape[1]
-    d = _halves(b[..., 0:16].reshape(groups, supers, ROWS, 2)).permute(0, 2, 1, 3)  # [g,r,nb,1]
-    scales = b[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
+    d, scales = q6k_header_fields(b[..., :144])  # [g, r, nb, 1], [g, r, nb, 16]
     words = b[..., 144:].reshape(groups, supers, SUB_BLOCKS, 192)
     quants = (nibble_quants(words[..., :128]) | _pair_bits(words[..., 128:])).reshape(
         groups, ROWS, supers, SUPER)
-    values = _q6_values(d, scales.permute(0, 3, 1, 2), quants)  # [g, r, nb, 256]
+    values = _q6_values(d, scales, quants)  # [g, r, nb, 256]
     return values.reshape(groups * ROWS, supers * SUPER)

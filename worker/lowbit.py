@@ -24,11 +24,10 @@ from shardlm_server.worker.kquant import (
     ROWS,
     SUB_BLOCKS,
     SUPER,
-    group_columns,
-    group_rows,
     nibble_quants,
     nibble_words,
-    row_halves,
+    q6k_header,
+    q6k_header_fields,
 )
 
 Q3_K_BLOCK_BYTES = 110
@@ -49,21 +48,6 @@ def _two_bit_quants(qs: torch.Tensor) -> torch.Tensor:
     n, supers = qs.shape[:2]
     shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1)
     return (qs.reshape(n, supers, 2, 1, 32) >> (2 * shifts)) & 3
-
-
-def _header(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Q6Kx8's header [g, nb, 144] of d as float16 bytes [n, nb, 2] and the int8 scales [n, nb,
-    16]: each row's d, then the scales [half][row]."""
-    return torch.cat((group_rows(d), group_columns(scales.view(torch.uint8))), dim=-1)
-
-
-def _header_fields(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_header` undone, as values: d float32 [g, r, nb, 1] and the scales [g, r, nb, 16]."""
-    groups, supers = header.shape[:2]
-    d = row_halves(header[..., 0:16])
-    scales = (header[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, ROWS)
-              .permute(0, 3, 1, 2))
-    return d, scales
 
 
 def _words(quants: torch.Tensor) -> torch.Tensor:
@@ -115,7 +99,7 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
 def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 1168]."""
     d, scales, quants = q3_k_parts(blocks)
-    packed = torch.cat((_header(d, scales), _words(quants + OFFSET)), dim=-1)
+    packed = torch.cat((q6k_header(d, scales), _words(quants + OFFSET)), dim=-1)
     return packed.reshape(packed.shape[0], -1).contiguous()
 
 
@@ -123,7 +107,7 @@ def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 1168], as GGML computes the Q3_K ones."""
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
-    d, scales = _header_fields(b[..., :144])
+    d, scales = q6k_header_fields(b[..., :144])
     scale = (d * scales.float()).repeat_interleave(16, dim=-1)
     return (scale * (_quants(b[..., 144:]) - OFFSET)).reshape(groups * ROWS, -1)
 
@@ -156,8 +140,8 @@ def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
 def to_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
     """Q2_K blocks [n, K / 256 * 84] (n a multiple of 8) as Q2Kx8 [n / 8, K / 256 * 1312]."""
     d, dmin, scales, mins, quants = q2_k_parts(blocks)
-    header = _header(d, scales.view(torch.int8))  # 0..15: the same bytes as int8
-    minimums = _header(dmin, mins.view(torch.int8))  # dmin and the minimums, laid out alike
+    header = q6k_header(d, scales.view(torch.int8))  # 0..15: the same bytes as int8
+    minimums = q6k_header(dmin, mins.view(torch.int8))  # dmin and the minimums, laid out alike
     packed = torch.cat((header, minimums, _words(quants)), dim=-1)
     return packed.reshape(packed.shape[0], -1).contiguous()
 
@@ -166,7 +150,7 @@ def dequantize_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of Q2Kx8 blocks [N / 8, K / 256 * 1312], as GGML computes the Q2_K ones."""
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, Q2KX8_SUPER_BYTES)
-    d, scales = _header_fields(b[..., :144])
-    dmin, mins = _header_fields(b[..., 144:288])
+    d, scales = q6k_header_fields(b[..., :144])
+    dmin, mins = q6k_header_fields(b[..., 144:288])
     return _q2_values(d, dmin, scales, mins.view(torch.uint8), _quants(b[..., 288:])).reshape(
         groups * ROWS, -1)
