@@ -11,12 +11,19 @@
 would. Files land in .bench/models (git-ignored) and are made once; the tool's log says which
 tensors fell back to another type (rows that are no whole number of 256-weight blocks take
 Q5_0 for Q4_K and Q8_0 for Q6_K). Prints each file's path and its tensor types.
+
+The 1- to 3-bit i-quant types (IQ3_XXS, IQ2_*, IQ1_*) refuse to run without an importance matrix
+(`llama-imatrix`'s per-column sums of squared activations over a calibration text). For those,
+`uniform_imatrix` writes one in which every column weighs the same, which is what llama-quantize
+assumes for the other types: the files are for timing and for comparing ShardLM's kernels with
+llama.cpp's on the same bytes, not for the quality a real calibration would give.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -39,6 +46,24 @@ def binary() -> Path | None:
     return llama_server.built_tool("llama-quantize", "LLAMA_QUANTIZE")
 
 
+#: llama-quantize types that need an importance matrix (for some or all of their tensors).
+NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+
+
+def uniform_imatrix(model: Path, out: Path) -> Path:
+    """An importance matrix of ones for every matrix of `model`, in llama.cpp's legacy imatrix
+    format: an int32 count, then per tensor its name (int32 length, bytes), the calls (int32, 1),
+    the values (int32 count, float32 each: one per input column)."""
+    entries = [(t.name.encode(), int(t.shape[0])) for t in gguf.GGUFReader(model).tensors
+               if len(t.shape) == 2]
+    with open(out, "wb") as f:
+        f.write(struct.pack("<i", len(entries)))
+        for name, columns in entries:
+            f.write(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, columns))
+            f.write(struct.pack(f"<{columns}f", *([1.0] * columns)))
+    return out
+
+
 def quantized(model: Path, qtype: str, exe: Path, threads: int) -> Path:
     """`model` as `qtype` (a llama-quantize type name), made unless already there."""
     stem = model.name.removesuffix(".gguf").rsplit(".", 1)[0]
@@ -47,8 +72,11 @@ def quantized(model: Path, qtype: str, exe: Path, threads: int) -> Path:
         return out
     OUT.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
-    done = subprocess.run([str(exe), "--allow-requantize", str(model), str(partial), qtype,
-                           str(threads)], capture_output=True, text=True)
+    imatrix = []
+    if qtype in NEEDS_IMATRIX:
+        imatrix = ["--imatrix", str(uniform_imatrix(model, OUT / f"{stem}.uniform.imatrix"))]
+    done = subprocess.run([str(exe), "--allow-requantize", *imatrix, str(model), str(partial),
+                           qtype, str(threads)], capture_output=True, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"llama-quantize {qtype} failed:\n{done.stderr[-2000:]}")

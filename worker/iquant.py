@@ -60,9 +60,10 @@ def iq4_xs_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return b[..., 0:2], scales, iq4_nibbles(b[..., 8:])
 
 
-def _values(d: torch.Tensor, scales: torch.Tensor, nibbles: torch.Tensor) -> torch.Tensor:
-    """(d * sc) * value per weight: d float32 [..., 1], scales [..., 8], nibbles [..., 8, 32]."""
-    return (d * scales.float()).unsqueeze(-1) * _TABLE[nibbles.long()]
+def _values(d: torch.Tensor, scales: torch.Tensor, nibbles: torch.Tensor,
+            table: torch.Tensor = _TABLE) -> torch.Tensor:
+    """(d * sc) * table[q] per weight: d float32 [..., 1], scales [..., 8], nibbles [..., 8, 32]."""
+    return (d * scales.float()).unsqueeze(-1) * table[nibbles.long()]
 
 
 def dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
@@ -72,9 +73,10 @@ def dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return _values(half, scales, nibbles).reshape(blocks.shape[0], -1)
 
 
-def to_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
-    """IQ4_XS blocks [n, K / 256 * 136] (n a multiple of 8) as IQ4x8 [n / 8, K / 256 * 1104]."""
-    d, scales, nibbles = iq4_xs_parts(blocks)
+def pack_super_table(d: torch.Tensor, scales: torch.Tensor, nibbles: torch.Tensor) -> torch.Tensor:
+    """IQ4x8's bytes [n / 8, nb * 1104] of d as float16 bytes [n, nb, 2], the sub-blocks' int8
+    scales [n, nb, 8] and the table indices [n, nb, 8, 32] (uint8, 0..15) in weight order; the
+    grid i-quants' layouts (gridquant.py) have the same bytes."""
     n, supers = d.shape[:2]
     groups = n // ROWS
     words = nibble_words(nibbles.reshape(groups, ROWS, supers, SUB_BLOCKS, 32))
@@ -83,8 +85,14 @@ def to_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
     return packed.reshape(groups, -1).contiguous()
 
 
-def dequantize_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] of IQ4x8 blocks [N / 8, K / 256 * 1104], as GGML computes the IQ4_XS ones."""
+def to_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks [n, K / 256 * 136] (n a multiple of 8) as IQ4x8 [n / 8, K / 256 * 1104]."""
+    return pack_super_table(*iq4_xs_parts(blocks))
+
+
+def dequantize_super_table(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of blocks in IQ4x8's bytes [N / 8, K / 256 * 1104], each nibble read
+    through `table` (16 float32 values): (d * sc) * table[q], as GGML computes its type's."""
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, IQ4X8_SUPER_BYTES)
     supers = b.shape[1]
@@ -92,7 +100,12 @@ def dequantize_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
     scales = (b[..., 16:80].contiguous().view(torch.int8).reshape(groups, supers, SUB_BLOCKS, ROWS)
               .permute(0, 3, 1, 2))  # [g, r, nb, s]
     nibbles = nibble_quants(b[..., 80:].reshape(groups, supers, SUB_BLOCKS, 128))
-    return _values(d, scales, nibbles).reshape(groups * ROWS, supers * SUPER)
+    return _values(d, scales, nibbles, table).reshape(groups * ROWS, supers * SUPER)
+
+
+def dequantize_iq4x8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of IQ4x8 blocks [N / 8, K / 256 * 1104], as GGML computes the IQ4_XS ones."""
+    return dequantize_super_table(blocks, _TABLE)
 
 
 def dequantize_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:

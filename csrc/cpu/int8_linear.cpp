@@ -383,10 +383,11 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 
 }  // namespace
 
-// IQ4x8's and IQ4NLx8's quants index a table of int8 values, which these kernels
-// do not read; Q3Kx8 and Q2Kx8 have no kernels here either (those files stay exact).
+// The table layouts' quants (IQ4x8, IQ4NLx8, the grid i-quants') index a table
+// of values, which these kernels do not read; Q3Kx8 and Q2Kx8 have no kernels
+// here either (those files stay exact).
 bool takes(int64_t qtype) {
-  return quant::grouped(qtype) && qtype != quant::kIQ4x8 && qtype != quant::kIQ4NLx8 &&
+  return quant::grouped(qtype) && !quant::super_table(qtype) && qtype != quant::kIQ4NLx8 &&
          qtype != quant::kQ3Kx8 && qtype != quant::kQ2Kx8;
 }
 

@@ -82,6 +82,12 @@ constexpr int64_t kBlock = 32;  // weights per block
 //     d[8] float16, sc[8][8] int8 (ls - 32, block-major), then per block
 //     q[4][8] uint32 (Q4x8's words, each nibble an index into kv)
 //
+// IQ3XXSx8, IQ3Sx8, IQ2XXSx8 and IQ1Sx8 (ids 112-115) hold GGML's IQ3_XXS,
+// IQ3_S, IQ2_XXS and IQ1_S (each weight a point of a fixed grid, signed, times
+// an odd scale per 32 weights) in IQ4x8's bytes, sc the odd scale and each
+// nibble an index into the type's own table of 16 values (nibble_layouts.h):
+// 4.3125 bits a weight (the files' 3.0625, 3.4375, 2.0625 and 1.5625)
+//
 // Q3Kx8 (id 110) holds GGML's Q3_K (w = d * (sc - 32) * (q - 4), q in 0..7, a
 // 6-bit scale per 16 weights) as Q6Kx8 without its high-bit words, at 4.5625
 // bits a weight (Q3_K's 3.4375): per group of 8 rows and super-block of 256,
@@ -100,7 +106,8 @@ constexpr int64_t kBlock = 32;  // weights per block
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
   kQ5Kx8 = 104, kQ40x8 = 105, kQ51x8 = 107,  // 106: a Mixed weight (mixed_rows.h)
-  kIQ4x8 = 108, kIQ4NLx8 = 109, kQ3Kx8 = 110, kQ2Kx8 = 111
+  kIQ4x8 = 108, kIQ4NLx8 = 109, kQ3Kx8 = 110, kQ2Kx8 = 111, kIQ3XXSx8 = 112, kIQ3Sx8 = 113,
+  kIQ2XXSx8 = 114, kIQ1Sx8 = 115
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -116,10 +123,17 @@ constexpr int64_t kIQ4SuperGroupBytes = 1104;  // one IQ4x8 group's super-block
 constexpr int64_t kQ3SuperGroupBytes = 1168;   // one Q3Kx8 group's super-block
 constexpr int64_t kQ2SuperGroupBytes = 1312;   // one Q2Kx8 group's super-block
 
+// Whether `qtype` is one of the layouts of IQ4x8's bytes read through a table
+// of its own (IQ4x8 and the grid i-quants').
+constexpr bool super_table(int64_t qtype) {
+  return qtype == kIQ4x8 || qtype == kIQ3XXSx8 || qtype == kIQ3Sx8 || qtype == kIQ2XXSx8 ||
+         qtype == kIQ1Sx8;
+}
+
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
   return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
-         qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8 || qtype == kIQ4x8 ||
+         qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8 || super_table(qtype) ||
          qtype == kIQ4NLx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8;
 }
 
@@ -144,7 +158,11 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ5Kx8: return kQ5SuperGroupBytes / kSuperBlocks;
     case kQ40x8: return kQ40GroupBlockBytes;
     case kQ51x8: return kQ51GroupBlockBytes;
-    case kIQ4x8: return kIQ4SuperGroupBytes / kSuperBlocks;
+    case kIQ4x8:
+    case kIQ3XXSx8:
+    case kIQ3Sx8:
+    case kIQ2XXSx8:
+    case kIQ1Sx8: return kIQ4SuperGroupBytes / kSuperBlocks;
     case kIQ4NLx8: return kQ40GroupBlockBytes;
     case kQ3Kx8: return kQ3SuperGroupBytes / kSuperBlocks;
     case kQ2Kx8: return kQ2SuperGroupBytes / kSuperBlocks;

@@ -210,6 +210,10 @@ void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
     case kIQ4NLx8: return rows_at<kIQ4NLx8>(o, w, id, d.count, d.k);
     case kQ3Kx8: return rows_at<kQ3Kx8>(o, w, id, d.count, d.k);
     case kQ2Kx8: return rows_at<kQ2Kx8>(o, w, id, d.count, d.k);
+    case kIQ3XXSx8: return rows_at<kIQ3XXSx8>(o, w, id, d.count, d.k);
+    case kIQ3Sx8: return rows_at<kIQ3Sx8>(o, w, id, d.count, d.k);
+    case kIQ2XXSx8: return rows_at<kIQ2XXSx8>(o, w, id, d.count, d.k);
+    case kIQ1Sx8: return rows_at<kIQ1Sx8>(o, w, id, d.count, d.k);
     default: return rows_at<kQ8_0>(o, w, id, d.count, d.k);
   }
 }
@@ -237,6 +241,12 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kIQ4NLx8: return quant_linear_typed<kIQ4NLx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ3Kx8: return quant_linear_typed<kQ3Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kQ2Kx8: return quant_linear_typed<kQ2Kx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ3XXSx8:
+      return quant_linear_typed<kIQ3XXSx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ3Sx8: return quant_linear_typed<kIQ3Sx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ2XXSx8:
+      return quant_linear_typed<kIQ2XXSx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ1Sx8: return quant_linear_typed<kIQ1Sx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }
 }

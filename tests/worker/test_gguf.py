@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardlm_server.worker import gridquant
 from shardlm_server.worker.engine import DecodeItem, Engine, PrefillItem, StopParams
 from shardlm_server.worker.errors import CheckpointError, UnsupportedArchitectureError
 from shardlm_server.worker.gguf.file import SUPPORTED_TYPES
@@ -151,6 +152,24 @@ def test_quantizable_types_round_trip_close_to_the_original(tmp_path):
         got = reader.read("model.layers.0.mlp.up_proj.weight", (spec.intermediate, spec.hidden))
         want = torch.from_numpy(originals["blk.0.ffn_up.weight"])
         assert (got - want).abs().max() < 0.1 * want.abs().max(), qtype.name
+
+
+@pytest.mark.parametrize("qtype", [T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ1_S], ids=lambda t: t.name)
+def test_grid_i_quants_stay_packed_and_equal_their_dequantized_model(tmp_path, qtype):
+    """Every matrix of the type (256-wide rows in groups of 8) is held in its table layout
+    (worker/gridquant.py), not dequantized, and the logits are the dense model's."""
+    write_gguf(tmp_path / "m.gguf", GGUFSpec("llama", layers=2, default_type=qtype))
+    cache = CacheConfig(block_size=16, num_blocks=16)
+    packed = Engine.load(tmp_path / "m.gguf", dtype="float32", cache_config=cache)
+    layer = packed.model.layers[0]
+    layouts = {lin.weight.qtype for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
+    assert layouts == {gridquant.TYPES[qtype.name].layout}
+    dense = Engine.load(tmp_path / "m.gguf", dtype="float32", cache_config=cache,
+                        quantize="none")
+    ids = list(range(5, 40))
+    logits = [engine.prefill([PrefillItem(0, ids, 0, BLOCKS[:4])], taps=["logits"])
+              .taps["logits"][0] for engine in (packed, dense)]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 def test_a_folder_holding_one_gguf_file_is_a_gguf_checkpoint(gguf_model, tmp_path):

@@ -29,13 +29,14 @@ def _linears(engine: Engine):
 
 # A file type -> the layouts its matrices take (SmolLM2's 576-wide rows fill no 256-weight
 # super-blocks, so llama-quantize falls back to 32-weight types for most of them: Q5_1 for Q5_K,
-# IQ4_NL for IQ4_XS).
+# IQ4_NL for IQ4_XS and, but for its 1,536-wide down projections, IQ3_S).
 LAYOUTS = {"Q4_K_M": {"Q4Kx8", "Q5x8", "Q6Kx8", "Q8_0"},
            "Q6_K": {"Q6Kx8", "Q8_0"},
            "Q5_K_M": {"Q51x8", "Q5Kx8", "Q6Kx8", "Q8_0", "Mixed"},
            "Q3_K_S": {"Q40x8", "Q3Kx8", "Q8_0"},
            "IQ4_NL": {"IQ4NLx8", "Q5Kx8", "Q8_0"},
-           "IQ4_XS": {"IQ4x8", "IQ4NLx8", "Q5Kx8", "Q8_0"}}
+           "IQ4_XS": {"IQ4x8", "IQ4NLx8", "Q5Kx8", "Q8_0"},
+           "IQ3_S": {"IQ3Sx8", "IQ4NLx8", "Q8_0"}}
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ import torch
 
 from shardlm_server.worker import ops
 from shardlm_server.worker.ops import activations, reference
-from shardlm_server.worker.quant import dequantize_blocks, to_q4x8
-from tests.worker.ops.test_kquant import k_weight
+from shardlm_server.worker.quant import EXACT_ONLY_LAYOUTS, dequantize_blocks, to_q4x8
+from tests.worker.ops.test_kquant import SOURCES, k_weight
 from tests.worker.ops.test_quant_ops import TOL, ggml_weight
 
 if ops.USE_REFERENCE:
@@ -33,10 +33,7 @@ def layout_weight(layout: str, seed: int = 0):
     """A weight of 7 groups of 8 rows (AVX-512 takes groups in pairs: one is left alone)."""
     if layout in ("Q4x8", "Q40x8"):
         return to_q4x8(ggml_weight(56, 288, "Q4_1" if layout == "Q4x8" else "Q4_0", seed=seed))
-    source = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0",
-              "Q51x8": "Q5_1", "IQ4x8": "IQ4_XS", "IQ4NLx8": "IQ4_NL",
-              "Q3Kx8": "Q3_K", "Q2Kx8": "Q2_K"}[layout]
-    return k_weight(56, 512, source, seed=seed)
+    return k_weight(56, 512, SOURCES[layout], seed=seed)
 
 
 def test_rounding_is_per_block_to_the_nearest_of_255_levels():
@@ -61,9 +58,10 @@ def test_kernel_matches_reference(int8_mode, layout, m):
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("layout", ["IQ4x8", "IQ4NLx8", "Q3Kx8", "Q2Kx8"])
+@pytest.mark.parametrize("layout", EXACT_ONLY_LAYOUTS)
 def test_a_layout_without_int8_kernels_stays_exact(int8_mode, m, layout):
-    w = layout_weight(layout, seed=m)  # IQ4_XS, IQ4_NL (quants index a table), Q3_K, Q2_K
+    w = layout_weight(layout, seed=m)  # quants that index a table (IQ4_XS, IQ4_NL, the grid
+    # i-quants), and Q3_K, Q2_K
     assert layout not in activations.INT8_LAYOUTS and not activations.rounds_input(layout)
     x = torch.randn(m, w.shape[1])
     exact = (x.double() @ dequantize_blocks(w.blocks, w.qtype).double().T).float()

@@ -24,17 +24,19 @@ if ops.USE_REFERENCE:
 
 
 def parts() -> list[QuantizedWeight]:
-    """A Q4_K_M file's mix, a Q3_K_M one's (Q3_K) and an IQ4_XS one's: k_weight regroups."""
+    """A Q4_K_M file's mix, a Q3_K_M one's (Q3_K), an IQ4_XS one's and an IQ3_XXS one's (IQ3_S):
+    k_weight regroups."""
     return [k_weight(64, 512, "Q4_K"), k_weight(16, 512, "Q6_K", seed=1),
             ggml_weight(8, 512, "Q8_0", seed=2), k_weight(16, 512, "Q3_K", seed=3),
-            k_weight(8, 512, "IQ4_XS", seed=4)]
+            k_weight(8, 512, "IQ4_XS", seed=4), k_weight(8, 512, "IQ3_S", seed=5)]
 
 
 def test_the_parts_come_back_as_they_went_in():
     pieces = parts()
     weight = mixed_rows(pieces)
-    assert weight.qtype == "Mixed" and weight.shape == (112, 512)
-    assert weight.blocks.shape[0] == 1 and weight.nbytes < sum(p.nbytes for p in pieces) + 4 * 64
+    assert weight.qtype == "Mixed" and weight.shape == (120, 512)
+    padding = (len(pieces) + 1) * 64  # the header and every part start on 64-byte boundaries
+    assert weight.blocks.shape[0] == 1 and weight.nbytes < sum(p.nbytes for p in pieces) + padding
     for got, want in zip(mixed_parts(weight.blocks), pieces, strict=True):
         assert got.qtype == want.qtype and got.shape == want.shape
         assert torch.equal(got.blocks, want.blocks)
@@ -46,7 +48,7 @@ def test_the_parts_come_back_as_they_went_in():
 @pytest.mark.parametrize("m", [1, 3, 40])
 def test_quant_linear_is_the_parts_side_by_side(precision, m):
     weight = mixed_rows(parts())
-    x, bias = torch.randn(m, 512), torch.randn(112)
+    x, bias = torch.randn(m, 512), torch.randn(120)
     with activations.using(precision):
         got = ops.quant_linear(x, weight, bias)
         expected = reference.quant_linear(x, weight.blocks, weight.qtype, bias)
@@ -73,7 +75,7 @@ def test_fuse_rows_keeps_parts_of_different_types_packed():
 
 def test_malformed_headers_are_refused():
     weight = mixed_rows(parts())
-    x, out = torch.randn(1, 512), torch.empty(1, 112)
+    x, out = torch.randn(1, 512), torch.empty(1, 120)
 
     def run(blocks: torch.Tensor) -> None:
         torch.ops.shardlm.quant_linear(out, x, blocks, 106, None)

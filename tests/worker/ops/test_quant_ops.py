@@ -27,7 +27,7 @@ from shardlm_server.worker.quant import (
     quantize,
     to_q4x8,
 )
-from tests.worker.ops.test_kquant import k_weight
+from tests.worker.ops.test_kquant import SOURCES, k_weight
 
 if ops.USE_REFERENCE:
     pytest.skip("SHARDLM_OPS=reference: nothing compiled to test", allow_module_level=True)
@@ -249,12 +249,11 @@ def test_avx512_avx2_and_portable_paths_agree(tmp_path):
     inputs = {}
     # Q4x8 in 5 and 7 groups of 8 rows: AVX-512 takes groups in pairs for decode and in fours
     # (then twos, then ones) for the panel, so odd counts leave every remainder. Q40x8 (Q4_0)
-    # is Q4x8 with m = -8 d implied. Q4Kx8, Q5Kx8, Q5x8, Q51x8, IQ4x8 and IQ4NLx8 (Q4_K, Q5_K,
-    # Q5_0, Q5_1, IQ4_XS, IQ4_NL; test_kquant.py) run the same kernels with their own scales,
-    # high bits or table; Q6Kx8, Q3Kx8 and Q2Kx8 (Q6_K, Q3_K, Q2_K) their own kernels.
-    k_layouts = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0",
-                 "Q51x8": "Q5_1", "IQ4x8": "IQ4_XS", "IQ4NLx8": "IQ4_NL",
-                 "Q3Kx8": "Q3_K", "Q2Kx8": "Q2_K"}
+    # is Q4x8 with m = -8 d implied. Q4Kx8, Q5Kx8, Q5x8, Q51x8 and the table layouts (Q4_K,
+    # Q5_K, Q5_0, Q5_1, IQ4_XS, IQ4_NL, the grid i-quants; test_kquant.py) run the same kernels
+    # with their own scales, high bits or table; Q6Kx8, Q3Kx8 and Q2Kx8 (Q6_K, Q3_K, Q2_K)
+    # their own kernels.
+    k_layouts = SOURCES
     for qtype in (*QTYPES, "Q4x8", "Q4x8 in 7 groups", "Q40x8 in 5 groups", "Q8_0 in groups",
                   *k_layouts):
         for m in (1, 2, 3, 4, 5, 8, 9, 16, 23, 300):  # 16, 23: panel tiles 8 + 8, 11 + 12; 300: tiled

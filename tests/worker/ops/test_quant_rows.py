@@ -11,7 +11,7 @@ import torch
 from shardlm_server.worker import ops
 from shardlm_server.worker.ops import reference
 from shardlm_server.worker.quant import KERNEL_LAYOUTS, QuantizedWeight, to_q4x8
-from tests.worker.ops.test_kquant import k_weight
+from tests.worker.ops.test_kquant import SOURCES, k_weight
 from tests.worker.ops.test_quant_ops import ggml_weight
 
 if ops.USE_REFERENCE:
@@ -22,11 +22,8 @@ ROWS, COLS = 48, 512  # whole groups of 8 rows; 512 = two K-quant super-blocks
 
 def table(layout: str) -> QuantizedWeight:
     """A random [ROWS, COLS] table held in `layout`, as a model loads it on CPU."""
-    k_sources = {"Q4Kx8": "Q4_K", "Q5Kx8": "Q5_K", "Q6Kx8": "Q6_K", "Q5x8": "Q5_0",
-                 "Q51x8": "Q5_1", "IQ4x8": "IQ4_XS", "IQ4NLx8": "IQ4_NL",
-                 "Q3Kx8": "Q3_K", "Q2Kx8": "Q2_K"}
-    if layout in k_sources:
-        weight = k_weight(ROWS, COLS, k_sources[layout], seed=4)
+    if layout in SOURCES:
+        weight = k_weight(ROWS, COLS, SOURCES[layout], seed=4)
     elif layout in ("Q4x8", "Q40x8"):
         weight = to_q4x8(ggml_weight(ROWS, COLS, "Q4_1" if layout == "Q4x8" else "Q4_0", seed=4))
     else:

@@ -34,6 +34,10 @@ WEIGHTS = {
     "IQ4NLx8": lambda: k_weight(56, 512, "IQ4_NL", seed=9),
     "Q3Kx8": lambda: k_weight(56, 768, "Q3_K", seed=10),
     "Q2Kx8": lambda: k_weight(56, 768, "Q2_K", seed=11),
+    "IQ3XXSx8": lambda: k_weight(56, 512, "IQ3_XXS", seed=12),  # tables: never subnormal
+    "IQ3Sx8": lambda: k_weight(56, 512, "IQ3_S", seed=13),
+    "IQ2XXSx8": lambda: k_weight(56, 512, "IQ2_XXS", seed=14),
+    "IQ1Sx8": lambda: k_weight(56, 512, "IQ1_S", seed=15),
 }
 
 
