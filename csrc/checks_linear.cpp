@@ -69,6 +69,9 @@ bool block_geometry(int64_t qtype, int64_t* block_bytes, int64_t* weights_per_bl
     case 113:  // IQ3Sx8
     case 114:  // IQ2XXSx8
     case 115: *block_bytes = 1104, *weights_per_block = 256; return true;  // IQ1Sx8
+    case 116:  // IQ2XSx8
+    case 117:  // IQ2Sx8
+    case 118: *block_bytes = 1168, *weights_per_block = 256; return true;  // IQ1Mx8
     default: return false;
   }
 }
@@ -77,7 +80,7 @@ constexpr const char* kTypeNames = "Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4x8 = 100, Q4
                                    "Q6Kx8 = 102, Q5x8 = 103, Q5Kx8 = 104, Q40x8 = 105, Mixed = 106, "
                                    "Q51x8 = 107, IQ4x8 = 108, IQ4NLx8 = 109, Q3Kx8 = 110, "
                                    "Q2Kx8 = 111, IQ3XXSx8 = 112, IQ3Sx8 = 113, IQ2XXSx8 = 114, "
-                                   "IQ1Sx8 = 115";
+                                   "IQ1Sx8 = 115, IQ2XSx8 = 116, IQ2Sx8 = 117, IQ1Mx8 = 118";
 
 // N and K of a Mixed blocks tensor (mixed_rows.h), every part checked.
 std::pair<int64_t, int64_t> check_mixed(const at::Tensor& blocks, const char* op) {

@@ -50,15 +50,15 @@ def _two_bit_quants(qs: torch.Tensor) -> torch.Tensor:
     return (qs.reshape(n, supers, 2, 1, 32) >> (2 * shifts)) & 3
 
 
-def _words(quants: torch.Tensor) -> torch.Tensor:
+def super_words(quants: torch.Tensor) -> torch.Tensor:
     """Quants [n, nb, 256] (0..15) as each group's nibble words [g, nb, 8 * 128]."""
     n, supers = quants.shape[:2]
     q = quants.to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
     return nibble_words(q).reshape(n // ROWS, supers, SUB_BLOCKS * 128)
 
 
-def _quants(words: torch.Tensor) -> torch.Tensor:
-    """`_words` undone: [g, nb, 8 * 128] as quants [g, r, nb, 256] (float32)."""
+def super_quants(words: torch.Tensor) -> torch.Tensor:
+    """`super_words` undone: [g, nb, 8 * 128] as quants [g, r, nb, 256] (float32)."""
     groups, supers = words.shape[:2]
     q = nibble_quants(words.reshape(groups, supers, SUB_BLOCKS, 128))
     return q.reshape(groups, ROWS, supers, SUPER).float()
@@ -99,7 +99,7 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
 def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 1168]."""
     d, scales, quants = q3_k_parts(blocks)
-    packed = torch.cat((q6k_header(d, scales), _words(quants + OFFSET)), dim=-1)
+    packed = torch.cat((q6k_header(d, scales), super_words(quants + OFFSET)), dim=-1)
     return packed.reshape(packed.shape[0], -1).contiguous()
 
 
@@ -109,7 +109,7 @@ def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
     d, scales = q6k_header_fields(b[..., :144])
     scale = (d * scales.float()).repeat_interleave(16, dim=-1)
-    return (scale * (_quants(b[..., 144:]) - OFFSET)).reshape(groups * ROWS, -1)
+    return (scale * (super_quants(b[..., 144:]) - OFFSET)).reshape(groups * ROWS, -1)
 
 
 def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -142,7 +142,7 @@ def to_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
     d, dmin, scales, mins, quants = q2_k_parts(blocks)
     header = q6k_header(d, scales.view(torch.int8))  # 0..15: the same bytes as int8
     minimums = q6k_header(dmin, mins.view(torch.int8))  # dmin and the minimums, laid out alike
-    packed = torch.cat((header, minimums, _words(quants)), dim=-1)
+    packed = torch.cat((header, minimums, super_words(quants)), dim=-1)
     return packed.reshape(packed.shape[0], -1).contiguous()
 
 
@@ -152,5 +152,5 @@ def dequantize_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
     b = blocks.reshape(groups, -1, Q2KX8_SUPER_BYTES)
     d, scales = q6k_header_fields(b[..., :144])
     dmin, mins = q6k_header_fields(b[..., 144:288])
-    return _q2_values(d, dmin, scales, mins.view(torch.uint8), _quants(b[..., 288:])).reshape(
+    return _q2_values(d, dmin, scales, mins.view(torch.uint8), super_quants(b[..., 288:])).reshape(
         groups * ROWS, -1)

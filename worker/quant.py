@@ -12,10 +12,10 @@ matrix-vector kernel reads fastest.
 Where weights come from (`read_linear`):
 - a GGUF tensor of a kernel type stays packed (a rank's row slice, or a column slice on block
   boundaries): Q4_0, Q4_1 and Q8_0 as stored, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1,
-  IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S, IQ2_XXS and IQ1_S regrouped into their 8-row layouts
-  (kquant.py, lowbit.py, iquant.py, gridquant.py) where the rows fill groups of 8 (Q5_0 and
-  IQ4_NL otherwise as Q8_0, exact: recode.py); any other type (F16, IQ2_XS, IQ2_S, IQ1_M, and
-  the i-quants whose rows fill no group) is dequantized at load;
+  IQ4_XS, IQ4_NL and the grid i-quants (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M)
+  regrouped into their 8-row layouts (kquant.py, lowbit.py, iquant.py, gridquant.py) where the
+  rows fill groups of 8 (Q5_0 and IQ4_NL otherwise as Q8_0, exact: recode.py); any other type
+  (F16, BF16, the i-quants whose rows fill no group) is dequantized at load;
 - `quantize="int8"` / `"int4"` quantizes the remaining dense weights at load, weight-only, per
   32-weight block: int8 symmetric into Q8_0, int4 with scale and minimum into Q4_1;
 - `quantize="none"` dequantizes everything, and on a GPU every weight is dense (dequantized at
@@ -38,7 +38,8 @@ from shardlm_server.worker.errors import InvalidRequestError
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4x8": 100, "Q4Kx8": 101, "Q6Kx8": 102,
               "Q5x8": 103, "Q5Kx8": 104, "Q40x8": 105, "Mixed": 106, "Q51x8": 107,
               "IQ4x8": 108, "IQ4NLx8": 109, "Q3Kx8": 110, "Q2Kx8": 111, "IQ3XXSx8": 112,
-              "IQ3Sx8": 113, "IQ2XXSx8": 114, "IQ1Sx8": 115}
+              "IQ3Sx8": 113, "IQ2XXSx8": 114, "IQ1Sx8": 115, "IQ2XSx8": 116, "IQ2Sx8": 117,
+              "IQ1Mx8": 118}
 #: The layouts of one type the compiled ops read (quant_linear, and quant_rows for a lookup).
 KERNEL_LAYOUTS = tuple(t for t in GGML_TYPES if t != "Mixed")
 #: GGML types the kernels read only regrouped into an 8-row layout (`regrouped`), so kept packed
@@ -52,10 +53,10 @@ K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6k
                 for qtype, grid in gridquant.TYPES.items()}}
 #: The 8-row layouts whose rows `dequantize_rows` takes from whole dequantized groups.
 GROUPED_LAYOUTS = ("Q4Kx8", "Q6Kx8", "Q5x8", "Q5Kx8", "Q40x8", "Q51x8", "IQ4x8", "IQ4NLx8",
-                   "Q3Kx8", "Q2Kx8", *gridquant.LAYOUT_TABLES)
+                   "Q3Kx8", "Q2Kx8", *gridquant.LAYOUTS)
 #: The 8-row layouts the int8 activations' kernels do not read (their quants index a table, or
 #: have no such kernel): they stay exact in that mode.
-EXACT_ONLY_LAYOUTS = ("IQ4x8", "IQ4NLx8", "Q3Kx8", "Q2Kx8", *gridquant.LAYOUT_TABLES)
+EXACT_ONLY_LAYOUTS = ("IQ4x8", "IQ4NLx8", "Q3Kx8", "Q2Kx8", *gridquant.LAYOUTS)
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GROUP_ROWS = 8  # rows of a Q4x8 group
@@ -169,7 +170,7 @@ _K_DEQUANTIZERS = {"Q4_K": kquant.dequantize_q4_k, "Q4Kx8": kquant.dequantize_q4
                    **{qtype: functools.partial(gridquant.dequantize_grid, qtype=qtype)
                       for qtype in gridquant.TYPES},
                    **{layout: functools.partial(gridquant.dequantize_grid_layout, layout=layout)
-                      for layout in gridquant.LAYOUT_TABLES}}
+                      for layout in gridquant.LAYOUTS}}
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:

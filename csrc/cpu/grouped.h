@@ -126,6 +126,21 @@ SHARDLM_AVX2 inline __m256 joined_subnormal_avx2(const Joined256& q, int j, int 
                                _mm256_set1_epi32(field << (4 * (j - 5)))));
 }
 
+// The values that nibble j (bits 4j..4j+3) of each lane of v indexes in a
+// table of 16 (value_tables.h): two 8-entry permutes (each reads the index's
+// low 3 bits) and a blend on its bit 3.
+SHARDLM_AVX2 inline __m256 table_avx2(const float* values, __m256i v, int j) {
+  const __m256i index = _mm256_srli_epi32(v, 4 * j);
+  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(values), index);
+  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(values + 8), index);
+  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28 - 4 * j)));
+}
+
+// table_avx2 on 16 lanes: one 16-entry permute reads the index's low 4 bits.
+SHARDLM_AVX512 inline __m512 table_avx512(const float* values, __m512i v, int j) {
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * j), _mm512_loadu_ps(values));
+}
+
 // The same on 16 rows, each join one ternary-logic op: 0xCA selects
 // (a ? b : c), 0xF8 is a | (b & c).
 struct Joined512 {

@@ -387,8 +387,8 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 // of values, which these kernels do not read; Q3Kx8 and Q2Kx8 have no kernels
 // here either (those files stay exact).
 bool takes(int64_t qtype) {
-  return quant::grouped(qtype) && !quant::super_table(qtype) && qtype != quant::kIQ4NLx8 &&
-         qtype != quant::kQ3Kx8 && qtype != quant::kQ2Kx8;
+  return quant::grouped(qtype) && !quant::super_table(qtype) && !quant::table_halves(qtype) &&
+         qtype != quant::kIQ4NLx8 && qtype != quant::kQ3Kx8 && qtype != quant::kQ2Kx8;
 }
 
 template <typename T>

@@ -11,6 +11,7 @@
 
 #include "grouped.h"
 #include "quant_blocks.h"
+#include "value_tables.h"
 #include "simd.h"
 #include "subnormal.h"
 
@@ -102,25 +103,6 @@ using Q4Kx8Layout = SuperLayout<quant::kQ4Kx8, false>;
 using Q5Kx8Layout = SuperLayout<quant::kQ5Kx8, true>;
 static_assert(Q4Kx8Layout::kBytes == kSuperGroupBytes && Q5Kx8Layout::kBytes == kQ5SuperGroupBytes);
 
-// The values the nibbles of a table layout stand for. IQ4_NL / IQ4_XS: GGML's
-// kvalues_iq4nl. The grid i-quants (worker/gridquant.py): each weight of
-// IQ3_XXS, IQ3_S and IQ2_XXS is a signed grid value g times a scale, each of
-// IQ1_S's a grid value in -1..1 plus a delta of +-1/8; a nibble here stands for
-// that value over the power of two that GGML's scale carries (IQ3_XXS: g / 4,
-// IQ2_XXS: g / 8), the positive ones first, then their negatives at index + 8
-// (IQ1_S: g + 1/8 at g + 1, g - 1/8 at g + 4). Unused entries are 0.
-inline constexpr float kIQ4Values[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
-                                         1.f,    13.f,   25.f,  38.f,  53.f,  69.f,  89.f,  113.f};
-inline constexpr float kIQ3XXSValues[16] = {1.f,  3.f,  5.f,  7.f,  9.f,  11.f,  13.f,  15.5f,
-                                            -1.f, -3.f, -5.f, -7.f, -9.f, -11.f, -13.f, -15.5f};
-inline constexpr float kIQ3SValues[16] = {1.f,  3.f,  5.f,  7.f,  9.f,  11.f,  13.f,  15.f,
-                                          -1.f, -3.f, -5.f, -7.f, -9.f, -11.f, -13.f, -15.f};
-inline constexpr float kIQ2XXSValues[16] = {1.f,  3.125f,  5.375f,  0.f, 0.f, 0.f, 0.f, 0.f,
-                                            -1.f, -3.125f, -5.375f, 0.f, 0.f, 0.f, 0.f, 0.f};
-inline constexpr float kIQ1SValues[16] = {-0.875f, 0.125f,  1.125f, -1.125f, -0.125f, 0.875f,
-                                          0.f,     0.f,     0.f,    0.f,     0.f,     0.f,
-                                          0.f,     0.f,     0.f,    0.f};
-
 // IQ4_XS: an 80-byte header per super-block of 256 weights (d[8] float16, then
 // the 6-bit scales less 32 as int8 sc[8][8], block-major), then per block the
 // quant words, each nibble an index into kIQ4Values: w = d * sc * kv[q], no
@@ -159,8 +141,8 @@ struct SuperTableLayout {
 using IQ4x8Layout = SuperTableLayout<quant::kIQ4x8, kIQ4Values>;
 using IQ3XXSx8Layout = SuperTableLayout<quant::kIQ3XXSx8, kIQ3XXSValues>;
 using IQ3Sx8Layout = SuperTableLayout<quant::kIQ3Sx8, kIQ3SValues>;
-using IQ2XXSx8Layout = SuperTableLayout<quant::kIQ2XXSx8, kIQ2XXSValues>;
-using IQ1Sx8Layout = SuperTableLayout<quant::kIQ1Sx8, kIQ1SValues>;
+using IQ2XXSx8Layout = SuperTableLayout<quant::kIQ2XXSx8, kIQ2Values>;
+using IQ1Sx8Layout = SuperTableLayout<quant::kIQ1Sx8, kIQ1Values>;
 static_assert(IQ4x8Layout::kBytes == kIQ4SuperGroupBytes);
 
 // IQ4_NL: Q40x8's bytes (d[8] float16, then the quant words per block of 32),
@@ -226,19 +208,9 @@ SHARDLM_AVX2 inline __m256i quant_avx2(const Words256& q, int j) {
 // (quant_avx2), or with kSub read as subnormals from the joined words
 // (grouped::joined_subnormal_avx2; a 4-bit word is its own even and odd
 // words, with quant 7 shifted down as its top).
-// The table's values of nibble j of each lane of v: two 8-entry permutes
-// (each reads the index's low 3 bits) and a blend on its bit 3.
-template <class L>
-SHARDLM_AVX2 inline __m256 table_avx2(__m256i v, int j) {
-  const __m256i index = _mm256_srli_epi32(v, 4 * j);
-  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(L::kValues), index);
-  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(L::kValues + 8), index);
-  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28 - 4 * j)));
-}
-
 template <class L, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_float_avx2(const Words256& q, int j) {
-  if constexpr (L::kTable) return table_avx2<L>(q.lo, j);
+  if constexpr (L::kTable) return grouped::table_avx2(L::kValues, q.lo, j);
   if constexpr (kSub) return grouped::joined_subnormal_avx2(q.joined, j, L::kFive ? 0x1f : 0x0f);
   return _mm256_cvtepi32_ps(quant_avx2<L>(q, j));
 }
@@ -270,9 +242,7 @@ SHARDLM_AVX512 inline __m512i quant_avx512(const Words512& q, int j) {
 
 template <class L, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_float_avx512(const Words512& q, int j) {
-  if constexpr (L::kTable) {  // a 16-entry permute reads the index's low 4 bits
-    return _mm512_permutexvar_ps(_mm512_srli_epi32(q.lo, 4 * j), _mm512_loadu_ps(L::kValues));
-  }
+  if constexpr (L::kTable) return grouped::table_avx512(L::kValues, q.lo, j);
   if constexpr (kSub) return grouped::joined_subnormal_avx512(q.joined, j, L::kFive ? 0x1f : 0x0f);
   return _mm512_cvtepi32_ps(quant_avx512<L>(q, j));
 }

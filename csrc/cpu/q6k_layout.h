@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "quant_blocks.h"
+#include "value_tables.h"
 
 namespace shardlm::cpu::q6kx8::layout {
 
@@ -25,27 +26,42 @@ constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
 // 2-bit quants in nibble words, each half's minimum after the scales:
 // w = d * sc * q - dmin * mn).
 struct Q6K {
-  static constexpr bool kHighWords = true, kMins = false;
+  static constexpr bool kHighWords = true, kMins = false, kTable = false;
   static constexpr int64_t kHeader = kHeaderBytes;
   static constexpr int kOffset = 32, kField = 0x3f;  // the quants' offset and their mask
   static constexpr int64_t kBlockBytes = 192;           // nibble words (128), high-bit words (64)
   static constexpr int64_t kSuperBytes = kQ6SuperGroupBytes;
 };
 struct Q3K {
-  static constexpr bool kHighWords = false, kMins = false;
+  static constexpr bool kHighWords = false, kMins = false, kTable = false;
   static constexpr int64_t kHeader = kHeaderBytes;
   static constexpr int kOffset = 4, kField = 0x0f;
   static constexpr int64_t kBlockBytes = 128;  // nibble words
   static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
 };
 struct Q2K {
-  static constexpr bool kHighWords = false, kMins = true;
+  static constexpr bool kHighWords = false, kMins = true, kTable = false;
   // Q6Kx8's header, then dmin[8] float16 and mn[16][8] uint8 (mins_at).
   static constexpr int64_t kHeader = kHeaderBytes + 16 + 128;
   static constexpr int kOffset = 0, kField = 0x0f;
   static constexpr int64_t kBlockBytes = 128;  // nibble words
   static constexpr int64_t kSuperBytes = quant::kQ2SuperGroupBytes;
 };
+// The grid i-quants with a scale per 16 weights (GGML's IQ2_XS, IQ2_S and
+// IQ1_M; worker/gridquant.py): Q3Kx8's bytes, sc the odd scale 2 ls + 1, each
+// nibble an index into the type's table (value_tables.h): w = d * sc * kv[q],
+// read through the table against inputs that are not pre-scaled.
+template <const float* kV>
+struct TableHalves {
+  static constexpr bool kHighWords = false, kMins = false, kTable = true;
+  static constexpr const float* kValues = kV;
+  static constexpr int64_t kHeader = kHeaderBytes;
+  static constexpr int kOffset = 0, kField = 0x0f;
+  static constexpr int64_t kBlockBytes = 128;  // nibble words
+  static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
+};
+using IQ2Halves = TableHalves<kIQ2Values>;
+using IQ1Halves = TableHalves<kIQ1Values>;
 static_assert(Q6K::kHeader + kSuperBlocks * Q6K::kBlockBytes == Q6K::kSuperBytes &&
               Q3K::kHeader + kSuperBlocks * Q3K::kBlockBytes == Q3K::kSuperBytes &&
               Q2K::kHeader + kSuperBlocks * Q2K::kBlockBytes == Q2K::kSuperBytes);
@@ -94,7 +110,8 @@ inline uint32_t word_at(const uint8_t* p) {
   return word;
 }
 
-// Row r's quant i (0..31) of block b, 0..63 (Q3Kx8: 0..7, Q2Kx8: 0..3).
+// Row r's quant i (0..31) of block b, 0..63 (Q3Kx8: 0..7, Q2Kx8: 0..3, a
+// table layout: the index, 0..15).
 template <class P = Q6K>
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint8_t* q = words_of<P>(w, b);
@@ -103,6 +120,14 @@ inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint32_t hi =
       (word_at(q + 128 + 4 * (8 * (i / kHalf) + r)) >> (4 * (i % 8) + 2 * ((i / 8) % 2))) & 3;
   return static_cast<int>(lo | (hi << 4));
+}
+
+// What row r's quant i of block b stands for before its half's scale: the
+// quant less the offset, or a table layout's value.
+template <class P>
+inline float value_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
+  if constexpr (P::kTable) return P::kValues[quant_of<P>(w, b, r, i)];
+  return static_cast<float>(quant_of<P>(w, b, r, i) - P::kOffset);
 }
 
 }  // namespace shardlm::cpu::q6kx8::layout

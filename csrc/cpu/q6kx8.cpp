@@ -17,6 +17,9 @@
 // and halves with their quants in nibble words alone: every kernel here is a
 // template over the three layouts. Q3Kx8's offset is 4; Q2Kx8 has none but a
 // minimum per half, dmin * mn times the half's input sum taken off its total.
+// The grid i-quants with a scale per 16 weights (IQ2_XS, IQ2_S, IQ1_M) have
+// Q3Kx8's bytes, each nibble an index into a table of values that the kernels
+// look up (grouped::table_avx2) against inputs that are not pre-scaled.
 #include "q6kx8.h"
 
 #include <cstring>
@@ -44,13 +47,10 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
       for (int64_t h = 0; h < 2; ++h) {
         float part = 0.f;
         for (int64_t i = kHalf * h; i < kHalf * (h + 1); ++i) {
-          part += static_cast<float>(quant_of<P>(w, b, r, i)) * x[b * kBlock + i];
+          part += value_of<P>(w, b, r, i) * x[b * kBlock + i];  // the offset taken off each
         }
-        if constexpr (P::kMins) {
-          total += scale_of<P>(w, b, h, r) * part - min_of<P>(w, b, h, r) * xs16[2 * b + h];
-        } else {
-          total += scale_of<P>(w, b, h, r) * (part - P::kOffset * xs16[2 * b + h]);
-        }
+        total += scale_of<P>(w, b, h, r) * part;
+        if constexpr (P::kMins) total -= min_of<P>(w, b, h, r) * xs16[2 * b + h];
       }
     }
     acc[r] = total;
@@ -126,12 +126,14 @@ SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, i
 // quant 7 shifted down), or with kSub read as a subnormal (subnormal.h).
 template <class P, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
+  if constexpr (P::kTable) return grouped::table_avx2(P::kValues, q.even, j);
   if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, P::kField);
   return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, P::kField));
 }
 
 template <class P, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
+  if constexpr (P::kTable) return grouped::table_avx512(P::kValues, q.even, j);
   if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, P::kField);
   return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, P::kField));
 }
@@ -187,7 +189,9 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
         if constexpr (P::kMins) {  // the sums of the inputs unscaled: the minimums as they are
           sum[r] = _mm256_fnmadd_ps(mins[h], xsum, _mm256_fmadd_ps(scale[h], part, sum[r]));
         } else {
-          part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>), xsum, part);
+          if constexpr (P::kOffset != 0) {
+            part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>), xsum, part);
+          }
           sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
         }
       }
@@ -254,7 +258,9 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
         if constexpr (P::kMins) {
           sum[r] = _mm512_fnmadd_ps(mins[h], xsum, _mm512_fmadd_ps(scale[h], part, sum[r]));
         } else {
-          part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>), xsum, part);
+          if constexpr (P::kOffset != 0) {
+            part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>), xsum, part);
+          }
           sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
         }
       }
@@ -276,7 +282,8 @@ SHARDLM_AVX2 inline void signed_quants(const uint8_t* q, int s, __m256i out[8]) 
 }
 
 // (d * sc) * (q - offset), one rounding, as the reference computes it; for
-// Q2Kx8 (d * sc) * q - dmin * mn, the product exact, so one rounding too.
+// Q2Kx8 (d * sc) * q - dmin * mn, the product exact, so one rounding too; for
+// a table layout (d * sc) * value, one rounding.
 template <class P>
 SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, int64_t stride) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -288,10 +295,11 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
     const uint8_t* q = words_of<P>(w, b);
     for (int s = 0; s < 4; ++s) {
       __m256i quants[8];
-      signed_quants<P>(q, s, quants);
+      if constexpr (!P::kTable) signed_quants<P>(q, s, quants);
+      const grouped::Joined256 words = words_avx2<P>(q, s);
       float* o = panel + (b * kBlock + 8 * s) * stride;
       for (int j = 0; j < 8; ++j) {
-        const __m256 f = _mm256_cvtepi32_ps(quants[j]);
+        const __m256 f = P::kTable ? quant_avx2<P, false>(words, j) : _mm256_cvtepi32_ps(quants[j]);
         _mm256_storeu_ps(o + j * stride, P::kMins ? _mm256_fmsub_ps(scale[s / 2], f, mins[s / 2])
                                                   : _mm256_mul_ps(scale[s / 2], f));
       }
@@ -354,12 +362,16 @@ void gemv_with(T* out, const uint8_t* w, const Inputs& in, const T* bias, int64_
   }, kSub);
 }
 
-// Calls f with the layout of `qtype` (kQ6Kx8, kQ3Kx8 or kQ2Kx8), a value of that layout's type.
+// Calls f with the layout of `qtype` (kQ6Kx8, kQ3Kx8, kQ2Kx8 or a per-16 table
+// layout), a value of that layout's type.
 template <class F>
 decltype(auto) with_layout(int64_t qtype, const F& f) {
   switch (qtype) {
     case quant::kQ3Kx8: return f(Q3K{});
     case quant::kQ2Kx8: return f(Q2K{});
+    case quant::kIQ2XSx8:
+    case quant::kIQ2Sx8: return f(IQ2Halves{});
+    case quant::kIQ1Mx8: return f(IQ1Halves{});
     default: return f(Q6K{});
   }
 }
@@ -368,9 +380,13 @@ template <class P, typename T>
 void gemv_of(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m, int64_t n,
              int64_t k) {
   const bool avx2 = cpu::use_avx2();
-  const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
-  if (in.subnormal) return gemv_with<P, true>(out, w, in, bias, m, n, k, avx2);
-  gemv_with<P, false>(out, w, in, bias, m, n, k, avx2);
+  if constexpr (P::kTable) {  // values looked up: the inputs as they are
+    return gemv_with<P, false>(out, w, prepare(x, m, k, false, false), bias, m, n, k, avx2);
+  } else {
+    const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
+    if (in.subnormal) return gemv_with<P, true>(out, w, in, bias, m, n, k, avx2);
+    gemv_with<P, false>(out, w, in, bias, m, n, k, avx2);
+  }
 }
 
 template <class P>
@@ -382,8 +398,7 @@ void unpack_panel_of(float* panel, const uint8_t* w, int64_t k, int64_t stride, 
   for (int64_t b = 0; b < k / kBlock; ++b) {
     for (int64_t r = 0; r < kGroupRows; ++r) {
       for (int64_t i = 0; i < kBlock; ++i) {
-        const float scaled = scale_of<P>(w, b, i / kHalf, r) *
-                             static_cast<float>(quant_of<P>(w, b, r, i) - P::kOffset);
+        const float scaled = scale_of<P>(w, b, i / kHalf, r) * value_of<P>(w, b, r, i);
         panel[(b * kBlock + i) * stride + r] =
             P::kMins ? scaled - min_of<P>(w, b, i / kHalf, r) : scaled;
       }

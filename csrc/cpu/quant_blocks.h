@@ -88,6 +88,11 @@ constexpr int64_t kBlock = 32;  // weights per block
 // nibble an index into the type's own table of 16 values (nibble_layouts.h):
 // 4.3125 bits a weight (the files' 3.0625, 3.4375, 2.0625 and 1.5625)
 //
+// IQ2XSx8, IQ2Sx8 and IQ1Mx8 (ids 116-118) hold GGML's IQ2_XS, IQ2_S and IQ1_M
+// (grid i-quants with an odd scale per 16 weights) in Q3Kx8's bytes, sc the
+// odd scale and each nibble an index into the type's table: 4.5625 bits a
+// weight (the files' 2.3125, 2.5625 and 1.75)
+//
 // Q3Kx8 (id 110) holds GGML's Q3_K (w = d * (sc - 32) * (q - 4), q in 0..7, a
 // 6-bit scale per 16 weights) as Q6Kx8 without its high-bit words, at 4.5625
 // bits a weight (Q3_K's 3.4375): per group of 8 rows and super-block of 256,
@@ -107,7 +112,7 @@ enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4x8 = 100, kQ4Kx8 = 101, kQ6Kx8 = 102, kQ5x8 = 103,
   kQ5Kx8 = 104, kQ40x8 = 105, kQ51x8 = 107,  // 106: a Mixed weight (mixed_rows.h)
   kIQ4x8 = 108, kIQ4NLx8 = 109, kQ3Kx8 = 110, kQ2Kx8 = 111, kIQ3XXSx8 = 112, kIQ3Sx8 = 113,
-  kIQ2XXSx8 = 114, kIQ1Sx8 = 115
+  kIQ2XXSx8 = 114, kIQ1Sx8 = 115, kIQ2XSx8 = 116, kIQ2Sx8 = 117, kIQ1Mx8 = 118
 };
 
 constexpr int64_t kGroupRows = 8;        // rows of a Q4x8 or Q4Kx8 group
@@ -130,17 +135,24 @@ constexpr bool super_table(int64_t qtype) {
          qtype == kIQ1Sx8;
 }
 
+// Whether `qtype` is one of the layouts of Q3Kx8's bytes read through a table
+// (the grid i-quants with a scale per 16 weights).
+constexpr bool table_halves(int64_t qtype) {
+  return qtype == kIQ2XSx8 || qtype == kIQ2Sx8 || qtype == kIQ1Mx8;
+}
+
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
 constexpr bool grouped(int64_t qtype) {
   return qtype == kQ4x8 || qtype == kQ4Kx8 || qtype == kQ6Kx8 || qtype == kQ5x8 ||
          qtype == kQ5Kx8 || qtype == kQ40x8 || qtype == kQ51x8 || super_table(qtype) ||
-         qtype == kIQ4NLx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8;
+         qtype == kIQ4NLx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8 || table_halves(qtype);
 }
 
 // Whether `qtype` is one of the layouts with a scale per 16 weights, which the
-// kernels of q6kx8.cpp read (Q6Kx8, Q3Kx8, Q2Kx8); the other grouped ones are q4x8.cpp's.
+// kernels of q6kx8.cpp read (Q6Kx8, Q3Kx8, Q2Kx8, the per-16 table layouts);
+// the other grouped ones are q4x8.cpp's.
 constexpr bool half_scaled(int64_t qtype) {
-  return qtype == kQ6Kx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8;
+  return qtype == kQ6Kx8 || qtype == kQ3Kx8 || qtype == kQ2Kx8 || table_halves(qtype);
 }
 
 // Bytes of one block of `qtype` (for Q4x8: of one group-block of 8 rows; for
@@ -164,7 +176,10 @@ inline int64_t block_bytes(int64_t qtype) {
     case kIQ2XXSx8:
     case kIQ1Sx8: return kIQ4SuperGroupBytes / kSuperBlocks;
     case kIQ4NLx8: return kQ40GroupBlockBytes;
-    case kQ3Kx8: return kQ3SuperGroupBytes / kSuperBlocks;
+    case kQ3Kx8:
+    case kIQ2XSx8:
+    case kIQ2Sx8:
+    case kIQ1Mx8: return kQ3SuperGroupBytes / kSuperBlocks;
     case kQ2Kx8: return kQ2SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }

@@ -214,6 +214,9 @@ void quant_rows_cpu(at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
     case kIQ3Sx8: return rows_at<kIQ3Sx8>(o, w, id, d.count, d.k);
     case kIQ2XXSx8: return rows_at<kIQ2XXSx8>(o, w, id, d.count, d.k);
     case kIQ1Sx8: return rows_at<kIQ1Sx8>(o, w, id, d.count, d.k);
+    case kIQ2XSx8: return rows_at<kIQ2XSx8>(o, w, id, d.count, d.k);
+    case kIQ2Sx8: return rows_at<kIQ2Sx8>(o, w, id, d.count, d.k);
+    case kIQ1Mx8: return rows_at<kIQ1Mx8>(o, w, id, d.count, d.k);
     default: return rows_at<kQ8_0>(o, w, id, d.count, d.k);
   }
 }
@@ -247,6 +250,9 @@ void quant_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor
     case kIQ2XXSx8:
       return quant_linear_typed<kIQ2XXSx8>(out, input, blocks, bias, d.m, d.n, d.k);
     case kIQ1Sx8: return quant_linear_typed<kIQ1Sx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ2XSx8: return quant_linear_typed<kIQ2XSx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ2Sx8: return quant_linear_typed<kIQ2Sx8>(out, input, blocks, bias, d.m, d.n, d.k);
+    case kIQ1Mx8: return quant_linear_typed<kIQ1Mx8>(out, input, blocks, bias, d.m, d.n, d.k);
     default: return quant_linear_typed<kQ8_0>(out, input, blocks, bias, d.m, d.n, d.k);
   }
 }

@@ -154,7 +154,7 @@ def test_quantizable_types_round_trip_close_to_the_original(tmp_path):
         assert (got - want).abs().max() < 0.1 * want.abs().max(), qtype.name
 
 
-@pytest.mark.parametrize("qtype", [T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ1_S], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T[name] for name in gridquant.TYPES], ids=lambda t: t.name)
 def test_grid_i_quants_stay_packed_and_equal_their_dequantized_model(tmp_path, qtype):
     """Every matrix of the type (256-wide rows in groups of 8) is held in its table layout
     (worker/gridquant.py), not dequantized, and the logits are the dense model's."""

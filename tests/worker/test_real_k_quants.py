@@ -29,14 +29,21 @@ def _linears(engine: Engine):
 
 # A file type -> the layouts its matrices take (SmolLM2's 576-wide rows fill no 256-weight
 # super-blocks, so llama-quantize falls back to 32-weight types for most of them: Q5_1 for Q5_K,
-# IQ4_NL for IQ4_XS and, but for its 1,536-wide down projections, IQ3_S).
+# IQ4_NL for IQ4_XS and, but for the 1,536-wide down projections, the i-quants below 4 bits).
 LAYOUTS = {"Q4_K_M": {"Q4Kx8", "Q5x8", "Q6Kx8", "Q8_0"},
            "Q6_K": {"Q6Kx8", "Q8_0"},
            "Q5_K_M": {"Q51x8", "Q5Kx8", "Q6Kx8", "Q8_0", "Mixed"},
            "Q3_K_S": {"Q40x8", "Q3Kx8", "Q8_0"},
            "IQ4_NL": {"IQ4NLx8", "Q5Kx8", "Q8_0"},
            "IQ4_XS": {"IQ4x8", "IQ4NLx8", "Q5Kx8", "Q8_0"},
-           "IQ3_S": {"IQ3Sx8", "IQ4NLx8", "Q8_0"}}
+           "IQ3_S": {"IQ3Sx8", "IQ4NLx8", "Q8_0"},
+           # made with a uniform importance matrix (bench/quantize.py); Q4_0 attn_v beside IQ4_NL
+           # q and k, Q2_K where a down projection falls back
+           "IQ2_XXS": {"IQ2XXSx8", "IQ4NLx8", "Mixed", "Q2Kx8", "Q8_0"},
+           "IQ2_XS": {"IQ2XSx8", "IQ4NLx8", "Mixed", "Q2Kx8", "Q8_0"},
+           "IQ2_M": {"IQ2Sx8", "IQ3Sx8", "IQ4NLx8", "Q8_0"},
+           "IQ1_S": {"IQ1Sx8", "IQ4NLx8", "Mixed", "Q2Kx8", "Q8_0"},
+           "IQ1_M": {"IQ1Mx8", "IQ4NLx8", "Mixed", "Q2Kx8", "Q8_0"}}
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_XS, IQ4_NL and the grid i-quants (IQ3_XXS,
-IQ3_S, IQ2_XXS, IQ1_S) kept packed (regrouped into Q2Kx8, Q3Kx8, Q4Kx8, Q5Kx8, Q6Kx8, Q5x8,
-Q51x8, IQ4x8, IQ4NLx8, IQ3XXSx8, IQ3Sx8, IQ2XXSx8 and IQ1Sx8) and
+IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) kept packed (regrouped into Q2Kx8, Q3Kx8, Q4Kx8,
+Q5Kx8, Q6Kx8, Q5x8, Q51x8, IQ4x8, IQ4NLx8 and the grid types' table layouts, gridquant.py) and
 Q5_0 stored as Q8_0 (worker/kquant.py): the formats against the `gguf` package's GGML
 dequantizers, and quant_linear on the regrouped layouts against its reference on every path
 (decode rows, panel, tiles); the SIMD paths are compared in test_quant_ops.py.
@@ -41,8 +41,8 @@ LAYOUTS = {"Q4_K": ("Q4Kx8", 256, kquant.Q4KX8_SUPER_BYTES),
            "IQ4_NL": ("IQ4NLx8", 32, iquant.IQ4NLX8_BLOCK_BYTES),
            "Q3_K": ("Q3Kx8", 256, lowbit.Q3KX8_SUPER_BYTES),
            "Q2_K": ("Q2Kx8", 256, lowbit.Q2KX8_SUPER_BYTES),
-           **{qtype: (grid.layout, 256, iquant.IQ4X8_SUPER_BYTES)
-              for qtype, grid in gridquant.TYPES.items()}}
+           **{qtype: (grid.layout, 256, lowbit.Q3KX8_SUPER_BYTES if grid.halves
+                      else iquant.IQ4X8_SUPER_BYTES) for qtype, grid in gridquant.TYPES.items()}}
 #: Each 8-row layout of LAYOUTS by name, with the GGML type the tests make it from.
 SOURCES = {layout: qtype for qtype, (layout, _, _) in LAYOUTS.items()}
 

@@ -38,6 +38,9 @@ WEIGHTS = {
     "IQ3Sx8": lambda: k_weight(56, 512, "IQ3_S", seed=13),
     "IQ2XXSx8": lambda: k_weight(56, 512, "IQ2_XXS", seed=14),
     "IQ1Sx8": lambda: k_weight(56, 512, "IQ1_S", seed=15),
+    "IQ2XSx8": lambda: k_weight(56, 512, "IQ2_XS", seed=16),
+    "IQ2Sx8": lambda: k_weight(56, 512, "IQ2_S", seed=17),
+    "IQ1Mx8": lambda: k_weight(56, 512, "IQ1_M", seed=18),
 }
 
 
