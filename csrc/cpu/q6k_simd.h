@@ -1,0 +1,101 @@
+// How the kernels of q6kx8.cpp read a block of the Q6Kx8 family (q6k_layout.h:
+// Q6Kx8, Q3Kx8, Q2Kx8 and the per-16 table layouts) in registers: the rows'
+// scales and minimums, the quant words joined with their high bits, and each
+// quant as the float the FMAs multiply; 8 rows a vector (AVX2) or two
+// neighbouring groups' 16 (AVX-512F, the group at s and the one `next` bytes on).
+#pragma once
+
+#include <cstdint>
+
+#include "grouped.h"
+#include "q6k_layout.h"
+#include "simd.h"
+#include "subnormal.h"
+
+#if SHARDLM_HAVE_AVX2
+namespace shardlm::cpu::q6kx8::layout {
+
+// Q2Kx8: the 8 rows' dmin * mn of half h of block b (exact: float16 times 4 bits).
+SHARDLM_AVX2 inline __m256 mins8(const uint8_t* s, int64_t b, int64_t h) {
+  const __m256 dmin =
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kHeaderBytes)));
+  return _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + mins_at(b, h))))));
+}
+
+SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m256 d) {
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h))))));
+}
+
+// Nibble word s of a block (v) joined with its high bits (high word s / 2,
+// quant 8s + j's two at 4j + 2 (s % 2)): quant j in place is
+// grouped::joined_quant_avx2(.., j, 0x3f).
+// Q3Kx8's nibbles are whole quants: the word is its own even and odd words,
+// quant 7 shifted down its top.
+template <class P>
+SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+  if constexpr (!P::kHighWords) return {v, v, _mm256_srli_epi32(v, 28)};
+  return grouped::join_avx2(
+      v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))),
+      2 * (s % 2), 0x30);
+}
+
+template <class P>
+SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, int64_t next) {
+  const __m512i v = grouped::load_pair(q + 32 * s, next);
+  if constexpr (!P::kHighWords) return {v, v, _mm512_srli_epi32(v, 28)};
+  return grouped::join_avx512(v, grouped::load_pair(q + 128 + 32 * (s / 2), next), 2 * (s % 2),
+                              0x30);
+}
+
+// Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
+// quant 7 shifted down), or with kSub read as a subnormal (subnormal.h).
+template <class P, bool kSub>
+SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
+  if constexpr (P::kTable) return grouped::table_avx2(P::kValues, q.even, j);
+  if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, P::kField);
+  return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, P::kField));
+}
+
+template <class P, bool kSub>
+SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
+  if constexpr (P::kTable) return grouped::table_avx512(P::kValues, q.even, j);
+  if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, P::kField);
+  return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, P::kField));
+}
+
+SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h,
+                                         __m512 d) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h)));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + scales_at(b, h)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
+}
+
+SHARDLM_AVX512 inline __m512 mins_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + mins_at(b, h)));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + mins_at(b, h)));
+  return _mm512_mul_ps(grouped::halves_pair(s + kHeaderBytes, next),
+                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))));
+}
+
+// What quants 8s .. 8s+7 of block b stand for before their half's scale, one
+// row a lane: the quant less the offset, or a table layout's value.
+template <class P>
+SHARDLM_AVX2 inline void quant_values(const uint8_t* q, int s, __m256 out[8]) {
+  const grouped::Joined256 words = words_avx2<P>(q, s);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (P::kTable) {
+      out[j] = quant_avx2<P, false>(words, j);
+    } else {
+      out[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+          _mm256_srli_epi32(grouped::joined_quant_avx2(words, j, P::kField), j < 7 ? 4 * j : 0),
+          _mm256_set1_epi32(P::kOffset)));
+    }
+  }
+}
+
+}  // namespace shardlm::cpu::q6kx8::layout
+#endif
