@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from shardlm_server.worker.iquant import dequantize_super_table, pack_super_table
-from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS, q6k_header, q6k_header_fields
-from shardlm_server.worker.lowbit import Q3KX8_SUPER_BYTES, super_quants, super_words
+from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS
+from shardlm_server.worker.lowbit import pack_q3kx8, q3kx8_fields
 
 _ONE = (0x00, 0x3C)  # float16 1.0, little-endian
 #: Rows converted at a time: the index arithmetic holds a few int64 values per weight.
@@ -144,6 +144,12 @@ def _ksigns(index: torch.Tensor) -> torch.Tensor:
     return (signs.unsqueeze(-1) >> torch.arange(8)) & 1
 
 
+def _word_signs(words: torch.Tensor) -> torch.Tensor:
+    """Sign words [..., c] (uint32 values in int64, four 7-bit ksigns indices from bit 0 on, one
+    per 8 weights) as one bit per weight [..., c, 32]."""
+    return _ksigns((words.unsqueeze(-1) >> (7 * torch.arange(4))) & 127).flatten(-2)
+
+
 def _bits(raw: torch.Tensor) -> torch.Tensor:
     """Bytes [..., c] as bits [..., 8 c], bit j of byte i at 8 i + j."""
     return ((raw.long().unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)
@@ -165,9 +171,8 @@ def _halves(raw: torch.Tensor) -> torch.Tensor:
 def _iq3_xxs(b: torch.Tensor):
     n, nb = b.shape[:2]
     words = _uint(b[..., 66:98], torch.int32)  # per sub-block: ls in bits 28.., signs below
-    signs = _ksigns((words.unsqueeze(-1) >> (7 * torch.arange(4))) & 127)
     index = _unit_grid("IQ3_XXS")[b[..., 2:66].long()].reshape(n, nb, 256)
-    return b[..., 0:2], words >> 28, index + 8 * signs.reshape(n, nb, 256)
+    return b[..., 0:2], words >> 28, index + 8 * _word_signs(words).reshape(n, nb, 256)
 
 
 def _iq3_s(b: torch.Tensor):
@@ -181,9 +186,8 @@ def _iq2_xxs(b: torch.Tensor):
     n, nb = b.shape[:2]
     sub = b[..., 2:66].reshape(n, nb, SUB_BLOCKS, 8)  # 4 points, then a scale and sign word
     words = _uint(sub[..., 4:8], torch.int32).squeeze(-1)
-    signs = _ksigns((words.unsqueeze(-1) >> (7 * torch.arange(4))) & 127)
-    index = _unit_grid("IQ2_XXS")[sub[..., 0:4].long()]
-    return b[..., 0:2], words >> 28, (index + 8 * signs).reshape(n, nb, 256)
+    index = _unit_grid("IQ2_XXS")[sub[..., 0:4].long()].reshape(n, nb, SUB_BLOCKS, 32)
+    return b[..., 0:2], words >> 28, (index + 8 * _word_signs(words)).reshape(n, nb, 256)
 
 
 def _iq2_xs(b: torch.Tensor):
@@ -239,9 +243,8 @@ def grid_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
 
 def _pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     d, scales, index = grid_parts(blocks, qtype)
-    if TYPES[qtype].halves:  # Q3Kx8's bytes
-        packed = torch.cat((q6k_header(d, scales), super_words(index)), dim=-1)
-        return packed.reshape(packed.shape[0], -1)
+    if TYPES[qtype].halves:
+        return pack_q3kx8(d, scales, index)
     n, nb = d.shape[:2]
     return pack_super_table(d, scales, index.reshape(n, nb, SUB_BLOCKS, 32))
 
@@ -266,12 +269,8 @@ def dequantize_grid_layout(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     kind = TYPES[LAYOUTS[layout]]
     if not kind.halves:
         return dequantize_super_table(blocks, kind.table)
-    groups = blocks.shape[0]
-    b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
-    d, scales = q6k_header_fields(b[..., :144])
-    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
-    values = kind.table[super_quants(b[..., 144:]).long()]
-    return (scale * values).reshape(groups * ROWS, -1)
+    scale, index = q3kx8_fields(blocks)
+    return (scale * kind.table[index.long()]).reshape(blocks.shape[0] * ROWS, -1)
 
 
 def converter(qtype: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -96,20 +96,32 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * quants.float()).reshape(blocks.shape[0], -1)
 
 
+def pack_q3kx8(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
+    """Q3Kx8's bytes [n / 8, nb * 1168] of d as float16 bytes [n, nb, 2], int8 scales [n, nb, 16]
+    and nibbles [n, nb, 256] (0..15) in weight order; the grid i-quants with a scale per 16
+    weights (gridquant.py) have the same bytes."""
+    packed = torch.cat((q6k_header(d, scales), super_words(quants)), dim=-1)
+    return packed.reshape(packed.shape[0], -1).contiguous()
+
+
+def q3kx8_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks in Q3Kx8's bytes [N / 8, K / 256 * 1168] as each weight's scale d * sc and its
+    nibble, both float32 [g, r, nb, 256]."""
+    b = blocks.reshape(blocks.shape[0], -1, Q3KX8_SUPER_BYTES)
+    d, scales = q6k_header_fields(b[..., :144])
+    return (d * scales.float()).repeat_interleave(16, dim=-1), super_quants(b[..., 144:])
+
+
 def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 1168]."""
     d, scales, quants = q3_k_parts(blocks)
-    packed = torch.cat((q6k_header(d, scales), super_words(quants + OFFSET)), dim=-1)
-    return packed.reshape(packed.shape[0], -1).contiguous()
+    return pack_q3kx8(d, scales, quants + OFFSET)
 
 
 def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 1168], as GGML computes the Q3_K ones."""
-    groups = blocks.shape[0]
-    b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
-    d, scales = q6k_header_fields(b[..., :144])
-    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
-    return (scale * (super_quants(b[..., 144:]) - OFFSET)).reshape(groups * ROWS, -1)
+    scale, quants = q3kx8_fields(blocks)
+    return (scale * (quants - OFFSET)).reshape(blocks.shape[0] * ROWS, -1)
 
 
 def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:

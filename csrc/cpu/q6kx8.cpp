@@ -61,18 +61,20 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs1
 // The inputs as the kernels read them, in thread-local buffers valid until the
 // next call on this thread: pre-scaled for the quants in place (SIMD paths
 // only: for the subnormal kernels where `subnormal` is set, which prepare
-// clears if the inputs do not allow them), and the 16-element sums.
+// clears if the inputs do not allow them), and the 16-element sums, which
+// only an offset or a minimum reads (`with_sums`; a table layout's are not
+// made, their buffer left as it was).
 struct Inputs {
   const float* x;
   const float* sums;
   bool subnormal;
 };
 
-Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal) {
+Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal, bool with_sums) {
   const int64_t count = m * k;
   thread_local std::vector<float> sums;
   sums.resize(count / kHalf);
-  for (int64_t i = 0; i < count / kHalf; ++i) {
+  for (int64_t i = 0; with_sums && i < count / kHalf; ++i) {
     float s = 0.f;
     for (int64_t j = 0; j < kHalf; ++j) s += x[kHalf * i + j];
     sums[i] = s;
@@ -85,6 +87,11 @@ Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal) 
   }
 #endif
   return {simd ? grouped::prescaled(x, count) : x, sums.data(), false};
+}
+
+// The sum of half h of block b's inputs, for the input row `row_start` elements on.
+inline float input_sum(const Inputs& in, int64_t row_start, int64_t b, int64_t h) {
+  return in.sums[(row_start + b * kBlock) / kHalf + h];
 }
 
 #if SHARDLM_HAVE_AVX2
@@ -135,12 +142,13 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
       for (int h = 0; h < 2; ++h) {
         __m256 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][h][i]);
-        const __m256 xsum = _mm256_set1_ps(in.sums[(r * stride + b * kBlock) / kHalf + h]);
         if constexpr (P::kMins) {  // the sums of the inputs unscaled: the minimums as they are
-          sum[r] = _mm256_fnmadd_ps(mins[h], xsum, _mm256_fmadd_ps(scale[h], part, sum[r]));
+          sum[r] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(input_sum(in, r * stride, b, h)),
+                                    _mm256_fmadd_ps(scale[h], part, sum[r]));
         } else {
           if constexpr (P::kOffset != 0) {
-            part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>), xsum, part);
+            part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>),
+                                    _mm256_set1_ps(input_sum(in, r * stride, b, h)), part);
           }
           sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
         }
@@ -190,12 +198,13 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       for (int h = 0; h < 2; ++h) {
         __m512 part = c[r][h][0];
         for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][h][i]);
-        const __m512 xsum = _mm512_set1_ps(in.sums[(r * stride + b * kBlock) / kHalf + h]);
         if constexpr (P::kMins) {
-          sum[r] = _mm512_fnmadd_ps(mins[h], xsum, _mm512_fmadd_ps(scale[h], part, sum[r]));
+          sum[r] = _mm512_fnmadd_ps(mins[h], _mm512_set1_ps(input_sum(in, r * stride, b, h)),
+                                    _mm512_fmadd_ps(scale[h], part, sum[r]));
         } else {
           if constexpr (P::kOffset != 0) {
-            part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>), xsum, part);
+            part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>),
+                                    _mm512_set1_ps(input_sum(in, r * stride, b, h)), part);
           }
           sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
         }
@@ -304,9 +313,10 @@ void gemv_of(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m,
              int64_t k) {
   const bool avx2 = cpu::use_avx2();
   if constexpr (P::kTable) {  // values looked up: the inputs as they are
-    return gemv_with<P, false>(out, w, prepare(x, m, k, false, false), bias, m, n, k, avx2);
+    return gemv_with<P, false>(out, w, prepare(x, m, k, false, false, false), bias, m, n, k,
+                               avx2);
   } else {
-    const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants());
+    const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants(), true);
     if (in.subnormal) return gemv_with<P, true>(out, w, in, bias, m, n, k, avx2);
     gemv_with<P, false>(out, w, in, bias, m, n, k, avx2);
   }
