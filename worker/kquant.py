@@ -185,7 +185,7 @@ def nibble_quants(words: torch.Tensor) -> torch.Tensor:
 _HIGH_BIT = torch.tensor([4 * (i % 8) + i // 8 for i in range(32)])  # quant 8s + j at 4j + s
 
 
-def _bit_words(fields: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+def bit_words(fields: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     """Fields [g, 8, *blocks, w, f] (small integers) packed into w uint32 words per row and
     block, field i at bit shifts[i]: [g, *blocks, w * 32] bytes, word u of row r at 32 u + 4 r."""
     g, rows, *lead, w, _ = fields.shape
@@ -195,8 +195,8 @@ def _bit_words(fields: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return bytes_.permute(order).reshape(g, *lead, w * rows * 4)
 
 
-def _word_fields(words: torch.Tensor, w: int, shifts: torch.Tensor, mask: int) -> torch.Tensor:
-    """`_bit_words` undone: bytes [g, *blocks, w * 32] as fields [g, 8, *blocks, w, f]."""
+def word_fields(words: torch.Tensor, w: int, shifts: torch.Tensor, mask: int) -> torch.Tensor:
+    """`bit_words` undone: bytes [g, *blocks, w * 32] as fields [g, 8, *blocks, w, f]."""
     g, *lead, _ = words.shape
     b = words.reshape(g, *lead, w, ROWS, 4).to(torch.int64)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
@@ -208,12 +208,12 @@ def _word_fields(words: torch.Tensor, w: int, shifts: torch.Tensor, mask: int) -
 def high_words(quants: torch.Tensor) -> torch.Tensor:
     """The high bits (bit 4) of quants [g, 8, *blocks, 32] as each block's words [g, *blocks,
     32]: row r's uint32 at bytes 4 r, quant 8s + j's bit at bit 4j + s (quant_blocks.h)."""
-    return _bit_words(((quants >> 4) & 1).unsqueeze(-2), _HIGH_BIT)
+    return bit_words(((quants >> 4) & 1).unsqueeze(-2), _HIGH_BIT)
 
 
 def high_bits(words: torch.Tensor) -> torch.Tensor:
     """`high_words` undone: words [g, *blocks, 32] as bit 4 of quants [g, 8, *blocks, 32]."""
-    return _word_fields(words, 1, _HIGH_BIT, 1).squeeze(-2) << 4
+    return word_fields(words, 1, _HIGH_BIT, 1).squeeze(-2) << 4
 
 
 def _q5_parts(blocks: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, ...]:
@@ -350,7 +350,7 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def q6k_header(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Q6Kx8's header [g, nb, 144] (also Q3Kx8's and Q2Kx8's, lowbit.py) of d as float16 bytes
+    """Q6Kx8's header [g, nb, 144] (also Q3Kx8's, lowbit.py) of d as float16 bytes
     [n, nb, 2] and the int8 scales [n, nb, 16]: each row's d, then the scales [half][row]."""
     return torch.cat((group_rows(d), group_columns(scales.view(torch.uint8))), dim=-1)
 
@@ -383,14 +383,14 @@ def _pair_words(quants: torch.Tensor) -> torch.Tensor:
     """The high two bits (bits 4, 5) of quants [g, 8, nb, block, 32] as each block's two words
     per row [g, nb, block, 64]: word u of row r at bytes 32 u + 4 r (quant_blocks.h)."""
     g, rows, supers, blocks, _ = quants.shape
-    return _bit_words(((quants >> 4) & 3).reshape(g, rows, supers, blocks, 2, 16), _PAIR_SHIFT)
+    return bit_words(((quants >> 4) & 3).reshape(g, rows, supers, blocks, 2, 16), _PAIR_SHIFT)
 
 
 def _pair_bits(words: torch.Tensor) -> torch.Tensor:
     """`_pair_words` undone: words [g, nb, block, 64] as bits 4, 5 of quants [g, 8, nb, block,
     32]."""
     g, supers, blocks, _ = words.shape
-    return _word_fields(words, 2, _PAIR_SHIFT, 3).reshape(g, ROWS, supers, blocks, 32) << 4
+    return word_fields(words, 2, _PAIR_SHIFT, 3).reshape(g, ROWS, supers, blocks, 32) << 4
 
 
 def dequantize_q6kx8(blocks: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ Q6_K's 32 and no high-bit words: 4.5625 bits a weight for the file's 3.4375.
 Q2_K (84 bytes per 256 weights): 16 bytes of scales (per 16 weights a 4-bit scale sc in the low
 nibble and a 4-bit minimum mn in the high one), 64 bytes of 2-bit quants laid out as Q3_K's, then
 float16 d and dmin; a weight is (d * sc) * q - dmin * mn, both products exact. `to_q2kx8` gives
-Q2Kx8: Q3Kx8's header with sc as the scales, then dmin and the minimums, and the quants (0..3)
-in nibble words: 5.125 bits a weight for the file's 2.625.
+Q2Kx8 at the file's 2.625 bits a weight: per group of 8 rows and super-block the rows' d, then
+their dmin (float16), then each 16-weight half's byte sc | mn << 4 [half][row], then per block
+of 32 weights two words per row of 16 2-bit quants each, one word a half (quant_blocks.h).
 """
 
 from __future__ import annotations
@@ -24,17 +25,24 @@ from shardlm_server.worker.kquant import (
     ROWS,
     SUB_BLOCKS,
     SUPER,
+    bit_words,
+    group_columns,
+    group_rows,
     nibble_quants,
     nibble_words,
     q6k_header,
     q6k_header_fields,
+    row_halves,
+    word_fields,
 )
 
 Q3_K_BLOCK_BYTES = 110
 Q3KX8_SUPER_BYTES = 1168  # one group of 8 rows, one super-block (quant_blocks.h)
 OFFSET = 4  # Q3Kx8 holds q + OFFSET
 Q2_K_BLOCK_BYTES = 84
-Q2KX8_SUPER_BYTES = 1312  # one group of 8 rows, one super-block (quant_blocks.h)
+Q2KX8_SUPER_BYTES = 672  # one group of 8 rows, one super-block (quant_blocks.h)
+Q2KX8_HEADER_BYTES = 160  # d[8], dmin[8] float16, then sc | mn << 4 [16][8]
+_TWO_BIT_SHIFTS = 2 * torch.arange(16)  # quant t of a half at bits 2t of its word
 
 
 def _float16(raw: torch.Tensor) -> torch.Tensor:
@@ -150,19 +158,22 @@ def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def to_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q2_K blocks [n, K / 256 * 84] (n a multiple of 8) as Q2Kx8 [n / 8, K / 256 * 1312]."""
+    """Q2_K blocks [n, K / 256 * 84] (n a multiple of 8) as Q2Kx8 [n / 8, K / 256 * 672]."""
     d, dmin, scales, mins, quants = q2_k_parts(blocks)
-    header = q6k_header(d, scales.view(torch.int8))  # 0..15: the same bytes as int8
-    minimums = q6k_header(dmin, mins.view(torch.int8))  # dmin and the minimums, laid out alike
-    packed = torch.cat((header, minimums, super_words(quants)), dim=-1)
+    n, supers = quants.shape[:2]
+    halves = quants.reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 2, 16)
+    packed = torch.cat((group_rows(d), group_rows(dmin), group_columns(scales | (mins << 4)),
+                        bit_words(halves, _TWO_BIT_SHIFTS).reshape(n // ROWS, supers, -1)), dim=-1)
     return packed.reshape(packed.shape[0], -1).contiguous()
 
 
 def dequantize_q2kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] of Q2Kx8 blocks [N / 8, K / 256 * 1312], as GGML computes the Q2_K ones."""
+    """float32 [N, K] of Q2Kx8 blocks [N / 8, K / 256 * 672], as GGML computes the Q2_K ones."""
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, Q2KX8_SUPER_BYTES)
-    d, scales = q6k_header_fields(b[..., :144])
-    dmin, mins = q6k_header_fields(b[..., 144:288])
-    return _q2_values(d, dmin, scales, mins.view(torch.uint8), super_quants(b[..., 288:])).reshape(
-        groups * ROWS, -1)
+    supers = b.shape[1]
+    packed = b[..., 32:Q2KX8_HEADER_BYTES].reshape(groups, supers, 16, ROWS).permute(0, 3, 1, 2)
+    words = b[..., Q2KX8_HEADER_BYTES:].reshape(groups, supers, SUB_BLOCKS, 64)
+    quants = word_fields(words, 2, _TWO_BIT_SHIFTS, 3).reshape(groups, ROWS, supers, SUPER)
+    return _q2_values(row_halves(b[..., 0:16]), row_halves(b[..., 16:32]), packed & 0x0F,
+                      packed >> 4, quants).reshape(groups * ROWS, -1)

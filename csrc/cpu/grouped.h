@@ -28,14 +28,18 @@ constexpr int64_t kMaxRows = 4;
 // kernels mask it in place (1 for the top one, which they shift down instead).
 constexpr float kNibbleScale[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
                                    0x1p-24f, 1.f};
+// 2^-2j, the same for 2-bit quants (Q2Kx8: quant j of a shifted word at bit 2j).
+constexpr float kTwoBitScale[8] = {1.f, 0x1p-2f, 0x1p-4f, 0x1p-6f, 0x1p-8f, 0x1p-10f,
+                                   0x1p-12f, 0x1p-14f};
 
 // The input rows (`count` floats, a multiple of 8) as the SIMD kernels read
-// them: element 8s + j scaled by kNibbleScale[j], to meet quant j masked in
-// place (q * 2^4j); a thread-local buffer valid until the next call on this
-// thread. Multiplying by a power of two rounds exactly as ldexp does (short of
-// inputs below 2^-100 going subnormal). Only the SIMD kernels read it, so it
-// is AVX2 code: it runs on the calling thread before the threads split the
-// groups, and the scalar loop took 2.7% of a default-model decode step there.
+// them: element 8s + j scaled by scale[j] (kNibbleScale, to meet quant j
+// masked in place, q * 2^4j; kTwoBitScale for 2-bit quants); a thread-local
+// buffer valid until the next call on this thread. Multiplying by a power of
+// two rounds exactly as ldexp does (short of inputs below 2^-100 going
+// subnormal). Only the SIMD kernels read it, so it is AVX2 code: it runs on
+// the calling thread before the threads split the groups, and the scalar loop
+// took 2.7% of a default-model decode step there.
 inline float* prescale_buffer(int64_t count) {
   thread_local std::vector<float> scaled;
   if (static_cast<int64_t>(scaled.size()) < count) scaled.resize(count);
@@ -43,9 +47,10 @@ inline float* prescale_buffer(int64_t count) {
 }
 
 #if SHARDLM_HAVE_AVX2
-SHARDLM_AVX2 inline const float* prescaled(const float* x, int64_t count) {
+SHARDLM_AVX2 inline const float* prescaled(const float* x, int64_t count,
+                                           const float* scale = kNibbleScale) {
   float* out = prescale_buffer(count);
-  const __m256 factors = _mm256_loadu_ps(kNibbleScale);
+  const __m256 factors = _mm256_loadu_ps(scale);
   for (int64_t i = 0; i < count; i += 8) {
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), factors));
   }
@@ -53,13 +58,15 @@ SHARDLM_AVX2 inline const float* prescaled(const float* x, int64_t count) {
 }
 
 // prescaled() for the kernels that read quants as subnormals (subnormal.h),
-// `rows` rows of k inputs, element 8s + j scaled by kSubnormalNibbleScale[j];
+// `rows` rows of k inputs, element 8s + j scaled by scale[j]
+// (kSubnormalNibbleScale, or kSubnormalTwoBitScale for 2-bit quants);
 // nullptr where an input reaches kSubnormalInputLimit (or is not finite), or a
 // row's largest one is below kSubnormalRowFloor but not 0, which the
 // converting kernels take instead.
-SHARDLM_AVX2 inline const float* prescaled_subnormal(const float* x, int64_t rows, int64_t k) {
+SHARDLM_AVX2 inline const float* prescaled_subnormal(
+    const float* x, int64_t rows, int64_t k, const float* scale = kSubnormalNibbleScale) {
   float* out = prescale_buffer(rows * k);
-  const __m256 factors = _mm256_loadu_ps(kSubnormalNibbleScale);
+  const __m256 factors = _mm256_loadu_ps(scale);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 limit = _mm256_set1_ps(kSubnormalInputLimit);
   const __m256 floor = _mm256_set1_ps(kSubnormalRowFloor);
@@ -80,9 +87,9 @@ SHARDLM_AVX2 inline const float* prescaled_subnormal(const float* x, int64_t row
   return out;
 }
 #else
-inline const float* prescaled(const float* x, int64_t count) {
+inline const float* prescaled(const float* x, int64_t count, const float* scale = kNibbleScale) {
   float* out = prescale_buffer(count);
-  for (int64_t i = 0; i < count; ++i) out[i] = x[i] * kNibbleScale[i % 8];
+  for (int64_t i = 0; i < count; ++i) out[i] = x[i] * scale[i % 8];
   return out;
 }
 #endif

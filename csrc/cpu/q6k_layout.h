@@ -23,28 +23,29 @@ constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
 // The layouts: Q6Kx8 (6-bit quants: nibble words, then two high bits a quant
 // in high-bit words; w = d * sc * (q - 32)), Q3Kx8 (GGML's Q3_K, 3-bit quants
 // plus 4 in nibble words alone; w = d * sc * (q - 4)) and Q2Kx8 (GGML's Q2_K,
-// 2-bit quants in nibble words, each half's minimum after the scales:
-// w = d * sc * q - dmin * mn).
+// 2-bit quants in 2-bit words, one word a half; its header d, dmin, then
+// each half's scale and minimum in one byte: w = d * sc * q - dmin * mn).
+// kScalesAt: where, in the super-block, the halves' scale bytes begin.
 struct Q6K {
-  static constexpr bool kHighWords = true, kMins = false, kTable = false;
-  static constexpr int64_t kHeader = kHeaderBytes;
+  static constexpr bool kHighWords = true, kMins = false, kTable = false, kTwoBit = false;
+  static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
   static constexpr int kOffset = 32, kField = 0x3f;  // the quants' offset and their mask
   static constexpr int64_t kBlockBytes = 192;           // nibble words (128), high-bit words (64)
   static constexpr int64_t kSuperBytes = kQ6SuperGroupBytes;
 };
 struct Q3K {
-  static constexpr bool kHighWords = false, kMins = false, kTable = false;
-  static constexpr int64_t kHeader = kHeaderBytes;
+  static constexpr bool kHighWords = false, kMins = false, kTable = false, kTwoBit = false;
+  static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
   static constexpr int kOffset = 4, kField = 0x0f;
   static constexpr int64_t kBlockBytes = 128;  // nibble words
   static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
 };
 struct Q2K {
-  static constexpr bool kHighWords = false, kMins = true, kTable = false;
-  // Q6Kx8's header, then dmin[8] float16 and mn[16][8] uint8 (mins_at).
-  static constexpr int64_t kHeader = kHeaderBytes + 16 + 128;
-  static constexpr int kOffset = 0, kField = 0x0f;
-  static constexpr int64_t kBlockBytes = 128;  // nibble words
+  static constexpr bool kHighWords = false, kMins = true, kTable = false, kTwoBit = true;
+  // d[8] and dmin[8] float16, then (sc | mn << 4)[16][8].
+  static constexpr int64_t kHeader = 160, kScalesAt = 32;
+  static constexpr int kOffset = 0, kField = 0x03;
+  static constexpr int64_t kBlockBytes = 64;  // 2-bit words
   static constexpr int64_t kSuperBytes = quant::kQ2SuperGroupBytes;
 };
 // The grid i-quants with a scale per 16 weights (GGML's IQ2_XS, IQ2_S and
@@ -53,9 +54,9 @@ struct Q2K {
 // read through the table against inputs that are not pre-scaled.
 template <const float* kV>
 struct TableHalves {
-  static constexpr bool kHighWords = false, kMins = false, kTable = true;
+  static constexpr bool kHighWords = false, kMins = false, kTable = true, kTwoBit = false;
   static constexpr const float* kValues = kV;
-  static constexpr int64_t kHeader = kHeaderBytes;
+  static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
   static constexpr int kOffset = 0, kField = 0x0f;
   static constexpr int64_t kBlockBytes = 128;  // nibble words
   static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
@@ -85,23 +86,26 @@ inline const uint8_t* stream_begin(const uint8_t* w, int64_t b) {
   return b % kSuperBlocks == 0 ? super_of<P>(w, b) : words_of<P>(w, b);
 }
 
-// Byte offset, in the super-block, of the 8 rows' int8 scales of half h of block b.
-inline int64_t scales_at(int64_t b, int64_t h) { return 16 + 8 * (2 * (b % kSuperBlocks) + h); }
+// Byte offset, in the super-block, of the 8 rows' int8 scales of half h of
+// block b (Q2Kx8: their bytes sc | mn << 4).
+template <class P = Q6K>
+inline int64_t scales_at(int64_t b, int64_t h) {
+  return P::kScalesAt + 8 * (2 * (b % kSuperBlocks) + h);
+}
 
 template <class P = Q6K>
 inline float scale_of(const uint8_t* w, int64_t b, int64_t h, int64_t r) {
   const uint8_t* s = super_of<P>(w, b);
-  return half_at(s + 2 * r) * static_cast<float>(static_cast<int8_t>(s[scales_at(b, h) + r]));
+  const uint8_t scale = s[scales_at<P>(b, h) + r];
+  return half_at(s + 2 * r) *
+         static_cast<float>(P::kMins ? scale & 0x0f : static_cast<int8_t>(scale));
 }
 
-// Q2Kx8: dmin[8] at byte 144 of the super-block, then the 8 rows' minimums
-// of half h of block b (uint8) at mins_at; a half's offset is dmin * mn, exact.
-inline int64_t mins_at(int64_t b, int64_t h) { return kHeaderBytes + 16 + 8 * (2 * (b % kSuperBlocks) + h); }
-
+// Q2Kx8: half h's offset dmin * mn (dmin at byte 16 of the super-block), exact.
 template <class P>
 inline float min_of(const uint8_t* w, int64_t b, int64_t h, int64_t r) {
   const uint8_t* s = super_of<P>(w, b);
-  return half_at(s + kHeaderBytes + 2 * r) * static_cast<float>(s[mins_at(b, h) + r]);
+  return half_at(s + 16 + 2 * r) * static_cast<float>(s[scales_at<P>(b, h) + r] >> 4);
 }
 
 inline uint32_t word_at(const uint8_t* p) {
@@ -115,6 +119,9 @@ inline uint32_t word_at(const uint8_t* p) {
 template <class P = Q6K>
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint8_t* q = words_of<P>(w, b);
+  if constexpr (P::kTwoBit) {
+    return static_cast<int>((word_at(q + 4 * (8 * (i / kHalf) + r)) >> (2 * (i % kHalf))) & 3);
+  }
   const uint32_t lo = (word_at(q + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
   if constexpr (!P::kHighWords) return static_cast<int>(lo);
   const uint32_t hi =

@@ -15,26 +15,41 @@
 #if SHARDLM_HAVE_AVX2
 namespace shardlm::cpu::q6kx8::layout {
 
-// Q2Kx8: the 8 rows' dmin * mn of half h of block b (exact: float16 times 4 bits).
-SHARDLM_AVX2 inline __m256 mins8(const uint8_t* s, int64_t b, int64_t h) {
-  const __m256 dmin =
-      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kHeaderBytes)));
-  return _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + mins_at(b, h))))));
+// The 8 bytes of half h of block b's scales as 8 floats: int8 scales, or
+// Q2Kx8's low (kHigh: high) nibbles.
+template <class P, bool kHigh = false>
+SHARDLM_AVX2 inline __m256i scale_bytes8(const uint8_t* s, int64_t b, int64_t h) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, h)));
+  if constexpr (!P::kMins) return _mm256_cvtepi8_epi32(v);
+  const __m128i nibbles = _mm_and_si128(kHigh ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0f));
+  return _mm256_cvtepu8_epi32(nibbles);
 }
 
+// Q2Kx8: the 8 rows' dmin * mn of half h of block b (exact: float16 times 4 bits).
+SHARDLM_AVX2 inline __m256 mins8(const uint8_t* s, int64_t b, int64_t h) {
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+  return _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(scale_bytes8<Q2K, true>(s, b, h)));
+}
+
+template <class P>
 SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m256 d) {
-  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h))))));
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_bytes8<P>(s, b, h)));
 }
 
 // Nibble word s of a block (v) joined with its high bits (high word s / 2,
 // quant 8s + j's two at 4j + 2 (s % 2)): quant j in place is
 // grouped::joined_quant_avx2(.., j, 0x3f).
 // Q3Kx8's nibbles are whole quants: the word is its own even and odd words,
-// quant 7 shifted down its top.
+// quant 7 shifted down its top. Q2Kx8's word s / 2 holds quants 16 (s / 2) ..
+// on, two bits each: for odd s shifted down by 16, so that quant 8s + j is
+// at bits 2j (every quant in the low 16 bits; `top` is not read).
 template <class P>
 SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
+  if constexpr (P::kTwoBit) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * (s / 2)));
+    if (s % 2) v = _mm256_srli_epi32(v, 16);
+    return {v, v, v};
+  }
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
   if constexpr (!P::kHighWords) return {v, v, _mm256_srli_epi32(v, 28)};
   return grouped::join_avx2(
@@ -44,6 +59,11 @@ SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
 
 template <class P>
 SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, int64_t next) {
+  if constexpr (P::kTwoBit) {
+    __m512i v = grouped::load_pair(q + 32 * (s / 2), next);
+    if (s % 2) v = _mm512_srli_epi32(v, 16);
+    return {v, v, v};
+  }
   const __m512i v = grouped::load_pair(q + 32 * s, next);
   if constexpr (!P::kHighWords) return {v, v, _mm512_srli_epi32(v, 28)};
   return grouped::join_avx512(v, grouped::load_pair(q + 128 + 32 * (s / 2), next), 2 * (s % 2),
@@ -51,10 +71,15 @@ SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, i
 }
 
 // Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
-// quant 7 shifted down), or with kSub read as a subnormal (subnormal.h).
+// quant 7 shifted down; Q2Kx8: q * 2^2j), or with kSub read as a subnormal
+// (subnormal.h; Q2Kx8's quants all lie in the low 16 bits).
 template <class P, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
   if constexpr (P::kTable) return grouped::table_avx2(P::kValues, q.even, j);
+  if constexpr (P::kTwoBit) {
+    const __m256i in_place = _mm256_and_si256(q.even, _mm256_set1_epi32(3 << (2 * j)));
+    return kSub ? _mm256_castsi256_ps(in_place) : _mm256_cvtepi32_ps(in_place);
+  }
   if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, P::kField);
   return _mm256_cvtepi32_ps(grouped::joined_quant_avx2(q, j, P::kField));
 }
@@ -62,22 +87,37 @@ SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
 template <class P, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
   if constexpr (P::kTable) return grouped::table_avx512(P::kValues, q.even, j);
+  if constexpr (P::kTwoBit) {
+    const __m512i in_place = _mm512_and_si512(q.even, _mm512_set1_epi32(3 << (2 * j)));
+    return kSub ? _mm512_castsi512_ps(in_place) : _mm512_cvtepi32_ps(in_place);
+  }
   if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, P::kField);
   return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, P::kField));
 }
 
+// The 8 bytes of half h of block b's scales in the groups at s and s + next
+// as 16 integers (scale_bytes8 for a pair).
+template <class P, bool kHigh = false>
+SHARDLM_AVX512 inline __m512i scale_bytes_pair(const uint8_t* s, int64_t next, int64_t b,
+                                               int64_t h) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, h)));
+  const __m128i hi =
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + scales_at<P>(b, h)));
+  const __m128i v = _mm_unpacklo_epi64(lo, hi);
+  if constexpr (!P::kMins) return _mm512_cvtepi8_epi32(v);
+  return _mm512_cvtepu8_epi32(
+      _mm_and_si128(kHigh ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0f)));
+}
+
+template <class P>
 SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h,
                                          __m512 d) {
-  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at(b, h)));
-  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + scales_at(b, h)));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_bytes_pair<P>(s, next, b, h)));
 }
 
 SHARDLM_AVX512 inline __m512 mins_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h) {
-  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + mins_at(b, h)));
-  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + mins_at(b, h)));
-  return _mm512_mul_ps(grouped::halves_pair(s + kHeaderBytes, next),
-                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))));
+  return _mm512_mul_ps(grouped::halves_pair(s + 16, next),
+                       _mm512_cvtepi32_ps(scale_bytes_pair<Q2K, true>(s, next, b, h)));
 }
 
 // What quants 8s .. 8s+7 of block b stand for before their half's scale, one
@@ -89,6 +129,9 @@ SHARDLM_AVX2 inline void quant_values(const uint8_t* q, int s, __m256 out[8]) {
   for (int j = 0; j < 8; ++j) {
     if constexpr (P::kTable) {
       out[j] = quant_avx2<P, false>(words, j);
+    } else if constexpr (P::kTwoBit) {
+      out[j] = _mm256_cvtepi32_ps(
+          _mm256_and_si256(_mm256_srli_epi32(words.even, 2 * j), _mm256_set1_epi32(3)));
     } else {
       out[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(
           _mm256_srli_epi32(grouped::joined_quant_avx2(words, j, P::kField), j < 7 ? 4 * j : 0),

@@ -13,9 +13,12 @@
 // the CPU takes subnormal FMA inputs at full speed, the quants in the low 22
 // bits skip the conversion (subnormal.h): the same sums, bit for bit.
 //
-// Q3Kx8 and Q2Kx8 (GGML's Q3_K and Q2_K, q6k_layout.h) keep the same header
-// and halves with their quants in nibble words alone: every kernel here is a
-// template over the three layouts. Q3Kx8's offset is 4; Q2Kx8 has none but a
+// Q3Kx8 and Q2Kx8 (GGML's Q3_K and Q2_K, q6k_layout.h) keep the same halves:
+// every kernel here is a template over the layouts. Q3Kx8 has Q6Kx8's header
+// and its quants in nibble words alone, with an offset of 4. Q2Kx8 keeps the
+// file's 2 bits a quant, 16 to a word, one word a half: for each vector of 8
+// quants it shifts the word down by 16 or not, and each quant is masked in
+// place at bit 2j against inputs pre-scaled by 2^-2j; it has no offset but a
 // minimum per half, dmin * mn times the half's input sum taken off its total.
 // The grid i-quants with a scale per 16 weights (IQ2_XS, IQ2_S, IQ1_M) have
 // Q3Kx8's bytes, each nibble an index into a table of values that the kernels
@@ -70,6 +73,7 @@ struct Inputs {
   bool subnormal;
 };
 
+template <class P>
 Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal, bool with_sums) {
   const int64_t count = m * k;
   thread_local std::vector<float> sums;
@@ -81,12 +85,14 @@ Inputs prepare(const float* x, int64_t m, int64_t k, bool simd, bool subnormal, 
   }
 #if SHARDLM_HAVE_AVX2
   if (simd && subnormal) {
-    if (const float* scaled = grouped::prescaled_subnormal(x, m, k)) {
+    const float* factors = P::kTwoBit ? kSubnormalTwoBitScale : kSubnormalNibbleScale;
+    if (const float* scaled = grouped::prescaled_subnormal(x, m, k, factors)) {
       return {scaled, sums.data(), true};
     }
   }
 #endif
-  return {simd ? grouped::prescaled(x, count) : x, sums.data(), false};
+  const float* factors = P::kTwoBit ? grouped::kTwoBitScale : grouped::kNibbleScale;
+  return {simd ? grouped::prescaled(x, count, factors) : x, sums.data(), false};
 }
 
 // The sum of half h of block b's inputs, for the input row `row_start` elements on.
@@ -135,7 +141,7 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
     const uint8_t* sp = super_of<P>(w, b);
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
     if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
-    const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
+    const __m256 scale[2] = {scales8<P>(sp, b, 0, d), scales8<P>(sp, b, 1, d)};
     __m256 mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     if constexpr (P::kMins) mins[0] = mins8(sp, b, 0), mins[1] = mins8(sp, b, 1);
     for (int r = 0; r < R; ++r) {
@@ -191,7 +197,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     const uint8_t* sp = super_of<P>(w, b);
     __m512 d = grouped::halves_pair(sp, next);
     if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
-    const __m512 scale[2] = {scales_pair(sp, next, b, 0, d), scales_pair(sp, next, b, 1, d)};
+    const __m512 scale[2] = {scales_pair<P>(sp, next, b, 0, d), scales_pair<P>(sp, next, b, 1, d)};
     __m512 mins[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     if constexpr (P::kMins) mins[0] = mins_pair(sp, next, b, 0), mins[1] = mins_pair(sp, next, b, 1);
     for (int r = 0; r < R; ++r) {
@@ -222,7 +228,7 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* sp = super_of<P>(w, b);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-    const __m256 scale[2] = {scales8(sp, b, 0, d), scales8(sp, b, 1, d)};
+    const __m256 scale[2] = {scales8<P>(sp, b, 0, d), scales8<P>(sp, b, 1, d)};
     __m256 mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     if constexpr (P::kMins) mins[0] = mins8(sp, b, 0), mins[1] = mins8(sp, b, 1);
     const uint8_t* q = words_of<P>(w, b);
@@ -313,10 +319,10 @@ void gemv_of(T* out, const uint8_t* w, const float* x, const T* bias, int64_t m,
              int64_t k) {
   const bool avx2 = cpu::use_avx2();
   if constexpr (P::kTable) {  // values looked up: the inputs as they are
-    return gemv_with<P, false>(out, w, prepare(x, m, k, false, false, false), bias, m, n, k,
+    return gemv_with<P, false>(out, w, prepare<P>(x, m, k, false, false, false), bias, m, n, k,
                                avx2);
   } else {
-    const Inputs in = prepare(x, m, k, avx2, avx2 && cpu::use_subnormal_quants(), true);
+    const Inputs in = prepare<P>(x, m, k, avx2, avx2 && cpu::use_subnormal_quants(), true);
     if (in.subnormal) return gemv_with<P, true>(out, w, in, bias, m, n, k, avx2);
     gemv_with<P, false>(out, w, in, bias, m, n, k, avx2);
   }

@@ -100,10 +100,11 @@ constexpr int64_t kBlock = 32;  // weights per block
 // uint32 (Q4x8's words; each quant q3 + 4)
 //
 // Q2Kx8 (id 111) holds GGML's Q2_K (w = d * sc * q - dmin * mn, q in 0..3, a
-// 4-bit scale and minimum per 16 weights) at 5.125 bits a weight (Q2_K's 2.625):
-// per group of 8 rows and super-block of 256, 1312 bytes: d[8] float16,
-// sc[16][8] int8, dmin[8] float16, mn[16][8] uint8, then per block q[4][8]
-// uint32 (Q4x8's words)
+// 4-bit scale and minimum per 16 weights) at Q2_K's own 2.625 bits a weight:
+// per group of 8 rows and super-block of 256, 672 bytes: d[8] float16,
+// dmin[8] float16, (sc | mn << 4)[16][8] uint8, then per block q[2][8] uint32
+// (word h of row r holds quants 16h .. 16h+15 of the block, quant t in bits
+// 2t, 2t+1)
 //
 // IQ4NLx8 (id 109) holds GGML's IQ4_NL (w = d * kv[q], 32 weights a block) at
 // its own 4.5 bits a weight, in Q40x8's bytes: per group of 8 rows and block
@@ -126,7 +127,7 @@ constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
 constexpr int64_t kQ51GroupBlockBytes = 192;  // one Q51x8 group-block
 constexpr int64_t kIQ4SuperGroupBytes = 1104;  // one IQ4x8 group's super-block
 constexpr int64_t kQ3SuperGroupBytes = 1168;   // one Q3Kx8 group's super-block
-constexpr int64_t kQ2SuperGroupBytes = 1312;   // one Q2Kx8 group's super-block
+constexpr int64_t kQ2SuperGroupBytes = 672;    // one Q2Kx8 group's super-block
 
 // Whether `qtype` is one of the layouts of IQ4x8's bytes read through a table
 // of its own (IQ4x8 and the grid i-quants').

@@ -47,6 +47,9 @@ constexpr float kSubnormalRowFloor = 0x1p-30f;
 constexpr int kSubnormalHighShift = 20;
 constexpr float kSubnormalNibbleScale[8] = {0x1p85f, 0x1p81f, 0x1p77f, 0x1p73f,
                                             0x1p69f, 0x1p85f, 0x1p81f, 0x1p85f};
+// The same for 2-bit quants (Q2Kx8), quant j of a word at bit 2j, all in place.
+constexpr float kSubnormalTwoBitScale[8] = {0x1p85f, 0x1p83f, 0x1p81f, 0x1p79f,
+                                            0x1p77f, 0x1p75f, 0x1p73f, 0x1p71f};
 
 // Whether the exact 4-, 5- and 6-bit kernels read quants as subnormals: 0 never, 1 always
 // (where the CPU has AVX2; for tests), 2 where the probe finds them as fast as

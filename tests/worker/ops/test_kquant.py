@@ -91,6 +91,12 @@ def test_regrouped_rows_equal_the_table(qtype):
     torch.testing.assert_close(dequantize_rows(w, rows), w.dequantize()[rows], atol=0, rtol=0)
 
 
+def test_q2kx8_holds_q2_k_at_the_file_s_size():
+    blocks = k_blocks(16, 512, "Q2_K", seed=4)
+    w = regrouped(QuantizedWeight("Q2_K", blocks, (16, 512)))
+    assert w.blocks.nbytes == blocks.nbytes  # 2.625 bits a weight, as in the file
+
+
 def test_q5_0_as_q8_0_holds_the_same_weights():
     rng = np.random.default_rng(3)
     values = rng.standard_normal((6, 320)).astype(np.float32)
