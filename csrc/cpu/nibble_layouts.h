@@ -301,7 +301,6 @@ SHARDLM_AVX512 inline __m512 bytes_pair(const uint8_t* p, int64_t next) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
 }
 
-// scales_avx2 for block b of the groups at w and w + next.
 // The 8 signed bytes at p and the 8 at p + next as 16 floats.
 SHARDLM_AVX512 inline __m512 signed_bytes_pair(const uint8_t* p, int64_t next) {
   const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -309,13 +308,33 @@ SHARDLM_AVX512 inline __m512 signed_bytes_pair(const uint8_t* p, int64_t next) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi)));
 }
 
+// A super-block's float16 factors for the groups at w and w + next: d, and
+// the K-quants' dmin negated (exact), which the kernels load once for its 8
+// blocks; the 32-weight layouts have none (their scales come with each block).
+struct SuperHalves512 {
+  __m512 d, neg_dmin;
+};
+
 template <class L>
-SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
-                                       __m512& m) {
+SHARDLM_AVX512 inline SuperHalves512 super_halves_pair(const uint8_t* w, int64_t next, int64_t b) {
+  SuperHalves512 f{_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if constexpr (L::kSuper) {
+    f.d = grouped::halves_pair(L::super(w, b), next);
+    if constexpr (!L::kTable) {
+      f.neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), grouped::halves_pair(L::super(w, b) + 16, next));
+    }
+  }
+  return f;
+}
+
+// scales_avx2 for block b of the groups at w and w + next, with their
+// super-block's factors `f` (super_halves_pair).
+template <class L>
+SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b,
+                                       const SuperHalves512& f, __m512& d, __m512& m) {
   if constexpr (L::kTable) {
     if constexpr (L::kSuper) {
-      d = _mm512_mul_ps(grouped::halves_pair(L::super(w, b), next),
-                        signed_bytes_pair(L::scales(w, b), next));
+      d = _mm512_mul_ps(f.d, signed_bytes_pair(L::scales(w, b), next));
     } else {
       d = grouped::halves_pair(L::header(w, b), next);
     }
@@ -323,9 +342,8 @@ SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b
   } else if constexpr (L::kSuper) {
     const uint8_t* h = L::super(w, b);
     const int64_t s = b % kSuperBlocks;
-    d = _mm512_mul_ps(grouped::halves_pair(h, next), bytes_pair(h + 32 + 8 * s, next));
-    m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(grouped::halves_pair(h + 16, next),
-                                                         bytes_pair(h + 96 + 8 * s, next)));
+    d = _mm512_mul_ps(f.d, bytes_pair(h + 32 + 8 * s, next));
+    m = _mm512_mul_ps(f.neg_dmin, bytes_pair(h + 96 + 8 * s, next));
   } else if constexpr (L::kImpliedOffset != 0.f) {
     d = grouped::halves_pair(L::header(w, b), next);
     m = _mm512_mul_ps(d, _mm512_set1_ps(L::kImpliedOffset));
@@ -333,6 +351,12 @@ SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b
     d = grouped::halves_pair(L::header(w, b), next);
     m = grouped::halves_pair(L::header(w, b) + 16, next);
   }
+}
+
+template <class L>
+SHARDLM_AVX512 inline void scales_pair(const uint8_t* w, int64_t next, int64_t b, __m512& d,
+                                       __m512& m) {
+  scales_pair<L>(w, next, b, super_halves_pair<L>(w, next, b), d, m);
 }
 #endif
 

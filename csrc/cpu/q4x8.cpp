@@ -182,20 +182,25 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 // rows_avx2 for the groups at w and w + next at once: acc[16 i + l] for input
 // row i and lane l (g's 8 rows, then g + 1's). The quants are masked in place
 // against the pre-scaled input as in the AVX2 kernels, each unpacked vector
-// feeding R FMAs; 8 / R chains per row (two past 2 rows) keep at least 8 FMAs
-// in flight, what two 512-bit FMA units with a latency of 4 need. Up to
+// feeding R FMAs; 4 chains per row (two past 2 rows) keep at least 8 FMAs in
+// flight, what two 512-bit FMA units with a latency of 4 need, with the next
+// block's independent chains beside them (8 chains at one row were 2-3%
+// slower on Zen 4: more sums per block). Up to
 // kPairRows rows take one pass, so rows past 4 do not unpack the weights a
 // second time; the FMAs bound the kernel there, so that saves less than the
 // unpacking costs (SmolLM2's and a 1B model's matrices, 2 threads: 5 rows
-// 8-12% faster than a pass of 4 and one of 1, 6 rows 1-4%, 8 rows 1-2%).
+// 8-12% faster than a pass of 4 and one of 1, 6 rows 1-4%, 8 rows 1-2%). A
+// super-block's own factors are loaded with its first block, once for 8.
 template <class L, int R, bool kSub>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const float* xp,
                                 int64_t x_stride, const float* xs, int64_t xs_stride, int64_t k) {
-  constexpr int kChains = R == 1 ? 8 : R == 2 ? 4 : 2;
+  constexpr int kChains = R <= 2 ? 4 : 2;
   const int64_t blocks = k / kBlock;
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+  SuperHalves512 super{_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
+    if (L::kSuper && b % kSuperBlocks == 0) super = super_halves_pair<L>(w, next, b);
     prefetch_block<L>(w, b, next);
     const uint8_t* qw = L::quants(w, b);
     const __m512i h = L::kFive ? load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
@@ -216,7 +221,7 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
       }
     }
     __m512 d, m;
-    scales_pair<L>(w, next, b, d, m);
+    scales_pair<L>(w, next, b, super, d, m);
     if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
     for (int r = 0; r < R; ++r) {
       for (int width = kChains / 2; width > 0; width /= 2) {

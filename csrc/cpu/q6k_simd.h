@@ -15,25 +15,40 @@
 #if SHARDLM_HAVE_AVX2
 namespace shardlm::cpu::q6kx8::layout {
 
-// The 8 bytes of half h of block b's scales as 8 floats: int8 scales, or
-// Q2Kx8's low (kHigh: high) nibbles.
-template <class P, bool kHigh = false>
-SHARDLM_AVX2 inline __m256i scale_bytes8(const uint8_t* s, int64_t b, int64_t h) {
-  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, h)));
-  if constexpr (!P::kMins) return _mm256_cvtepi8_epi32(v);
-  const __m128i nibbles = _mm_and_si128(kHigh ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0f));
-  return _mm256_cvtepu8_epi32(nibbles);
-}
+// The factors of block b's two halves, one row a lane: d * sc (d as the
+// caller gives it, once per super-block) and Q2Kx8's dmin * mn (exact: a
+// float16 times 4 bits); both halves' scale bytes come in one load a group.
+struct HalfFactors256 {
+  __m256 scale[2], mins[2];
+};
 
-// Q2Kx8: the 8 rows' dmin * mn of half h of block b (exact: float16 times 4 bits).
-SHARDLM_AVX2 inline __m256 mins8(const uint8_t* s, int64_t b, int64_t h) {
-  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
-  return _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(scale_bytes8<Q2K, true>(s, b, h)));
+template <class P>
+SHARDLM_AVX2 inline __m256 half_factor8(__m128i bytes, __m256 d, bool high) {
+  if constexpr (!P::kMins) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+  const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0f));
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)));
 }
 
 template <class P>
-SHARDLM_AVX2 inline __m256 scales8(const uint8_t* s, int64_t b, int64_t h, __m256 d) {
-  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_bytes8<P>(s, b, h)));
+SHARDLM_AVX2 inline HalfFactors256 half_factors8(const uint8_t* s, int64_t b, __m256 d, __m256 dmin) {
+  const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, 0)));
+  const __m128i bytes[2] = {both, _mm_srli_si128(both, 8)};
+  HalfFactors256 f;
+  for (int h = 0; h < 2; ++h) {
+    f.scale[h] = half_factor8<P>(bytes[h], d, false);
+    f.mins[h] = P::kMins ? half_factor8<P>(bytes[h], dmin, true) : _mm256_setzero_ps();
+  }
+  return f;
+}
+
+// The super-block's d (kSub: times 2^kSubnormalShift) and Q2Kx8's dmin.
+template <class P, bool kSub>
+SHARDLM_AVX2 inline void super_factors8(const uint8_t* s, __m256& d, __m256& dmin) {
+  d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
+  if constexpr (P::kMins) {
+    dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+  }
 }
 
 // Nibble word s of a block (v) joined with its high bits (high word s / 2,
@@ -95,29 +110,39 @@ SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
   return _mm512_cvtepi32_ps(grouped::joined_quant_avx512(q, j, P::kField));
 }
 
-// The 8 bytes of half h of block b's scales in the groups at s and s + next
-// as 16 integers (scale_bytes8 for a pair).
-template <class P, bool kHigh = false>
-SHARDLM_AVX512 inline __m512i scale_bytes_pair(const uint8_t* s, int64_t next, int64_t b,
-                                               int64_t h) {
-  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, h)));
-  const __m128i hi =
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next + scales_at<P>(b, h)));
-  const __m128i v = _mm_unpacklo_epi64(lo, hi);
-  if constexpr (!P::kMins) return _mm512_cvtepi8_epi32(v);
-  return _mm512_cvtepu8_epi32(
-      _mm_and_si128(kHigh ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0f)));
+// half_factors8 and super_factors8 for the groups at s and s + next.
+struct HalfFactors512 {
+  __m512 scale[2], mins[2];
+};
+
+template <class P>
+SHARDLM_AVX512 inline __m512 half_factor_pair(__m128i bytes, __m512 d, bool high) {
+  if constexpr (!P::kMins) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+  const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0f));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)));
 }
 
 template <class P>
-SHARDLM_AVX512 inline __m512 scales_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h,
-                                         __m512 d) {
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_bytes_pair<P>(s, next, b, h)));
+SHARDLM_AVX512 inline HalfFactors512 half_factors_pair(const uint8_t* s, int64_t next, int64_t b,
+                                                       __m512 d, __m512 dmin) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, 0)));
+  const __m128i hi =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + next + scales_at<P>(b, 0)));
+  const __m128i bytes[2] = {_mm_unpacklo_epi64(lo, hi), _mm_unpackhi_epi64(lo, hi)};
+  HalfFactors512 f;
+  for (int h = 0; h < 2; ++h) {
+    f.scale[h] = half_factor_pair<P>(bytes[h], d, false);
+    f.mins[h] = P::kMins ? half_factor_pair<P>(bytes[h], dmin, true) : _mm512_setzero_ps();
+  }
+  return f;
 }
 
-SHARDLM_AVX512 inline __m512 mins_pair(const uint8_t* s, int64_t next, int64_t b, int64_t h) {
-  return _mm512_mul_ps(grouped::halves_pair(s + 16, next),
-                       _mm512_cvtepi32_ps(scale_bytes_pair<Q2K, true>(s, next, b, h)));
+template <class P, bool kSub>
+SHARDLM_AVX512 inline void super_factors_pair(const uint8_t* s, int64_t next, __m512& d,
+                                              __m512& dmin) {
+  d = grouped::halves_pair(s, next);
+  if constexpr (kSub) d = _mm512_mul_ps(d, _mm512_set1_ps(kSubnormalBlockScale));
+  if constexpr (P::kMins) dmin = grouped::halves_pair(s + 16, next);
 }
 
 // What quants 8s .. 8s+7 of block b stand for before their half's scale, one
