@@ -63,7 +63,7 @@ bool block_geometry(int64_t qtype, int64_t* block_bytes, int64_t* weights_per_bl
     case 107: *block_bytes = 192; return true;  // Q51x8
     case 108: *block_bytes = 1104, *weights_per_block = 256; return true;  // IQ4x8
     case 109: *block_bytes = 144; return true;  // IQ4NLx8
-    case 110: *block_bytes = 1168, *weights_per_block = 256; return true;  // Q3Kx8
+    case 110: *block_bytes = 912, *weights_per_block = 256; return true;  // Q3Kx8
     case 111: *block_bytes = 672, *weights_per_block = 256; return true;  // Q2Kx8
     case 112:  // IQ3XXSx8
     case 113:  // IQ3Sx8

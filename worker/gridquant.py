@@ -15,8 +15,8 @@ scale ls. GGML computes a weight as
 with the first product exact (a float16 times a few bits) and the second rounded once. So every
 weight is (d * (2 ls + 1)) * v, v one of at most 16 values of its type (g / 4 or g / 8 with its
 sign, g + delta), the product rounded once. The layouts store that as IQ4x8 stores IQ4_XS
-(iquant.py) where a scale covers 32 weights, and as Q3Kx8 stores Q3_K (lowbit.py) where it
-covers 16: each row's d, the odd scale 2 ls + 1 as an int8, and per weight a nibble indexing the
+(iquant.py) where a scale covers 32 weights, and in Q6Kx8's header with nibble words where it
+covers 16 (lowbit.pack_halves): each row's d, the odd scale 2 ls + 1 as an int8, and per weight a nibble indexing the
 type's table of values (`VALUES`, the kernels' csrc/cpu/value_tables.h), which the table kernels
 read. The same weights bit for bit, at 4.3125 or 4.5625 bits a weight (the files' 1.56 to 3.44),
 where a float32 copy takes 32.
@@ -37,7 +37,7 @@ import torch
 
 from shardlm_server.worker.iquant import dequantize_super_table, pack_super_table
 from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS
-from shardlm_server.worker.lowbit import pack_q3kx8, q3kx8_fields
+from shardlm_server.worker.lowbit import halves_fields, pack_halves
 
 _ONE = (0x00, 0x3C)  # float16 1.0, little-endian
 #: Rows converted at a time: the index arithmetic holds a few int64 values per weight.
@@ -61,7 +61,7 @@ VALUES = {"IQ3_XXS": _signed(1, 3, 5, 7, 9, 11, 13, 15.5),
 class GridType:
     """One grid i-quant: its layout's name, its block bytes, its grid (points, weights a point,
     and the type whose grid it shares, if any), its table (a `VALUES` key) and whether a scale
-    covers 16 weights (the layout is then Q3Kx8's bytes, else IQ4x8's)."""
+    covers 16 weights (the layout is then Q6Kx8's header with nibble words, else IQ4x8's bytes)."""
 
     layout: str
     block_bytes: int
@@ -244,7 +244,7 @@ def grid_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
 def _pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     d, scales, index = grid_parts(blocks, qtype)
     if TYPES[qtype].halves:
-        return pack_q3kx8(d, scales, index)
+        return pack_halves(d, scales, index)
     n, nb = d.shape[:2]
     return pack_super_table(d, scales, index.reshape(n, nb, SUB_BLOCKS, 32))
 
@@ -269,7 +269,7 @@ def dequantize_grid_layout(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     kind = TYPES[LAYOUTS[layout]]
     if not kind.halves:
         return dequantize_super_table(blocks, kind.table)
-    scale, index = q3kx8_fields(blocks)
+    scale, index = halves_fields(blocks)
     return (scale * kind.table[index.long()]).reshape(blocks.shape[0] * ROWS, -1)
 
 

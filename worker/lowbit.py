@@ -5,9 +5,15 @@ Q3_K (110 bytes per 256 weights): 32 bytes of high bits, 64 of 2-bit quants, 12 
 scales, then a float16 d; a weight is d * (sc - 32) * q with q in -4..3, one scale per 16
 weights, which GGML computes as (d * (sc - 32)) * q in float32, the first product exact.
 `to_q3kx8` regroups it into Q3Kx8 (csrc/cpu/quant_blocks.h): Q6Kx8's header (each row's d, then
-the int8 scales sc - 32 of its 16-weight halves) and per block of 32 weights Q4x8's nibble words
-holding q + 4 (0..7), read by Q6Kx8's kernels (csrc/cpu/q6kx8.cpp) with an offset of 4 for
-Q6_K's 32 and no high-bit words: 4.5625 bits a weight for the file's 3.4375.
+the int8 scales sc - 32 of its 16-weight halves) and per block of 32 weights q + 4 (0..7) as its
+low two bits in Q2Kx8's 2-bit words and its third bit in one word a row, read by Q6Kx8's
+kernels (csrc/cpu/q6kx8.cpp) with an offset of 4 for Q6_K's 32: 3.5625 bits a weight for the
+file's 3.4375. Quant t (0..15) of half h has its third bit at bit 16 h + 2 (t % 8) + 1 - t // 8
+of that word, so that one shift puts it just above the quant's two low bits once the kernels
+have shifted the 2-bit word for its half (see q6k_simd.h).
+
+The grid i-quants with a scale per 16 weights (gridquant.py) keep Q6Kx8's header with their
+4-bit indices in nibble words (`pack_halves`): 4.5625 bits a weight.
 
 Q2_K (84 bytes per 256 weights): 16 bytes of scales (per 16 weights a 4-bit scale sc in the low
 nibble and a 4-bit minimum mn in the high one), 64 bytes of 2-bit quants laid out as Q3_K's, then
@@ -37,12 +43,16 @@ from shardlm_server.worker.kquant import (
 )
 
 Q3_K_BLOCK_BYTES = 110
-Q3KX8_SUPER_BYTES = 1168  # one group of 8 rows, one super-block (quant_blocks.h)
+Q3KX8_SUPER_BYTES = 912  # one group of 8 rows, one super-block (quant_blocks.h)
+HALVES_SUPER_BYTES = 1168  # Q6Kx8's header and nibble words (the per-16 grid i-quants')
 OFFSET = 4  # Q3Kx8 holds q + OFFSET
 Q2_K_BLOCK_BYTES = 84
 Q2KX8_SUPER_BYTES = 672  # one group of 8 rows, one super-block (quant_blocks.h)
 Q2KX8_HEADER_BYTES = 160  # d[8], dmin[8] float16, then sc | mn << 4 [16][8]
 _TWO_BIT_SHIFTS = 2 * torch.arange(16)  # quant t of a half at bits 2t of its word
+# Quant i (0..31) of a block: its third bit's place in its row's word (Q3Kx8).
+_THIRD_BIT_SHIFTS = torch.tensor([16 * (i // 16) + 2 * (i % 8) + 1 - (i % 16) // 8
+                                  for i in range(32)])
 
 
 def _float16(raw: torch.Tensor) -> torch.Tensor:
@@ -104,32 +114,47 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * quants.float()).reshape(blocks.shape[0], -1)
 
 
-def pack_q3kx8(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
-    """Q3Kx8's bytes [n / 8, nb * 1168] of d as float16 bytes [n, nb, 2], int8 scales [n, nb, 16]
-    and nibbles [n, nb, 256] (0..15) in weight order; the grid i-quants with a scale per 16
-    weights (gridquant.py) have the same bytes."""
+def pack_halves(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
+    """Q6Kx8's header and nibble words [n / 8, nb * 1168] of d as float16 bytes [n, nb, 2], int8
+    scales [n, nb, 16] and nibbles [n, nb, 256] (0..15) in weight order: the bytes of the grid
+    i-quants with a scale per 16 weights (gridquant.py)."""
     packed = torch.cat((q6k_header(d, scales), super_words(quants)), dim=-1)
     return packed.reshape(packed.shape[0], -1).contiguous()
 
 
-def q3kx8_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks in Q3Kx8's bytes [N / 8, K / 256 * 1168] as each weight's scale d * sc and its
+def halves_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_halves`'s bytes [N / 8, K / 256 * 1168] as each weight's scale d * sc and its
     nibble, both float32 [g, r, nb, 256]."""
-    b = blocks.reshape(blocks.shape[0], -1, Q3KX8_SUPER_BYTES)
+    b = blocks.reshape(blocks.shape[0], -1, HALVES_SUPER_BYTES)
     d, scales = q6k_header_fields(b[..., :144])
     return (d * scales.float()).repeat_interleave(16, dim=-1), super_quants(b[..., 144:])
 
 
 def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 1168]."""
+    """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 912]."""
     d, scales, quants = q3_k_parts(blocks)
-    return pack_q3kx8(d, scales, quants + OFFSET)
+    n, supers = quants.shape[:2]
+    q = (quants + OFFSET).to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
+    low = bit_words((q & 3).reshape(*q.shape[:-1], 2, 16), _TWO_BIT_SHIFTS)
+    third = bit_words((q >> 2).unsqueeze(-2), _THIRD_BIT_SHIFTS)
+    words = torch.cat((low, third), dim=-1).reshape(n // ROWS, supers, -1)  # per block 64 + 32
+    packed = torch.cat((q6k_header(d, scales), words), dim=-1)
+    return packed.reshape(packed.shape[0], -1).contiguous()
 
 
 def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 1168], as GGML computes the Q3_K ones."""
-    scale, quants = q3kx8_fields(blocks)
-    return (scale * (quants - OFFSET)).reshape(blocks.shape[0] * ROWS, -1)
+    """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 912], as GGML computes the Q3_K ones."""
+    groups = blocks.shape[0]
+    b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
+    supers = b.shape[1]
+    d, scales = q6k_header_fields(b[..., :144])
+    words = b[..., 144:].reshape(groups, supers, SUB_BLOCKS, 96)
+    low = word_fields(words[..., :64], 2, _TWO_BIT_SHIFTS, 3).reshape(groups, ROWS, supers, SUPER)
+    third = word_fields(words[..., 64:], 1, _THIRD_BIT_SHIFTS, 1).reshape(
+        groups, ROWS, supers, SUPER)
+    quants = (low | (third << 2)).float() - OFFSET
+    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
+    return (scale * quants).reshape(groups * ROWS, -1)
 
 
 def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:

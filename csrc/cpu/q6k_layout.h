@@ -22,26 +22,30 @@ constexpr int64_t kHeaderBytes = 144;  // d[8] float16, sc[16][8] int8
 
 // The layouts: Q6Kx8 (6-bit quants: nibble words, then two high bits a quant
 // in high-bit words; w = d * sc * (q - 32)), Q3Kx8 (GGML's Q3_K, 3-bit quants
-// plus 4 in nibble words alone; w = d * sc * (q - 4)) and Q2Kx8 (GGML's Q2_K,
-// 2-bit quants in 2-bit words, one word a half; its header d, dmin, then
-// each half's scale and minimum in one byte: w = d * sc * q - dmin * mn).
-// kScalesAt: where, in the super-block, the halves' scale bytes begin.
+// plus 4: their low two bits in 2-bit words, one word a half, then one word a
+// row of third bits; w = d * sc * (q - 4)) and Q2Kx8 (GGML's Q2_K, 2-bit
+// quants in 2-bit words; its header d, dmin, then each half's scale and
+// minimum in one byte: w = d * sc * q - dmin * mn). kScalesAt: where, in the
+// super-block, the halves' scale bytes begin.
 struct Q6K {
-  static constexpr bool kHighWords = true, kMins = false, kTable = false, kTwoBit = false;
+  static constexpr bool kHighWords = true, kMins = false, kTable = false;
+  static constexpr bool kTwoBit = false, kThirdBit = false;
   static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
   static constexpr int kOffset = 32, kField = 0x3f;  // the quants' offset and their mask
   static constexpr int64_t kBlockBytes = 192;           // nibble words (128), high-bit words (64)
   static constexpr int64_t kSuperBytes = kQ6SuperGroupBytes;
 };
 struct Q3K {
-  static constexpr bool kHighWords = false, kMins = false, kTable = false, kTwoBit = false;
+  static constexpr bool kHighWords = false, kMins = false, kTable = false;
+  static constexpr bool kTwoBit = true, kThirdBit = true;
   static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
-  static constexpr int kOffset = 4, kField = 0x0f;
-  static constexpr int64_t kBlockBytes = 128;  // nibble words
+  static constexpr int kOffset = 4, kField = 0x07;
+  static constexpr int64_t kBlockBytes = 96;  // 2-bit words (64), third-bit words (32)
   static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
 };
 struct Q2K {
-  static constexpr bool kHighWords = false, kMins = true, kTable = false, kTwoBit = true;
+  static constexpr bool kHighWords = false, kMins = true, kTable = false;
+  static constexpr bool kTwoBit = true, kThirdBit = false;
   // d[8] and dmin[8] float16, then (sc | mn << 4)[16][8].
   static constexpr int64_t kHeader = 160, kScalesAt = 32;
   static constexpr int kOffset = 0, kField = 0x03;
@@ -49,17 +53,19 @@ struct Q2K {
   static constexpr int64_t kSuperBytes = quant::kQ2SuperGroupBytes;
 };
 // The grid i-quants with a scale per 16 weights (GGML's IQ2_XS, IQ2_S and
-// IQ1_M; worker/gridquant.py): Q3Kx8's bytes, sc the odd scale 2 ls + 1, each
-// nibble an index into the type's table (value_tables.h): w = d * sc * kv[q],
-// read through the table against inputs that are not pre-scaled.
+// IQ1_M; worker/gridquant.py): Q6Kx8's header and nibble words, sc the odd
+// scale 2 ls + 1, each nibble an index into the type's table
+// (value_tables.h): w = d * sc * kv[q], read through the table against inputs
+// that are not pre-scaled.
 template <const float* kV>
 struct TableHalves {
-  static constexpr bool kHighWords = false, kMins = false, kTable = true, kTwoBit = false;
+  static constexpr bool kHighWords = false, kMins = false, kTable = true;
+  static constexpr bool kTwoBit = false, kThirdBit = false;
   static constexpr const float* kValues = kV;
   static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
   static constexpr int kOffset = 0, kField = 0x0f;
   static constexpr int64_t kBlockBytes = 128;  // nibble words
-  static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
+  static constexpr int64_t kSuperBytes = quant::kHalvesSuperGroupBytes;
 };
 using IQ2Halves = TableHalves<kIQ2Values>;
 using IQ1Halves = TableHalves<kIQ1Values>;
@@ -120,7 +126,12 @@ template <class P = Q6K>
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint8_t* q = words_of<P>(w, b);
   if constexpr (P::kTwoBit) {
-    return static_cast<int>((word_at(q + 4 * (8 * (i / kHalf) + r)) >> (2 * (i % kHalf))) & 3);
+    int quant = static_cast<int>((word_at(q + 4 * (8 * (i / kHalf) + r)) >> (2 * (i % kHalf))) & 3);
+    if constexpr (P::kThirdBit) {
+      const int64_t u = i % kHalf, place = kHalf * (i / kHalf) + 2 * (u % 8) + 1 - u / 8;
+      quant |= static_cast<int>((word_at(q + 64 + 4 * r) >> place) & 1) << 2;
+    }
+    return quant;
   }
   const uint32_t lo = (word_at(q + 4 * (8 * (i / 8) + r)) >> (4 * (i % 8))) & 0x0f;
   if constexpr (!P::kHighWords) return static_cast<int>(lo);

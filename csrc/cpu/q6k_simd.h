@@ -58,12 +58,27 @@ SHARDLM_AVX2 inline void super_factors8(const uint8_t* s, __m256& d, __m256& dmi
 // quant 7 shifted down its top. Q2Kx8's word s / 2 holds quants 16 (s / 2) ..
 // on, two bits each: for odd s shifted down by 16, so that quant 8s + j is
 // at bits 2j (every quant in the low 16 bits; `top` is not read).
+// Q3Kx8's words are Q2Kx8's with a third bit a quant: its row's word of third
+// bits shifted so that quant j's lands at 2j + 2, just above its low two,
+// then one select joins the even quants' (their low bits at 0 and 1 mod 4,
+// their third at 2 mod 4) and one the odd quants' (2 and 3, then 0 mod 4).
+constexpr int kEvenLowBits = 0x33333333, kOddLowBits = static_cast<int>(0xCCCCCCCCu);
+
+SHARDLM_AVX2 inline __m256i third_bits_avx2(const uint8_t* q, int s) {
+  const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64));
+  return s / 2 == 0 ? _mm256_slli_epi32(t, 1 + s % 2) : _mm256_srli_epi32(t, 15 - s % 2);
+}
+
 template <class P>
 SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
   if constexpr (P::kTwoBit) {
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * (s / 2)));
     if (s % 2) v = _mm256_srli_epi32(v, 16);
-    return {v, v, v};
+    if constexpr (!P::kThirdBit) return {v, v, v};
+    const __m256i third = third_bits_avx2(q, s);
+    const __m256i even = _mm256_set1_epi32(kEvenLowBits), odd = _mm256_set1_epi32(kOddLowBits);
+    return {_mm256_or_si256(_mm256_and_si256(even, v), _mm256_andnot_si256(even, third)),
+            _mm256_or_si256(_mm256_and_si256(odd, v), _mm256_andnot_si256(odd, third)), v};
   }
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
   if constexpr (!P::kHighWords) return {v, v, _mm256_srli_epi32(v, 28)};
@@ -77,7 +92,13 @@ SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, i
   if constexpr (P::kTwoBit) {
     __m512i v = grouped::load_pair(q + 32 * (s / 2), next);
     if (s % 2) v = _mm512_srli_epi32(v, 16);
-    return {v, v, v};
+    if constexpr (!P::kThirdBit) return {v, v, v};
+    const __m512i t = grouped::load_pair(q + 64, next);
+    const __m512i third = s / 2 == 0 ? _mm512_slli_epi32(t, 1 + s % 2)
+                                     : _mm512_srli_epi32(t, 15 - s % 2);
+    // 0xCA: the first operand's bits select the second's, its clear ones the third's.
+    return {_mm512_ternarylogic_epi32(_mm512_set1_epi32(kEvenLowBits), v, third, 0xCA),
+            _mm512_ternarylogic_epi32(_mm512_set1_epi32(kOddLowBits), v, third, 0xCA), v};
   }
   const __m512i v = grouped::load_pair(q + 32 * s, next);
   if constexpr (!P::kHighWords) return {v, v, _mm512_srli_epi32(v, 28)};
@@ -86,13 +107,14 @@ SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, i
 }
 
 // Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
-// quant 7 shifted down; Q2Kx8: q * 2^2j), or with kSub read as a subnormal
-// (subnormal.h; Q2Kx8's quants all lie in the low 16 bits).
+// quant 7 shifted down; Q2Kx8 and Q3Kx8: q * 2^2j), or with kSub read as a
+// subnormal (subnormal.h; Q2Kx8's and Q3Kx8's quants all lie in the low 17 bits).
 template <class P, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
   if constexpr (P::kTable) return grouped::table_avx2(P::kValues, q.even, j);
   if constexpr (P::kTwoBit) {
-    const __m256i in_place = _mm256_and_si256(q.even, _mm256_set1_epi32(3 << (2 * j)));
+    const __m256i in_place = _mm256_and_si256(j % 2 ? q.odd : q.even,
+                                              _mm256_set1_epi32(P::kField << (2 * j)));
     return kSub ? _mm256_castsi256_ps(in_place) : _mm256_cvtepi32_ps(in_place);
   }
   if constexpr (kSub) return grouped::joined_subnormal_avx2(q, j, P::kField);
@@ -103,7 +125,8 @@ template <class P, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
   if constexpr (P::kTable) return grouped::table_avx512(P::kValues, q.even, j);
   if constexpr (P::kTwoBit) {
-    const __m512i in_place = _mm512_and_si512(q.even, _mm512_set1_epi32(3 << (2 * j)));
+    const __m512i in_place = _mm512_and_si512(j % 2 ? q.odd : q.even,
+                                              _mm512_set1_epi32(P::kField << (2 * j)));
     return kSub ? _mm512_castsi512_ps(in_place) : _mm512_cvtepi32_ps(in_place);
   }
   if constexpr (kSub) return grouped::joined_subnormal_avx512(q, j, P::kField);
@@ -155,8 +178,10 @@ SHARDLM_AVX2 inline void quant_values(const uint8_t* q, int s, __m256 out[8]) {
     if constexpr (P::kTable) {
       out[j] = quant_avx2<P, false>(words, j);
     } else if constexpr (P::kTwoBit) {
-      out[j] = _mm256_cvtepi32_ps(
-          _mm256_and_si256(_mm256_srli_epi32(words.even, 2 * j), _mm256_set1_epi32(3)));
+      out[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+          _mm256_and_si256(_mm256_srli_epi32(j % 2 ? words.odd : words.even, 2 * j),
+                           _mm256_set1_epi32(P::kField)),
+          _mm256_set1_epi32(P::kOffset)));
     } else {
       out[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(
           _mm256_srli_epi32(grouped::joined_quant_avx2(words, j, P::kField), j < 7 ? 4 * j : 0),

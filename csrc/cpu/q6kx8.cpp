@@ -14,12 +14,13 @@
 // bits skip the conversion (subnormal.h): the same sums, bit for bit.
 //
 // Q3Kx8 and Q2Kx8 (GGML's Q3_K and Q2_K, q6k_layout.h) keep the same halves:
-// every kernel here is a template over the layouts. Q3Kx8 has Q6Kx8's header
-// and its quants in nibble words alone, with an offset of 4. Q2Kx8 keeps the
-// file's 2 bits a quant, 16 to a word, one word a half: for each vector of 8
-// quants it shifts the word down by 16 or not, and each quant is masked in
-// place at bit 2j against inputs pre-scaled by 2^-2j; it has no offset but a
-// minimum per half, dmin * mn times the half's input sum taken off its total.
+// every kernel here is a template over the layouts. Q2Kx8 keeps the file's 2
+// bits a quant, 16 to a word, one word a half: for each vector of 8 quants it
+// shifts the word down by 16 or not, and each quant is masked in place at bit
+// 2j against inputs pre-scaled by 2^-2j; it has no offset but a minimum per
+// half, dmin * mn times the half's input sum taken off its total. Q3Kx8 has
+// Q6Kx8's header and offset 4, and Q2Kx8's words with a word of third bits a
+// row, which one shift and two selects join to them (q6k_simd.h).
 // The grid i-quants with a scale per 16 weights (IQ2_XS, IQ2_S, IQ1_M) have
 // Q3Kx8's bytes, each nibble an index into a table of values that the kernels
 // look up (grouped::table_avx2) against inputs that are not pre-scaled.

@@ -89,15 +89,18 @@ constexpr int64_t kBlock = 32;  // weights per block
 // 4.3125 bits a weight (the files' 3.0625, 3.4375, 2.0625 and 1.5625)
 //
 // IQ2XSx8, IQ2Sx8 and IQ1Mx8 (ids 116-118) hold GGML's IQ2_XS, IQ2_S and IQ1_M
-// (grid i-quants with an odd scale per 16 weights) in Q3Kx8's bytes, sc the
-// odd scale and each nibble an index into the type's table: 4.5625 bits a
+// (grid i-quants with an odd scale per 16 weights) in Q6Kx8's header with
+// nibble words: per group of 8 rows and super-block of 256, 1168 bytes: d[8]
+// float16, sc[16][8] int8 (the odd scale), then per block q[4][8] uint32
+// (Q4x8's words, each nibble an index into the type's table): 4.5625 bits a
 // weight (the files' 2.3125, 2.5625 and 1.75)
 //
 // Q3Kx8 (id 110) holds GGML's Q3_K (w = d * (sc - 32) * (q - 4), q in 0..7, a
-// 6-bit scale per 16 weights) as Q6Kx8 without its high-bit words, at 4.5625
-// bits a weight (Q3_K's 3.4375): per group of 8 rows and super-block of 256,
-// 1168 bytes: d[8] float16, sc[16][8] int8 (sc - 32), then per block q[4][8]
-// uint32 (Q4x8's words; each quant q3 + 4)
+// 6-bit scale per 16 weights) at 3.5625 bits a weight (Q3_K's 3.4375): per
+// group of 8 rows and super-block of 256, 912 bytes: d[8] float16, sc[16][8]
+// int8 (sc - 32), then per block q[2][8] uint32 (each quant's low two bits,
+// as Q2Kx8's words) and t[8] uint32 (row r's third bits: quant 16h + u of the
+// block at bit 16h + 2 (u % 8) + 1 - u / 8)
 //
 // Q2Kx8 (id 111) holds GGML's Q2_K (w = d * sc * q - dmin * mn, q in 0..3, a
 // 4-bit scale and minimum per 16 weights) at Q2_K's own 2.625 bits a weight:
@@ -126,7 +129,8 @@ constexpr int64_t kQ5SuperGroupBytes = 1440;  // one Q5Kx8 group's super-block
 constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
 constexpr int64_t kQ51GroupBlockBytes = 192;  // one Q51x8 group-block
 constexpr int64_t kIQ4SuperGroupBytes = 1104;  // one IQ4x8 group's super-block
-constexpr int64_t kQ3SuperGroupBytes = 1168;   // one Q3Kx8 group's super-block
+constexpr int64_t kQ3SuperGroupBytes = 912;    // one Q3Kx8 group's super-block
+constexpr int64_t kHalvesSuperGroupBytes = 1168;  // one IQ2XSx8 (IQ2Sx8, IQ1Mx8) group's
 constexpr int64_t kQ2SuperGroupBytes = 672;    // one Q2Kx8 group's super-block
 
 // Whether `qtype` is one of the layouts of IQ4x8's bytes read through a table
@@ -177,10 +181,10 @@ inline int64_t block_bytes(int64_t qtype) {
     case kIQ2XXSx8:
     case kIQ1Sx8: return kIQ4SuperGroupBytes / kSuperBlocks;
     case kIQ4NLx8: return kQ40GroupBlockBytes;
-    case kQ3Kx8:
+    case kQ3Kx8: return kQ3SuperGroupBytes / kSuperBlocks;
     case kIQ2XSx8:
     case kIQ2Sx8:
-    case kIQ1Mx8: return kQ3SuperGroupBytes / kSuperBlocks;
+    case kIQ1Mx8: return kHalvesSuperGroupBytes / kSuperBlocks;
     case kQ2Kx8: return kQ2SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
