@@ -71,7 +71,7 @@ bool block_geometry(int64_t qtype, int64_t* block_bytes, int64_t* weights_per_bl
     case 115: *block_bytes = 1104, *weights_per_block = 256; return true;  // IQ1Sx8
     case 116:  // IQ2XSx8
     case 117:  // IQ2Sx8
-    case 118: *block_bytes = 1168, *weights_per_block = 256; return true;  // IQ1Mx8
+    case 118: *block_bytes = 912, *weights_per_block = 256; return true;  // IQ1Mx8
     default: return false;
   }
 }

@@ -15,11 +15,12 @@ scale ls. GGML computes a weight as
 with the first product exact (a float16 times a few bits) and the second rounded once. So every
 weight is (d * (2 ls + 1)) * v, v one of at most 16 values of its type (g / 4 or g / 8 with its
 sign, g + delta), the product rounded once. The layouts store that as IQ4x8 stores IQ4_XS
-(iquant.py) where a scale covers 32 weights, and in Q6Kx8's header with nibble words where it
-covers 16 (lowbit.pack_halves): each row's d, the odd scale 2 ls + 1 as an int8, and per weight a nibble indexing the
-type's table of values (`VALUES`, the kernels' csrc/cpu/value_tables.h), which the table kernels
-read. The same weights bit for bit, at 4.3125 or 4.5625 bits a weight (the files' 1.56 to 3.44),
-where a float32 copy takes 32.
+(iquant.py) where a scale covers 32 weights (each row's d, the odd scale 2 ls + 1 as an int8,
+and per weight a nibble indexing the type's table of values, `VALUES`, the kernels'
+csrc/cpu/value_tables.h), and as Q3Kx8 stores Q3_K (lowbit.py) where it covers 16 (the same
+header, and per weight a 3-bit index: the IQ2 and IQ1 tables have at most 8 values), which the
+table kernels read. The same weights bit for bit, at 4.3125 or 3.5625 bits a weight (the files'
+1.56 to 3.44), where a float32 copy takes 32.
 
 The grids are not copied here: `_unit_grid` reads each out of the `gguf` package's GGML
 dequantizer, from blocks whose scale is the smallest and whose signs are all positive.
@@ -37,31 +38,34 @@ import torch
 
 from shardlm_server.worker.iquant import dequantize_super_table, pack_super_table
 from shardlm_server.worker.kquant import ROWS, SUB_BLOCKS
-from shardlm_server.worker.lowbit import halves_fields, pack_halves
+from shardlm_server.worker.lowbit import pack_q3kx8, q3kx8_fields
 
 _ONE = (0x00, 0x3C)  # float16 1.0, little-endian
 #: Rows converted at a time: the index arithmetic holds a few int64 values per weight.
 _CHUNK_ROWS = 1024
 
 
-def _signed(*magnitudes: float) -> tuple[float, ...]:
-    padded = magnitudes + (0.0,) * (8 - len(magnitudes))
-    return padded + tuple(-v if v else 0.0 for v in padded)
+def _signed(width: int, *magnitudes: float) -> tuple[float, ...]:
+    """The magnitudes padded to `width`, then their negatives, repeated to 16 entries."""
+    padded = magnitudes + (0.0,) * (width - len(magnitudes))
+    return (padded + tuple(-v if v else 0.0 for v in padded)) * (8 // width)
 
 
-#: The values each type's nibbles stand for: the positive ones at 0..7, each negative 8 on;
-#: IQ1: g + 1/8 at g + 1, g - 1/8 at g + 4 (csrc/cpu/value_tables.h holds the same).
-VALUES = {"IQ3_XXS": _signed(1, 3, 5, 7, 9, 11, 13, 15.5),
-          "IQ3_S": _signed(1, 3, 5, 7, 9, 11, 13, 15),
-          "IQ2": _signed(1, 3.125, 5.375),
-          "IQ1": (-0.875, 0.125, 1.125, -1.125, -0.125, 0.875) + (0.0,) * 10}
+#: The values each type's indices stand for: the positive ones first, each negative 8 on (IQ3)
+#: or 4 on (IQ2); IQ1: g + 1/8 at g + 1, g - 1/8 at g + 4. The IQ2 and IQ1 tables use 8
+#: entries, repeated to 16, so that 3-bit indices read as nibbles or with a stray fourth bit
+#: find the same values (csrc/cpu/value_tables.h holds the same).
+VALUES = {"IQ3_XXS": _signed(8, 1, 3, 5, 7, 9, 11, 13, 15.5),
+          "IQ3_S": _signed(8, 1, 3, 5, 7, 9, 11, 13, 15),
+          "IQ2": _signed(4, 1, 3.125, 5.375),
+          "IQ1": ((-0.875, 0.125, 1.125, -1.125, -0.125, 0.875) + (0.0,) * 2) * 2}
 
 
 @dataclass(frozen=True)
 class GridType:
     """One grid i-quant: its layout's name, its block bytes, its grid (points, weights a point,
     and the type whose grid it shares, if any), its table (a `VALUES` key) and whether a scale
-    covers 16 weights (the layout is then Q6Kx8's header with nibble words, else IQ4x8's bytes)."""
+    covers 16 weights (the layout is then Q3Kx8's bytes, else IQ4x8's)."""
 
     layout: str
     block_bytes: int
@@ -187,13 +191,13 @@ def _iq2_xxs(b: torch.Tensor):
     sub = b[..., 2:66].reshape(n, nb, SUB_BLOCKS, 8)  # 4 points, then a scale and sign word
     words = _uint(sub[..., 4:8], torch.int32).squeeze(-1)
     index = _unit_grid("IQ2_XXS")[sub[..., 0:4].long()].reshape(n, nb, SUB_BLOCKS, 32)
-    return b[..., 0:2], words >> 28, (index + 8 * _word_signs(words)).reshape(n, nb, 256)
+    return b[..., 0:2], words >> 28, (index + 4 * _word_signs(words)).reshape(n, nb, 256)
 
 
 def _iq2_xs(b: torch.Tensor):
     n, nb = b.shape[:2]
     points = _uint(b[..., 2:66], torch.int16)  # the point in bits 0..8, its signs' index above
-    index = _unit_grid("IQ2_XS")[points & 511] + 8 * _ksigns(points >> 9)
+    index = _unit_grid("IQ2_XS")[points & 511] + 4 * _ksigns(points >> 9)
     return b[..., 0:2], _halves(b[..., 66:74]), index.reshape(n, nb, 256)
 
 
@@ -201,7 +205,7 @@ def _iq2_s(b: torch.Tensor):
     n, nb = b.shape[:2]
     high = (b[..., 66:74].long().unsqueeze(-1) >> (2 * torch.arange(4))) & 3  # [n, nb, 8, 4]
     index = _unit_grid("IQ2_S")[b[..., 2:34].long() | (high.reshape(n, nb, 32) << 8)]
-    return b[..., 0:2], _halves(b[..., 74:82]), index.reshape(n, nb, 256) + 8 * _bits(b[..., 34:66])
+    return b[..., 0:2], _halves(b[..., 74:82]), index.reshape(n, nb, 256) + 4 * _bits(b[..., 34:66])
 
 
 def _iq1_s(b: torch.Tensor):
@@ -244,14 +248,14 @@ def grid_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
 def _pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     d, scales, index = grid_parts(blocks, qtype)
     if TYPES[qtype].halves:
-        return pack_halves(d, scales, index)
+        return pack_q3kx8(d, scales, index)
     n, nb = d.shape[:2]
     return pack_super_table(d, scales, index.reshape(n, nb, SUB_BLOCKS, 32))
 
 
 def to_grid_layout(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """`qtype` blocks [n, K / 256 * bytes] (n a multiple of 8) in its table layout
-    [n / 8, K / 256 * (1104 or 1168)], a chunk of rows at a time."""
+    [n / 8, K / 256 * (1104 or 912)], a chunk of rows at a time."""
     chunks = [_pack(blocks[i:i + _CHUNK_ROWS], qtype)
               for i in range(0, blocks.shape[0], _CHUNK_ROWS)]
     return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).contiguous()
@@ -269,7 +273,7 @@ def dequantize_grid_layout(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     kind = TYPES[LAYOUTS[layout]]
     if not kind.halves:
         return dequantize_super_table(blocks, kind.table)
-    scale, index = halves_fields(blocks)
+    scale, index = q3kx8_fields(blocks)
     return (scale * kind.table[index.long()]).reshape(blocks.shape[0] * ROWS, -1)
 
 

@@ -12,8 +12,8 @@ file's 3.4375. Quant t (0..15) of half h has its third bit at bit 16 h + 2 (t % 
 of that word, so that one shift puts it just above the quant's two low bits once the kernels
 have shifted the 2-bit word for its half (see q6k_simd.h).
 
-The grid i-quants with a scale per 16 weights (gridquant.py) keep Q6Kx8's header with their
-4-bit indices in nibble words (`pack_halves`): 4.5625 bits a weight.
+The grid i-quants with a scale per 16 weights (gridquant.py) have Q3Kx8's bytes, each weight's
+3-bit index into its type's table in place of q + 4 (`pack_q3kx8`).
 
 Q2_K (84 bytes per 256 weights): 16 bytes of scales (per 16 weights a 4-bit scale sc in the low
 nibble and a 4-bit minimum mn in the high one), 64 bytes of 2-bit quants laid out as Q3_K's, then
@@ -34,8 +34,6 @@ from shardlm_server.worker.kquant import (
     bit_words,
     group_columns,
     group_rows,
-    nibble_quants,
-    nibble_words,
     q6k_header,
     q6k_header_fields,
     row_halves,
@@ -44,7 +42,6 @@ from shardlm_server.worker.kquant import (
 
 Q3_K_BLOCK_BYTES = 110
 Q3KX8_SUPER_BYTES = 912  # one group of 8 rows, one super-block (quant_blocks.h)
-HALVES_SUPER_BYTES = 1168  # Q6Kx8's header and nibble words (the per-16 grid i-quants')
 OFFSET = 4  # Q3Kx8 holds q + OFFSET
 Q2_K_BLOCK_BYTES = 84
 Q2KX8_SUPER_BYTES = 672  # one group of 8 rows, one super-block (quant_blocks.h)
@@ -66,20 +63,6 @@ def _two_bit_quants(qs: torch.Tensor) -> torch.Tensor:
     n, supers = qs.shape[:2]
     shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1)
     return (qs.reshape(n, supers, 2, 1, 32) >> (2 * shifts)) & 3
-
-
-def super_words(quants: torch.Tensor) -> torch.Tensor:
-    """Quants [n, nb, 256] (0..15) as each group's nibble words [g, nb, 8 * 128]."""
-    n, supers = quants.shape[:2]
-    q = quants.to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
-    return nibble_words(q).reshape(n // ROWS, supers, SUB_BLOCKS * 128)
-
-
-def super_quants(words: torch.Tensor) -> torch.Tensor:
-    """`super_words` undone: [g, nb, 8 * 128] as quants [g, r, nb, 256] (float32)."""
-    groups, supers = words.shape[:2]
-    q = nibble_quants(words.reshape(groups, supers, SUB_BLOCKS, 128))
-    return q.reshape(groups, ROWS, supers, SUPER).float()
 
 
 def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,27 +97,12 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * quants.float()).reshape(blocks.shape[0], -1)
 
 
-def pack_halves(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
-    """Q6Kx8's header and nibble words [n / 8, nb * 1168] of d as float16 bytes [n, nb, 2], int8
-    scales [n, nb, 16] and nibbles [n, nb, 256] (0..15) in weight order: the bytes of the grid
-    i-quants with a scale per 16 weights (gridquant.py)."""
-    packed = torch.cat((q6k_header(d, scales), super_words(quants)), dim=-1)
-    return packed.reshape(packed.shape[0], -1).contiguous()
-
-
-def halves_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pack_halves`'s bytes [N / 8, K / 256 * 1168] as each weight's scale d * sc and its
-    nibble, both float32 [g, r, nb, 256]."""
-    b = blocks.reshape(blocks.shape[0], -1, HALVES_SUPER_BYTES)
-    d, scales = q6k_header_fields(b[..., :144])
-    return (d * scales.float()).repeat_interleave(16, dim=-1), super_quants(b[..., 144:])
-
-
-def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 912]."""
-    d, scales, quants = q3_k_parts(blocks)
+def pack_q3kx8(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
+    """Q3Kx8's bytes [n / 8, nb * 912] of d as float16 bytes [n, nb, 2], int8 scales [n, nb, 16]
+    and 3-bit quants [n, nb, 256] (0..7) in weight order; the grid i-quants with a scale per 16
+    weights (gridquant.py) have the same bytes, their quants indices into a table."""
     n, supers = quants.shape[:2]
-    q = (quants + OFFSET).to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
+    q = quants.to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
     low = bit_words((q & 3).reshape(*q.shape[:-1], 2, 16), _TWO_BIT_SHIFTS)
     third = bit_words((q >> 2).unsqueeze(-2), _THIRD_BIT_SHIFTS)
     words = torch.cat((low, third), dim=-1).reshape(n // ROWS, supers, -1)  # per block 64 + 32
@@ -142,8 +110,9 @@ def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     return packed.reshape(packed.shape[0], -1).contiguous()
 
 
-def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 912], as GGML computes the Q3_K ones."""
+def q3kx8_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks in Q3Kx8's bytes [N / 8, K / 256 * 912] as each weight's scale d * sc and its
+    3-bit quant, both float32 [g, r, nb, 256]."""
     groups = blocks.shape[0]
     b = blocks.reshape(groups, -1, Q3KX8_SUPER_BYTES)
     supers = b.shape[1]
@@ -152,9 +121,19 @@ def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
     low = word_fields(words[..., :64], 2, _TWO_BIT_SHIFTS, 3).reshape(groups, ROWS, supers, SUPER)
     third = word_fields(words[..., 64:], 1, _THIRD_BIT_SHIFTS, 1).reshape(
         groups, ROWS, supers, SUPER)
-    quants = (low | (third << 2)).float() - OFFSET
-    scale = (d * scales.float()).repeat_interleave(16, dim=-1)
-    return (scale * quants).reshape(groups * ROWS, -1)
+    return (d * scales.float()).repeat_interleave(16, dim=-1), (low | (third << 2)).float()
+
+
+def to_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks [n, K / 256 * 110] (n a multiple of 8) as Q3Kx8 [n / 8, K / 256 * 912]."""
+    d, scales, quants = q3_k_parts(blocks)
+    return pack_q3kx8(d, scales, quants + OFFSET)
+
+
+def dequantize_q3kx8(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q3Kx8 blocks [N / 8, K / 256 * 912], as GGML computes the Q3_K ones."""
+    scale, quants = q3kx8_fields(blocks)
+    return (scale * (quants - OFFSET)).reshape(blocks.shape[0] * ROWS, -1)
 
 
 def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:

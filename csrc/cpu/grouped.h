@@ -148,6 +148,18 @@ SHARDLM_AVX512 inline __m512 table_avx512(const float* values, __m512i v, int j)
   return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * j), _mm512_loadu_ps(values));
 }
 
+// The values that the 3-bit index at bits 2j of each lane of v picks from a
+// table of 8 entries repeated to 16 (value_tables.h): one 8-entry permute
+// reads the index's 3 bits; the 16-entry one (AVX-512) also reads the bit
+// above, which the repeated table makes moot.
+SHARDLM_AVX2 inline __m256 table3_avx2(const float* values, __m256i v, int j) {
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(values), _mm256_srli_epi32(v, 2 * j));
+}
+
+SHARDLM_AVX512 inline __m512 table3_avx512(const float* values, __m512i v, int j) {
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 2 * j), _mm512_loadu_ps(values));
+}
+
 // The same on 16 rows, each join one ternary-logic op: 0xCA selects
 // (a ? b : c), 0xF8 is a | (b & c).
 struct Joined512 {

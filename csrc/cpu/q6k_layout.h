@@ -53,19 +53,18 @@ struct Q2K {
   static constexpr int64_t kSuperBytes = quant::kQ2SuperGroupBytes;
 };
 // The grid i-quants with a scale per 16 weights (GGML's IQ2_XS, IQ2_S and
-// IQ1_M; worker/gridquant.py): Q6Kx8's header and nibble words, sc the odd
-// scale 2 ls + 1, each nibble an index into the type's table
-// (value_tables.h): w = d * sc * kv[q], read through the table against inputs
-// that are not pre-scaled.
+// IQ1_M; worker/gridquant.py): Q3Kx8's bytes, sc the odd scale 2 ls + 1, each
+// 3-bit quant an index into the type's table (value_tables.h): w = d * sc *
+// kv[q], read through the table against inputs that are not pre-scaled.
 template <const float* kV>
 struct TableHalves {
   static constexpr bool kHighWords = false, kMins = false, kTable = true;
-  static constexpr bool kTwoBit = false, kThirdBit = false;
+  static constexpr bool kTwoBit = true, kThirdBit = true;
   static constexpr const float* kValues = kV;
   static constexpr int64_t kHeader = kHeaderBytes, kScalesAt = 16;
-  static constexpr int kOffset = 0, kField = 0x0f;
-  static constexpr int64_t kBlockBytes = 128;  // nibble words
-  static constexpr int64_t kSuperBytes = quant::kHalvesSuperGroupBytes;
+  static constexpr int kOffset = 0, kField = 0x07;
+  static constexpr int64_t kBlockBytes = Q3K::kBlockBytes;
+  static constexpr int64_t kSuperBytes = quant::kQ3SuperGroupBytes;
 };
 using IQ2Halves = TableHalves<kIQ2Values>;
 using IQ1Halves = TableHalves<kIQ1Values>;

@@ -108,10 +108,11 @@ SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, i
 
 // Quant j of a joined word as the kernels multiply it: converted (q * 2^4j,
 // quant 7 shifted down; Q2Kx8 and Q3Kx8: q * 2^2j), or with kSub read as a
-// subnormal (subnormal.h; Q2Kx8's and Q3Kx8's quants all lie in the low 17 bits).
+// subnormal (subnormal.h; Q2Kx8's and Q3Kx8's quants all lie in the low 17 bits), or
+// for a table layout the value its 3-bit quant indexes.
 template <class P, bool kSub>
 SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
-  if constexpr (P::kTable) return grouped::table_avx2(P::kValues, q.even, j);
+  if constexpr (P::kTable) return grouped::table3_avx2(P::kValues, j % 2 ? q.odd : q.even, j);
   if constexpr (P::kTwoBit) {
     const __m256i in_place = _mm256_and_si256(j % 2 ? q.odd : q.even,
                                               _mm256_set1_epi32(P::kField << (2 * j)));
@@ -123,7 +124,7 @@ SHARDLM_AVX2 inline __m256 quant_avx2(const grouped::Joined256& q, int j) {
 
 template <class P, bool kSub>
 SHARDLM_AVX512 inline __m512 quant_avx512(const grouped::Joined512& q, int j) {
-  if constexpr (P::kTable) return grouped::table_avx512(P::kValues, q.even, j);
+  if constexpr (P::kTable) return grouped::table3_avx512(P::kValues, j % 2 ? q.odd : q.even, j);
   if constexpr (P::kTwoBit) {
     const __m512i in_place = _mm512_and_si512(j % 2 ? q.odd : q.even,
                                               _mm512_set1_epi32(P::kField << (2 * j)));

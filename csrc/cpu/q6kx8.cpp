@@ -22,7 +22,7 @@
 // Q6Kx8's header and offset 4, and Q2Kx8's words with a word of third bits a
 // row, which one shift and two selects join to them (q6k_simd.h).
 // The grid i-quants with a scale per 16 weights (IQ2_XS, IQ2_S, IQ1_M) have
-// Q3Kx8's bytes, each nibble an index into a table of values that the kernels
+// Q6Kx8's header with nibble words, each nibble an index into a table of values that the kernels
 // look up (grouped::table_avx2) against inputs that are not pre-scaled.
 #include "q6kx8.h"
 

@@ -89,11 +89,9 @@ constexpr int64_t kBlock = 32;  // weights per block
 // 4.3125 bits a weight (the files' 3.0625, 3.4375, 2.0625 and 1.5625)
 //
 // IQ2XSx8, IQ2Sx8 and IQ1Mx8 (ids 116-118) hold GGML's IQ2_XS, IQ2_S and IQ1_M
-// (grid i-quants with an odd scale per 16 weights) in Q6Kx8's header with
-// nibble words: per group of 8 rows and super-block of 256, 1168 bytes: d[8]
-// float16, sc[16][8] int8 (the odd scale), then per block q[4][8] uint32
-// (Q4x8's words, each nibble an index into the type's table): 4.5625 bits a
-// weight (the files' 2.3125, 2.5625 and 1.75)
+// (grid i-quants with an odd scale per 16 weights) in Q3Kx8's bytes, sc the
+// odd scale and each 3-bit quant an index into the type's table: 3.5625 bits
+// a weight (the files' 2.3125, 2.5625 and 1.75)
 //
 // Q3Kx8 (id 110) holds GGML's Q3_K (w = d * (sc - 32) * (q - 4), q in 0..7, a
 // 6-bit scale per 16 weights) at 3.5625 bits a weight (Q3_K's 3.4375): per
@@ -130,7 +128,6 @@ constexpr int64_t kQ40GroupBlockBytes = 144;  // one Q40x8 group-block
 constexpr int64_t kQ51GroupBlockBytes = 192;  // one Q51x8 group-block
 constexpr int64_t kIQ4SuperGroupBytes = 1104;  // one IQ4x8 group's super-block
 constexpr int64_t kQ3SuperGroupBytes = 912;    // one Q3Kx8 group's super-block
-constexpr int64_t kHalvesSuperGroupBytes = 1168;  // one IQ2XSx8 (IQ2Sx8, IQ1Mx8) group's
 constexpr int64_t kQ2SuperGroupBytes = 672;    // one Q2Kx8 group's super-block
 
 // Whether `qtype` is one of the layouts of IQ4x8's bytes read through a table
@@ -181,10 +178,10 @@ inline int64_t block_bytes(int64_t qtype) {
     case kIQ2XXSx8:
     case kIQ1Sx8: return kIQ4SuperGroupBytes / kSuperBlocks;
     case kIQ4NLx8: return kQ40GroupBlockBytes;
-    case kQ3Kx8: return kQ3SuperGroupBytes / kSuperBlocks;
+    case kQ3Kx8:
     case kIQ2XSx8:
     case kIQ2Sx8:
-    case kIQ1Mx8: return kHalvesSuperGroupBytes / kSuperBlocks;
+    case kIQ1Mx8: return kQ3SuperGroupBytes / kSuperBlocks;
     case kQ2Kx8: return kQ2SuperGroupBytes / kSuperBlocks;
     default: return 0;
   }
