@@ -66,9 +66,9 @@ bool block_geometry(int64_t qtype, int64_t* block_bytes, int64_t* weights_per_bl
     case 110: *block_bytes = 912, *weights_per_block = 256; return true;  // Q3Kx8
     case 111: *block_bytes = 672, *weights_per_block = 256; return true;  // Q2Kx8
     case 112:  // IQ3XXSx8
-    case 113:  // IQ3Sx8
+    case 113: *block_bytes = 1104, *weights_per_block = 256; return true;  // IQ3Sx8
     case 114:  // IQ2XXSx8
-    case 115: *block_bytes = 1104, *weights_per_block = 256; return true;  // IQ1Sx8
+    case 115:  // IQ1Sx8
     case 116:  // IQ2XSx8
     case 117:  // IQ2Sx8
     case 118: *block_bytes = 912, *weights_per_block = 256; return true;  // IQ1Mx8

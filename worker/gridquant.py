@@ -14,13 +14,13 @@ scale ls. GGML computes a weight as
 
 with the first product exact (a float16 times a few bits) and the second rounded once. So every
 weight is (d * (2 ls + 1)) * v, v one of at most 16 values of its type (g / 4 or g / 8 with its
-sign, g + delta), the product rounded once. The layouts store that as IQ4x8 stores IQ4_XS
-(iquant.py) where a scale covers 32 weights (each row's d, the odd scale 2 ls + 1 as an int8,
-and per weight a nibble indexing the type's table of values, `VALUES`, the kernels'
-csrc/cpu/value_tables.h), and as Q3Kx8 stores Q3_K (lowbit.py) where it covers 16 (the same
-header, and per weight a 3-bit index: the IQ2 and IQ1 tables have at most 8 values), which the
-table kernels read. The same weights bit for bit, at 4.3125 or 3.5625 bits a weight (the files'
-1.56 to 3.44), where a float32 copy takes 32.
+sign, g + delta), the product rounded once. The layouts store each row's d, the odd scale
+2 ls + 1 as an int8 and per weight an index into the type's table of values (`VALUES`, the
+kernels' csrc/cpu/value_tables.h): IQ3_XXS and IQ3_S (16 values) as IQ4x8 stores IQ4_XS
+(iquant.py), a nibble a weight; the IQ2 and IQ1 types (at most 8 values) as Q3Kx8 stores Q3_K
+(lowbit.py), 3 bits a weight and a scale per 16 (IQ2_XXS's and IQ1_S's scale per 32 held for
+both halves). The table kernels read them: the same weights bit for bit, at 4.3125 or 3.5625
+bits a weight (the files' 1.56 to 3.44), where a float32 copy takes 32.
 
 The grids are not copied here: `_unit_grid` reads each out of the `gguf` package's GGML
 dequantizer, from blocks whose scale is the smallest and whose signs are all positive.
@@ -64,8 +64,9 @@ VALUES = {"IQ3_XXS": _signed(8, 1, 3, 5, 7, 9, 11, 13, 15.5),
 @dataclass(frozen=True)
 class GridType:
     """One grid i-quant: its layout's name, its block bytes, its grid (points, weights a point,
-    and the type whose grid it shares, if any), its table (a `VALUES` key) and whether a scale
-    covers 16 weights (the layout is then Q3Kx8's bytes, else IQ4x8's)."""
+    and the type whose grid it shares, if any), its table (a `VALUES` key) and whether its
+    layout has Q3Kx8's bytes (3-bit indices, a scale per 16 weights: the IQ2 and IQ1 types,
+    whose tables have at most 8 values) rather than IQ4x8's (nibbles, a scale per 32)."""
 
     layout: str
     block_bytes: int
@@ -83,10 +84,10 @@ class GridType:
 TYPES = {
     "IQ3_XXS": GridType("IQ3XXSx8", 98, 256, 4, "IQ3_XXS"),
     "IQ3_S": GridType("IQ3Sx8", 110, 512, 4, "IQ3_S"),
-    "IQ2_XXS": GridType("IQ2XXSx8", 66, 256, 8, "IQ2"),
+    "IQ2_XXS": GridType("IQ2XXSx8", 66, 256, 8, "IQ2", halves=True),
     "IQ2_XS": GridType("IQ2XSx8", 74, 512, 8, "IQ2", halves=True),
     "IQ2_S": GridType("IQ2Sx8", 82, 1024, 8, "IQ2", halves=True),
-    "IQ1_S": GridType("IQ1Sx8", 50, 2048, 8, "IQ1"),
+    "IQ1_S": GridType("IQ1Sx8", 50, 2048, 8, "IQ1", halves=True),
     "IQ1_M": GridType("IQ1Mx8", 56, 2048, 8, "IQ1", halves=True, grid_of="IQ1_S"),
 }
 #: The layouts by name, with the type each holds.
@@ -248,6 +249,8 @@ def grid_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
 def _pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     d, scales, index = grid_parts(blocks, qtype)
     if TYPES[qtype].halves:
+        if scales.shape[-1] == SUB_BLOCKS:  # a scale per 32 weights, held for each half
+            scales = scales.repeat_interleave(2, dim=-1)
         return pack_q3kx8(d, scales, index)
     n, nb = d.shape[:2]
     return pack_super_table(d, scales, index.reshape(n, nb, SUB_BLOCKS, 32))

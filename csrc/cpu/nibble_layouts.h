@@ -108,7 +108,7 @@ static_assert(Q4Kx8Layout::kBytes == kSuperGroupBytes && Q5Kx8Layout::kBytes == 
 // quant words, each nibble an index into kIQ4Values: w = d * sc * kv[q], no
 // offset. d * sc * kv has at most 11 + 5 + 7 significant bits, so GGML's
 // (d * sc) * kv is exact in float32, and so is each of the kernels' products.
-// The grid i-quants have the same bytes, with sc their sub-block's odd scale
+// IQ3_XXS and IQ3_S have the same bytes, with sc their sub-block's odd scale
 // (1..31) and kValues their table: d * sc is exact, and so is its product
 // with a value (at most 6 significant bits), which GGML rounds once as well.
 // A table layout (kTable) reads its quants through the table, against inputs
@@ -141,8 +141,6 @@ struct SuperTableLayout {
 using IQ4x8Layout = SuperTableLayout<quant::kIQ4x8, kIQ4Values>;
 using IQ3XXSx8Layout = SuperTableLayout<quant::kIQ3XXSx8, kIQ3XXSValues>;
 using IQ3Sx8Layout = SuperTableLayout<quant::kIQ3Sx8, kIQ3SValues>;
-using IQ2XXSx8Layout = SuperTableLayout<quant::kIQ2XXSx8, kIQ2Values>;
-using IQ1Sx8Layout = SuperTableLayout<quant::kIQ1Sx8, kIQ1Values>;
 static_assert(IQ4x8Layout::kBytes == kIQ4SuperGroupBytes);
 
 // IQ4_NL: Q40x8's bytes (d[8] float16, then the quant words per block of 32),

@@ -22,8 +22,8 @@
 // the scales is the same. IQ4x8 and IQ4NLx8 (IQ4_XS, IQ4_NL) have Q4x8's words too, each nibble an
 // index into a table of 16 values (nibble_layouts.h): its kernels look the
 // values up (one 16-entry permute with AVX-512) and read the input as given,
-// not pre-scaled. The grid i-quants (IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S) have
-// IQ4x8's bytes, each with its own table.
+// not pre-scaled. The grid i-quants IQ3_XXS and IQ3_S have IQ4x8's bytes,
+// each with its own table.
 #include "q4x8.h"
 
 #include <algorithm>
@@ -345,8 +345,6 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kIQ4x8: return f(IQ4x8Layout{});
     case quant::kIQ3XXSx8: return f(IQ3XXSx8Layout{});
     case quant::kIQ3Sx8: return f(IQ3Sx8Layout{});
-    case quant::kIQ2XXSx8: return f(IQ2XXSx8Layout{});
-    case quant::kIQ1Sx8: return f(IQ1Sx8Layout{});
     case quant::kIQ4NLx8: return f(IQ4NLx8Layout{});
     default: return f(Q4x8Layout{});
   }

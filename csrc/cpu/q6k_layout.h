@@ -52,8 +52,9 @@ struct Q2K {
   static constexpr int64_t kBlockBytes = 64;  // 2-bit words
   static constexpr int64_t kSuperBytes = quant::kQ2SuperGroupBytes;
 };
-// The grid i-quants with a scale per 16 weights (GGML's IQ2_XS, IQ2_S and
-// IQ1_M; worker/gridquant.py): Q3Kx8's bytes, sc the odd scale 2 ls + 1, each
+// The IQ2 and IQ1 grid i-quants (GGML's IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and
+// IQ1_M; worker/gridquant.py): Q3Kx8's bytes, sc the odd scale 2 ls + 1 (per
+// 16 weights; IQ2_XXS's and IQ1_S's per 32, repeated for both halves), each
 // 3-bit quant an index into the type's table (value_tables.h): w = d * sc *
 // kv[q], read through the table against inputs that are not pre-scaled.
 template <const float* kV>

@@ -21,9 +21,9 @@
 // half, dmin * mn times the half's input sum taken off its total. Q3Kx8 has
 // Q6Kx8's header and offset 4, and Q2Kx8's words with a word of third bits a
 // row, which one shift and two selects join to them (q6k_simd.h).
-// The grid i-quants with a scale per 16 weights (IQ2_XS, IQ2_S, IQ1_M) have
-// Q6Kx8's header with nibble words, each nibble an index into a table of values that the kernels
-// look up (grouped::table_avx2) against inputs that are not pre-scaled.
+// The IQ2 and IQ1 grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) have
+// Q3Kx8's bytes, each 3-bit quant an index into a table of values that the
+// kernels look up (grouped::table3_avx2) against inputs that are not pre-scaled.
 #include "q6kx8.h"
 
 #include <cstring>
@@ -310,8 +310,10 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
   switch (qtype) {
     case quant::kQ3Kx8: return f(Q3K{});
     case quant::kQ2Kx8: return f(Q2K{});
+    case quant::kIQ2XXSx8:
     case quant::kIQ2XSx8:
     case quant::kIQ2Sx8: return f(IQ2Halves{});
+    case quant::kIQ1Sx8:
     case quant::kIQ1Mx8: return f(IQ1Halves{});
     default: return f(Q6K{});
   }

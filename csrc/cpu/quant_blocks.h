@@ -82,16 +82,17 @@ constexpr int64_t kBlock = 32;  // weights per block
 //     d[8] float16, sc[8][8] int8 (ls - 32, block-major), then per block
 //     q[4][8] uint32 (Q4x8's words, each nibble an index into kv)
 //
-// IQ3XXSx8, IQ3Sx8, IQ2XXSx8 and IQ1Sx8 (ids 112-115) hold GGML's IQ3_XXS,
-// IQ3_S, IQ2_XXS and IQ1_S (each weight a point of a fixed grid, signed, times
-// an odd scale per 32 weights) in IQ4x8's bytes, sc the odd scale and each
-// nibble an index into the type's own table of 16 values (nibble_layouts.h):
-// 4.3125 bits a weight (the files' 3.0625, 3.4375, 2.0625 and 1.5625)
+// IQ3XXSx8 and IQ3Sx8 (ids 112, 113) hold GGML's IQ3_XXS and IQ3_S (each
+// weight a point of a fixed grid, signed, times an odd scale per 32 weights)
+// in IQ4x8's bytes, sc the odd scale and each nibble an index into the type's
+// own table of 16 values (nibble_layouts.h): 4.3125 bits a weight (the files'
+// 3.0625 and 3.4375)
 //
-// IQ2XSx8, IQ2Sx8 and IQ1Mx8 (ids 116-118) hold GGML's IQ2_XS, IQ2_S and IQ1_M
-// (grid i-quants with an odd scale per 16 weights) in Q3Kx8's bytes, sc the
-// odd scale and each 3-bit quant an index into the type's table: 3.5625 bits
-// a weight (the files' 2.3125, 2.5625 and 1.75)
+// IQ2XXSx8, IQ1Sx8, IQ2XSx8, IQ2Sx8 and IQ1Mx8 (ids 114-118) hold GGML's
+// IQ2_XXS, IQ1_S (an odd scale per 32 weights, repeated for each half), IQ2_XS,
+// IQ2_S and IQ1_M (one per 16) in Q3Kx8's bytes, sc the odd scale and each
+// 3-bit quant an index into the type's table of at most 8 values: 3.5625 bits
+// a weight (the files' 2.0625, 1.5625, 2.3125, 2.5625 and 1.75)
 //
 // Q3Kx8 (id 110) holds GGML's Q3_K (w = d * (sc - 32) * (q - 4), q in 0..7, a
 // 6-bit scale per 16 weights) at 3.5625 bits a weight (Q3_K's 3.4375): per
@@ -133,14 +134,14 @@ constexpr int64_t kQ2SuperGroupBytes = 672;    // one Q2Kx8 group's super-block
 // Whether `qtype` is one of the layouts of IQ4x8's bytes read through a table
 // of its own (IQ4x8 and the grid i-quants').
 constexpr bool super_table(int64_t qtype) {
-  return qtype == kIQ4x8 || qtype == kIQ3XXSx8 || qtype == kIQ3Sx8 || qtype == kIQ2XXSx8 ||
-         qtype == kIQ1Sx8;
+  return qtype == kIQ4x8 || qtype == kIQ3XXSx8 || qtype == kIQ3Sx8;
 }
 
 // Whether `qtype` is one of the layouts of Q3Kx8's bytes read through a table
-// (the grid i-quants with a scale per 16 weights).
+// (the IQ2 and IQ1 grid i-quants: 3-bit indices, a scale per 16 weights).
 constexpr bool table_halves(int64_t qtype) {
-  return qtype == kIQ2XSx8 || qtype == kIQ2Sx8 || qtype == kIQ1Mx8;
+  return qtype == kIQ2XXSx8 || qtype == kIQ1Sx8 || qtype == kIQ2XSx8 || qtype == kIQ2Sx8 ||
+         qtype == kIQ1Mx8;
 }
 
 // Whether `qtype` is one of the 8-row grouped layouts (q4x8.h, q6kx8.h).
@@ -174,11 +175,11 @@ inline int64_t block_bytes(int64_t qtype) {
     case kQ51x8: return kQ51GroupBlockBytes;
     case kIQ4x8:
     case kIQ3XXSx8:
-    case kIQ3Sx8:
-    case kIQ2XXSx8:
-    case kIQ1Sx8: return kIQ4SuperGroupBytes / kSuperBlocks;
+    case kIQ3Sx8: return kIQ4SuperGroupBytes / kSuperBlocks;
     case kIQ4NLx8: return kQ40GroupBlockBytes;
     case kQ3Kx8:
+    case kIQ2XXSx8:
+    case kIQ1Sx8:
     case kIQ2XSx8:
     case kIQ2Sx8:
     case kIQ1Mx8: return kQ3SuperGroupBytes / kSuperBlocks;
