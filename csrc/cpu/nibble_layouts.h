@@ -319,7 +319,8 @@ SHARDLM_AVX512 inline SuperHalves512 super_halves_pair(const uint8_t* w, int64_t
   if constexpr (L::kSuper) {
     f.d = grouped::halves_pair(L::super(w, b), next);
     if constexpr (!L::kTable) {
-      f.neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), grouped::halves_pair(L::super(w, b) + 16, next));
+      const __m512 dmin = grouped::halves_pair(L::super(w, b) + 16, next);
+      f.neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), dmin);
     }
   }
   return f;

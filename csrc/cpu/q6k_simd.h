@@ -22,15 +22,21 @@ struct HalfFactors256 {
   __m256 scale[2], mins[2];
 };
 
-template <class P>
-SHARDLM_AVX2 inline __m256 half_factor8(__m128i bytes, __m256 d, bool high) {
-  if constexpr (!P::kMins) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-  const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0f));
-  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)));
+// Q2Kx8's scale (low) or minimum (high) nibbles of 16 bytes, as bytes.
+SHARDLM_AVX2 inline __m128i scale_nibbles(__m128i bytes, bool high) {
+  return _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0f));
 }
 
 template <class P>
-SHARDLM_AVX2 inline HalfFactors256 half_factors8(const uint8_t* s, int64_t b, __m256 d, __m256 dmin) {
+SHARDLM_AVX2 inline __m256 half_factor8(__m128i bytes, __m256 d, bool high) {
+  const __m256i v = P::kMins ? _mm256_cvtepu8_epi32(scale_nibbles(bytes, high))
+                             : _mm256_cvtepi8_epi32(bytes);
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+}
+
+template <class P>
+SHARDLM_AVX2 inline HalfFactors256 half_factors8(const uint8_t* s, int64_t b, __m256 d,
+                                                 __m256 dmin) {
   const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + scales_at<P>(b, 0)));
   const __m128i bytes[2] = {both, _mm_srli_si128(both, 8)};
   HalfFactors256 f;
@@ -141,9 +147,9 @@ struct HalfFactors512 {
 
 template <class P>
 SHARDLM_AVX512 inline __m512 half_factor_pair(__m128i bytes, __m512 d, bool high) {
-  if constexpr (!P::kMins) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-  const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0f));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)));
+  const __m512i v = P::kMins ? _mm512_cvtepu8_epi32(scale_nibbles(bytes, high))
+                             : _mm512_cvtepi8_epi32(bytes);
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(v));
 }
 
 template <class P>

@@ -22,7 +22,8 @@ inline constexpr float kIQ3SValues[16] = {1.f,  3.f,  5.f,  7.f,  9.f,  11.f,  1
                                           -1.f, -3.f, -5.f, -7.f, -9.f, -11.f, -13.f, -15.f};
 inline constexpr float kIQ2Values[16] = {1.f, 3.125f, 5.375f, 0.f, -1.f, -3.125f, -5.375f, 0.f,
                                          1.f, 3.125f, 5.375f, 0.f, -1.f, -3.125f, -5.375f, 0.f};
-inline constexpr float kIQ1Values[16] = {-0.875f, 0.125f, 1.125f, -1.125f, -0.125f, 0.875f, 0.f, 0.f,
-                                         -0.875f, 0.125f, 1.125f, -1.125f, -0.125f, 0.875f, 0.f, 0.f};
+inline constexpr float kIQ1Values[16] = {
+    -0.875f, 0.125f, 1.125f, -1.125f, -0.125f, 0.875f, 0.f, 0.f,
+    -0.875f, 0.125f, 1.125f, -1.125f, -0.125f, 0.875f, 0.f, 0.f};
 
 }  // namespace shardlm::cpu
