@@ -12,8 +12,8 @@ file's 3.4375. Quant t (0..15) of half h has its third bit at bit 16 h + 2 (t % 
 of that word, so that one shift puts it just above the quant's two low bits once the kernels
 have shifted the 2-bit word for its half (see q6k_simd.h).
 
-The grid i-quants with a scale per 16 weights (gridquant.py) have Q3Kx8's bytes, each weight's
-3-bit index into its type's table in place of q + 4 (`pack_q3kx8`).
+The IQ2 and IQ1 grid i-quants (gridquant.py) have Q3Kx8's bytes, each weight's 3-bit index into
+its type's table in place of q + 4 (`pack_q3kx8`).
 
 Q2_K (84 bytes per 256 weights): 16 bytes of scales (per 16 weights a 4-bit scale sc in the low
 nibble and a 4-bit minimum mn in the high one), 64 bytes of 2-bit quants laid out as Q3_K's, then
@@ -99,8 +99,8 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def pack_q3kx8(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
     """Q3Kx8's bytes [n / 8, nb * 912] of d as float16 bytes [n, nb, 2], int8 scales [n, nb, 16]
-    and 3-bit quants [n, nb, 256] (0..7) in weight order; the grid i-quants with a scale per 16
-    weights (gridquant.py) have the same bytes, their quants indices into a table."""
+    and 3-bit quants [n, nb, 256] (0..7) in weight order; the IQ2 and IQ1 grid i-quants
+    (gridquant.py) have the same bytes, their quants indices into a table."""
     n, supers = quants.shape[:2]
     q = quants.to(torch.uint8).reshape(n // ROWS, ROWS, supers, SUB_BLOCKS, 32)
     low = bit_words((q & 3).reshape(*q.shape[:-1], 2, 16), _TWO_BIT_SHIFTS)
