@@ -121,7 +121,7 @@ inline uint32_t word_at(const uint8_t* p) {
 }
 
 // Row r's quant i (0..31) of block b, 0..63 (Q3Kx8: 0..7, Q2Kx8: 0..3, a
-// table layout: the index, 0..15).
+// table layout: the index, 0..7).
 template <class P = Q6K>
 inline int quant_of(const uint8_t* w, int64_t b, int64_t r, int64_t i) {
   const uint8_t* q = words_of<P>(w, b);
