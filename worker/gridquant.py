@@ -64,31 +64,35 @@ VALUES = {"IQ3_XXS": _signed(8, 1, 3, 5, 7, 9, 11, 13, 15.5),
 @dataclass(frozen=True)
 class GridType:
     """One grid i-quant: its layout's name, its block bytes, its grid (points, weights a point,
-    and the type whose grid it shares, if any), its table (a `VALUES` key) and whether its
-    layout has Q3Kx8's bytes (3-bit indices, a scale per 16 weights: the IQ2 and IQ1 types,
-    whose tables have at most 8 values) rather than IQ4x8's (nibbles, a scale per 32)."""
+    and the type whose grid it shares, if any) and its table (a `VALUES` key)."""
 
     layout: str
     block_bytes: int
     points: int
     width: int
     values: str
-    halves: bool = False
     grid_of: str = ""
 
     @property
     def table(self) -> torch.Tensor:
         return torch.tensor(VALUES[self.values], dtype=torch.float32)
 
+    @property
+    def three_bit(self) -> bool:
+        """Whether the layout has Q3Kx8's bytes (3-bit indices, a scale per 16 weights) rather
+        than IQ4x8's (nibbles, a scale per 32): so where the table's 8 values repeat (IQ2, IQ1)."""
+        values = VALUES[self.values]
+        return values[:8] == values[8:]
+
 
 TYPES = {
     "IQ3_XXS": GridType("IQ3XXSx8", 98, 256, 4, "IQ3_XXS"),
     "IQ3_S": GridType("IQ3Sx8", 110, 512, 4, "IQ3_S"),
-    "IQ2_XXS": GridType("IQ2XXSx8", 66, 256, 8, "IQ2", halves=True),
-    "IQ2_XS": GridType("IQ2XSx8", 74, 512, 8, "IQ2", halves=True),
-    "IQ2_S": GridType("IQ2Sx8", 82, 1024, 8, "IQ2", halves=True),
-    "IQ1_S": GridType("IQ1Sx8", 50, 2048, 8, "IQ1", halves=True),
-    "IQ1_M": GridType("IQ1Mx8", 56, 2048, 8, "IQ1", halves=True, grid_of="IQ1_S"),
+    "IQ2_XXS": GridType("IQ2XXSx8", 66, 256, 8, "IQ2"),
+    "IQ2_XS": GridType("IQ2XSx8", 74, 512, 8, "IQ2"),
+    "IQ2_S": GridType("IQ2Sx8", 82, 1024, 8, "IQ2"),
+    "IQ1_S": GridType("IQ1Sx8", 50, 2048, 8, "IQ1"),
+    "IQ1_M": GridType("IQ1Mx8", 56, 2048, 8, "IQ1", grid_of="IQ1_S"),
 }
 #: The layouts by name, with the type each holds.
 LAYOUTS = {t.layout: qtype for qtype, t in TYPES.items()}
@@ -248,7 +252,7 @@ def grid_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
 
 def _pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     d, scales, index = grid_parts(blocks, qtype)
-    if TYPES[qtype].halves:
+    if TYPES[qtype].three_bit:
         if scales.shape[-1] == SUB_BLOCKS:  # a scale per 32 weights, held for each half
             scales = scales.repeat_interleave(2, dim=-1)
         return pack_q3kx8(d, scales, index)
@@ -274,7 +278,7 @@ def dequantize_grid_layout(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """float32 [N, K] of a table layout's blocks, as GGML computes its type's:
     (d * sc) * value."""
     kind = TYPES[LAYOUTS[layout]]
-    if not kind.halves:
+    if not kind.three_bit:
         return dequantize_super_table(blocks, kind.table)
     scale, index = q3kx8_fields(blocks)
     return (scale * kind.table[index.long()]).reshape(blocks.shape[0] * ROWS, -1)

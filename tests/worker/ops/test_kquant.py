@@ -41,7 +41,7 @@ LAYOUTS = {"Q4_K": ("Q4Kx8", 256, kquant.Q4KX8_SUPER_BYTES),
            "IQ4_NL": ("IQ4NLx8", 32, iquant.IQ4NLX8_BLOCK_BYTES),
            "Q3_K": ("Q3Kx8", 256, lowbit.Q3KX8_SUPER_BYTES),
            "Q2_K": ("Q2Kx8", 256, lowbit.Q2KX8_SUPER_BYTES),
-           **{qtype: (grid.layout, 256, lowbit.Q3KX8_SUPER_BYTES if grid.halves
+           **{qtype: (grid.layout, 256, lowbit.Q3KX8_SUPER_BYTES if grid.three_bit
                       else iquant.IQ4X8_SUPER_BYTES) for qtype, grid in gridquant.TYPES.items()}}
 #: Each 8-row layout of LAYOUTS by name, with the GGML type the tests make it from.
 SOURCES = {layout: qtype for qtype, (layout, _, _) in LAYOUTS.items()}
