@@ -246,7 +246,7 @@ SHARDLM_AVX512 void q8_0_rows4_avx512(float acc[4], const uint8_t* w, int64_t ro
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
     for (int64_t line = 0; line < 2 * pace; line += 64) {
-      cpu::avx2::prefetch_line(ahead + b * pace + line);
+      cpu::avx2::prefetch_line_l2(ahead + b * pace + line);
     }
     e0 = q8_0_block_avx512(e0, w0, x, b);
     e1 = q8_0_block_avx512(e1, w1, x, b);

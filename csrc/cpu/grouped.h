@@ -216,26 +216,23 @@ SHARDLM_AVX2 inline void joined_bytes_avx2(const Joined256& q, int bytes, __m256
 // next pair's second group (g + 3), not to g + 1, which is being read already;
 // the second stream's runs on into g + 2. Without that, every pair began with
 // a cold stretch of g + 3 (a fifth slower streaming of 2048-wide weights).
-// kInto: the cache the lines go to (simd.h, Into).
-template <cpu::avx2::Into kInto = cpu::avx2::Into::kL1>
 SHARDLM_AVX2 inline void prefetch_pair(const uint8_t* w, const uint8_t* p, int64_t next) {
   const uint8_t* ahead = p + cpu::avx2::kPrefetchBytes;
-  cpu::avx2::prefetch_into<kInto>(ahead >= w + next ? ahead + 2 * next : ahead);
-  cpu::avx2::prefetch_into<kInto>(ahead + next);
+  cpu::avx2::prefetch_line_l2(ahead >= w + next ? ahead + 2 * next : ahead);
+  cpu::avx2::prefetch_line_l2(ahead + next);
 }
 
 // Every line of [begin, end) looked ahead, in one group (next == 0) or in a
 // pair (prefetch_pair). The kernels pass each block's whole stretch of the
 // group, its super-block's header included with its first block, so that the
 // look-ahead misses no line of the stream.
-template <cpu::avx2::Into kInto = cpu::avx2::Into::kL1>
 SHARDLM_AVX2 inline void prefetch_span(const uint8_t* w, const uint8_t* begin, const uint8_t* end,
                                        int64_t next) {
   for (const uint8_t* p = begin; p < end; p += 64) {
     if (next) {
-      prefetch_pair<kInto>(w, p, next);
+      prefetch_pair(w, p, next);
     } else {
-      cpu::avx2::prefetch_ahead<kInto>(p);
+      cpu::avx2::prefetch_ahead(p);
     }
   }
 }

@@ -33,15 +33,6 @@ namespace q6 = q6kx8::layout;
 
 static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are Q6_K's scale spans");
 
-#if SHARDLM_HAVE_AVX2
-// These kernels unpack from cache about three times as fast as memory
-// delivers (one thread: 35-47 GB/s of 4-bit weights) and wait on it; their
-// look-ahead goes to L2 (simd.h, Into). Streaming 1B-shaped weights on 2
-// threads, builds alternated: Q40x8 16384 x 2048 30 -> 41 GB/s, Q4Kx8 26 -> 30,
-// Q6Kx8 2048 x 8192 30 -> 34.
-constexpr cpu::avx2::Into kLookAhead = cpu::avx2::Into::kL2;
-#endif
-
 inline int32_t word_at(const int8_t* p) {
   int32_t word;
   std::memcpy(&word, p, sizeof word);
@@ -101,7 +92,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
   __m256 sum[R], off[R];
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    nib::prefetch_block<L, kLookAhead>(w, b);
+    nib::prefetch_block<L>(w, b);
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
     for (int s = 0; s < 4; ++s) {
@@ -137,7 +128,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    nib::prefetch_block<L, kLookAhead>(w, b, next);
+    nib::prefetch_block<L>(w, b, next);
     const uint8_t* qw = L::quants(w, b);
     const __m512i h = L::kFive ? grouped::load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
     __m512i dot[R][2];  // even and odd quants: two chains
@@ -217,7 +208,7 @@ SHARDLM_AVX2 void rows_avx2(Q6KLayout, float* acc, int64_t stride, const uint8_t
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* q = q6::words_of(w, b);
-    grouped::prefetch_span<kLookAhead>(w, q6::stream_begin(w, b), q + q6::kBlockBytes, 0);
+    grouped::prefetch_span(w, q6::stream_begin(w, b), q + q6::kBlockBytes, 0);
     __m256i dot[R][2];  // per half
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
@@ -258,7 +249,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int6
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* q = q6::words_of(w, b);
-    grouped::prefetch_span<kLookAhead>(w, q6::stream_begin(w, b), q + q6::kBlockBytes, next);
+    grouped::prefetch_span(w, q6::stream_begin(w, b), q + q6::kBlockBytes, next);
     __m512i dot[R][2];  // per half
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();

@@ -286,10 +286,10 @@ SHARDLM_AVX2 inline void scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m
 }
 
 // The lines of block b ahead of the one read (for AVX-512 pairs, next > 0,
-// those of both groups: grouped::prefetch_pair), into the cache kInto names.
-template <class L, cpu::avx2::Into kInto = cpu::avx2::Into::kL1>
+// those of both groups: grouped::prefetch_pair).
+template <class L>
 SHARDLM_AVX2 inline void prefetch_block(const uint8_t* w, int64_t b, int64_t next = 0) {
-  grouped::prefetch_span<kInto>(w, L::stream_begin(w, b), L::quants(w, b) + 128, next);
+  grouped::prefetch_span(w, L::stream_begin(w, b), L::quants(w, b) + 128, next);
 }
 
 // The 8 bytes at p and the 8 at p + next as 16 floats.

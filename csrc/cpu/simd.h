@@ -50,44 +50,31 @@ namespace shardlm::cpu::avx2 {
 // A decode step streams each weight once. The hardware prefetcher alone keeps
 // too few lines in flight for the kernels to overlap their arithmetic with the
 // reads, so the streaming kernels also ask for the line this many bytes ahead
-// of the one they read. 6 KiB measured best of 0 to 12 KiB for 4-bit and
-// bfloat16 SmolLM2 decode (about +10% and +20% tok/s on this machine).
-constexpr int64_t kPrefetchBytes = 6144;
+// of the one they read, into L2 (prefetcht1), not L1. A prefetch that misses
+// holds one of L1's few miss buffers until memory answers, so a look-ahead into
+// L1 capped each core at about 11 GB/s of weights however far ahead it asked,
+// while a plain read gets 25-28 GB/s a core here; L2 keeps many more misses in
+// flight, and a line the kernel reaches from L2 costs a few cycles, which the
+// out-of-order core hides. Measured on a 2-core AMD EPYC (Zen 4), in-process
+// batch-1 decode, the look-ahead alternated in one process (2026-11-29): 6 KiB
+// into L1 against 12 KiB into L2, ~1B Q4_K_M 38.7 -> 44.0-46.7 tok/s, ~1B Q4_0
+// 39.1 -> 46.3, ~1B Q5_K_M 32.9 -> 38.6, the default model (Q4_1) dequantized to
+// float32 75 -> 116; its own file 315 -> 324 (a third of it fits in L3). The
+// int8-activation kernels, which had looked 6 KiB ahead into L2, gain 3-5% from
+// 12 KiB; 8-16 KiB are within noise of each other, 24 KiB and more fall off.
+constexpr int64_t kPrefetchBytes = 12288;
 
-// Asks for the cache line kPrefetchBytes past p; a hint, so an address past
-// the end of the weights is harmless. Written as the instruction itself: GCC
-// 12 dropped _mm_prefetch from some of the kernels it was inlined into (the
-// AVX-512 Q4x8 and Q4Kx8 ones, which then streamed at half the bandwidth).
-inline void prefetch_line(const void* p) {
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-}
-// The same into L2 only: for data read a while later, which in L1 would evict
-// what is being read now.
+// Asks for the cache line at p into L2; a hint, so an address past the end of
+// the weights is harmless. Written as the instruction itself: GCC 12 dropped
+// _mm_prefetch from some of the kernels it was inlined into (the AVX-512 Q4x8
+// and Q4Kx8 ones, which then streamed at half the bandwidth).
 inline void prefetch_line_l2(const void* p) {
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 }
-// Which cache a streaming kernel's look-ahead fills. The float-activation
-// kernels are bound by their own arithmetic (one thread unpacks about 16 GB/s
-// of 4-bit weights from cache), so a line must already be in L1 when they reach
-// it. The int8-activation ones unpack from cache three times as fast and wait
-// on memory instead: their look-ahead into L1 (two streams, 6 KiB each)
-// crowded out the lines being read, and one thread streamed 1B-shaped Q4_0
-// weights at 16-17 GB/s against 20-21 with the look-ahead into L2.
-enum class Into { kL1, kL2 };
 
-template <Into kInto>
-inline void prefetch_into(const void* p) {
-  if constexpr (kInto == Into::kL1) {
-    prefetch_line(p);
-  } else {
-    prefetch_line_l2(p);
-  }
-}
-
-// The line kPrefetchBytes past p, into kInto.
-template <Into kInto = Into::kL1>
+// The line kPrefetchBytes past p.
 inline void prefetch_ahead(const void* p) {
-  prefetch_into<kInto>(static_cast<const char*>(p) + kPrefetchBytes);
+  prefetch_line_l2(static_cast<const char*>(p) + kPrefetchBytes);
 }
 
 // ---- 8 lanes of T <-> 8 floats ------------------------------------------------------
