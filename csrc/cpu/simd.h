@@ -50,12 +50,12 @@ namespace shardlm::cpu::avx2 {
 // A decode step streams each weight once. The hardware prefetcher alone keeps
 // too few lines in flight for the kernels to overlap their arithmetic with the
 // reads, so the streaming kernels also ask for the line this many bytes ahead
-// of the one they read, into L2 (prefetcht1), not L1. A prefetch that misses
-// holds one of L1's few miss buffers until memory answers, so a look-ahead into
-// L1 capped each core at about 11 GB/s of weights however far ahead it asked,
-// while a plain read gets 25-28 GB/s a core here; L2 keeps many more misses in
-// flight, and a line the kernel reaches from L2 costs a few cycles, which the
-// out-of-order core hides. Measured on a 2-core AMD EPYC (Zen 4), in-process
+// of the one they read, into L2 (prefetcht1), not L1. A look-ahead into L1
+// left each core near 11 GB/s of weights while a plain read gets 25-28 GB/s a
+// core here, most likely because a prefetch that misses holds one of L1's few
+// miss buffers until memory answers; L2 keeps many more misses in flight, and
+// a line the kernel reaches from L2 costs a few cycles, which the out-of-order
+// core hides. Measured on a 2-core AMD EPYC (Zen 4), in-process
 // batch-1 decode, the look-ahead alternated in one process (2026-11-29): 6 KiB
 // into L1 against 12 KiB into L2, ~1B Q4_K_M 38.7 -> 44.0-46.7 tok/s, ~1B Q4_0
 // 39.1 -> 46.3, ~1B Q5_K_M 32.9 -> 38.6, the default model (Q4_1) dequantized to
