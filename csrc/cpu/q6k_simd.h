@@ -75,6 +75,11 @@ SHARDLM_AVX2 inline __m256i third_bits_avx2(const uint8_t* q, int s) {
   return s / 2 == 0 ? _mm256_slli_epi32(t, 1 + s % 2) : _mm256_srli_epi32(t, 15 - s % 2);
 }
 
+SHARDLM_AVX512 inline __m512i third_bits_avx512(const uint8_t* q, int s, int64_t next) {
+  const __m512i t = grouped::load_pair(q + 64, next);
+  return s / 2 == 0 ? _mm512_slli_epi32(t, 1 + s % 2) : _mm512_srli_epi32(t, 15 - s % 2);
+}
+
 template <class P>
 SHARDLM_AVX2 inline grouped::Joined256 words_avx2(const uint8_t* q, int s) {
   if constexpr (P::kTwoBit) {
@@ -99,9 +104,7 @@ SHARDLM_AVX512 inline grouped::Joined512 words_avx512(const uint8_t* q, int s, i
     __m512i v = grouped::load_pair(q + 32 * (s / 2), next);
     if (s % 2) v = _mm512_srli_epi32(v, 16);
     if constexpr (!P::kThirdBit) return {v, v, v};
-    const __m512i t = grouped::load_pair(q + 64, next);
-    const __m512i third = s / 2 == 0 ? _mm512_slli_epi32(t, 1 + s % 2)
-                                     : _mm512_srli_epi32(t, 15 - s % 2);
+    const __m512i third = third_bits_avx512(q, s, next);
     // 0xCA: the first operand's bits select the second's, its clear ones the third's.
     return {_mm512_ternarylogic_epi32(_mm512_set1_epi32(kEvenLowBits), v, third, 0xCA),
             _mm512_ternarylogic_epi32(_mm512_set1_epi32(kOddLowBits), v, third, 0xCA), v};
