@@ -19,6 +19,7 @@
 
 #include "cpu_utils.h"
 #include "grouped.h"
+#include "int8_halves.h"
 #include "nibble_layouts.h"
 #include "q6k_layout.h"
 #include "quant_blocks.h"
@@ -31,13 +32,8 @@ using quant::kBlock;
 namespace nib = q4x8::nibble;
 namespace q6 = q6kx8::layout;
 
-static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are Q6_K's scale spans");
+static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are the per-half layouts' scale spans");
 
-inline int32_t word_at(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof word);
-  return word;
-}
 
 // ---- 4- and 5-bit layouts (nibble_layouts.h) ----------------------------------------
 
@@ -66,11 +62,6 @@ void rows_scalar(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows
 }
 
 #if SHARDLM_HAVE_AVX2
-SHARDLM_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i quants, int32_t inputs) {
-  const __m256i pairs = _mm256_maddubs_epi16(quants, _mm256_set1_epi32(inputs));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
 // Nibble word s of block b as even and odd quant bytes, 8 rows.
 template <class L>
 SHARDLM_AVX2 inline void nibble_bytes_avx2(const uint8_t* w, int64_t b, int s, __m256i& even,
@@ -100,7 +91,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
       nibble_bytes_avx2<L>(w, b, s, even, odd);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r] = dot4_avx2(dot4_avx2(dot[r], even, word_at(xq)), odd, word_at(xq + 4));
+        dot[r] = dot4_avx2(dot4_avx2(dot[r], even, input_word(xq)), odd, input_word(xq + 4));
       }
     }
     __m256 d, m;
@@ -146,8 +137,8 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], even, _mm512_set1_epi32(word_at(xq)));
-        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], odd, _mm512_set1_epi32(word_at(xq + 4)));
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], even, _mm512_set1_epi32(input_word(xq)));
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], odd, _mm512_set1_epi32(input_word(xq + 4)));
       }
     }
     __m512 d, m;
@@ -165,130 +156,12 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
 }
 #endif
 
-// ---- Q6Kx8 (q6k_layout.h): 6-bit quants, a scale per half block ----------------------
+// ---- Q6Kx8, Q3Kx8, Q2Kx8: a scale per half block (int8_halves.h) -------------------
 
-// Stands for Q6Kx8 among the nibble layouts: the kernels below overload the
-// nibble ones on it.
-struct Q6KLayout {
-  static int64_t group_bytes(int64_t k) {
-    return k / (kBlock * quant::kSuperBlocks) * quant::kQ6SuperGroupBytes;
-  }
-};
-
-void rows_scalar(Q6KLayout, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
-                 int64_t m0, int64_t rows, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t row = (m0 + i) * blocks;
-    for (int64_t r = 0; r < kGroupRows; ++r) {
-      float total = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* xq = x.q + (row + b) * kBlock;
-        for (int64_t h = 0; h < 2; ++h) {
-          int32_t dot = 0;
-          for (int64_t e = kHalf * h; e < kHalf * (h + 1); ++e) {
-            dot += q6::quant_of(w, b, r, e) * xq[position(e)];
-          }
-          const float scale = q6::scale_of(w, b, h, r);
-          total += scale * x.scale[row + b] * static_cast<float>(dot) +
-                   scale * (-32.f * x.sum16[2 * (row + b) + h]);
-        }
-      }
-      acc[i * stride + r] = total;
-    }
-  }
-}
-
-#if SHARDLM_HAVE_AVX2
-template <int R>
-SHARDLM_AVX2 void rows_avx2(Q6KLayout, float* acc, int64_t stride, const uint8_t* w,
-                            const Int8Rows& x, int64_t m0, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  __m256 sum[R], off[R];
-  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = q6::words_of(w, b);
-    grouped::prefetch_span(w, q6::stream_begin(w, b), q + q6::kBlockBytes, 0);
-    __m256i dot[R][2];  // per half
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
-    for (int s = 0; s < 4; ++s) {
-      const grouped::Joined256 joined = grouped::join_avx2(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * (s / 2))),
-          2 * (s % 2), 0x30);
-      __m256i even, odd;
-      grouped::joined_bytes_avx2(joined, 0x3f3f3f3f, even, odd);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r][s / 2] = dot4_avx2(dot4_avx2(dot[r][s / 2], even, word_at(xq)), odd, word_at(xq + 4));
-      }
-    }
-    const uint8_t* sp = q6::super_of(w, b);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                                reinterpret_cast<const __m128i*>(sp + q6::scales_at(b, h))))));
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * blocks + b;
-        sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i])),
-                                 _mm256_cvtepi32_ps(dot[r][h]), sum[r]);
-        off[r] = _mm256_fmadd_ps(scale, _mm256_set1_ps(-32.f * x.sum16[2 * i + h]), off[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
-}
-
-template <int R>
-SHARDLM_AVX512_VNNI void pair_vnni(Q6KLayout, float* acc, const uint8_t* w, int64_t next,
-                                   const Int8Rows& x, int64_t m0, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  __m512 sum[R], off[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = q6::words_of(w, b);
-    grouped::prefetch_span(w, q6::stream_begin(w, b), q + q6::kBlockBytes, next);
-    __m512i dot[R][2];  // per half
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
-    for (int s = 0; s < 4; ++s) {
-      const grouped::Joined512 joined = grouped::join_avx512(
-          grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),
-          2 * (s % 2), 0x30);
-      __m512i even, odd;
-      grouped::joined_bytes_avx512(joined, 0x3f3f3f3f, even, odd);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        __m512i& chain = dot[r][s / 2];
-        chain = _mm512_dpbusd_epi32(chain, even, _mm512_set1_epi32(word_at(xq)));
-        chain = _mm512_dpbusd_epi32(chain, odd, _mm512_set1_epi32(word_at(xq + 4)));
-      }
-    }
-    const uint8_t* sp = q6::super_of(w, b);
-    const __m512 d = grouped::halves_pair(sp, next);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + q6::scales_at(b, h)));
-      const __m128i hi =
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + next + q6::scales_at(b, h)));
-      const __m512 scale = _mm512_mul_ps(
-          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * blocks + b;
-        sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(x.scale[i])),
-                                 _mm512_cvtepi32_ps(dot[r][h]), sum[r]);
-        off[r] = _mm512_fmadd_ps(scale, _mm512_set1_ps(-32.f * x.sum16[2 * i + h]), off[r]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(sum[r], off[r]));
-}
-#endif
+using halves::Layout;
+using q6::Q2K;
+using q6::Q3K;
+using q6::Q6K;
 
 // ---- dispatch ----------------------------------------------------------------------
 
@@ -300,20 +173,25 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ40x8: return f(nib::Q40x8Layout{});
     case quant::kQ5Kx8: return f(nib::Q5Kx8Layout{});
     case quant::kQ51x8: return f(nib::Q51x8Layout{});
-    case quant::kQ6Kx8: return f(Q6KLayout{});
+    case quant::kQ6Kx8: return f(Layout<Q6K>{});
+    case quant::kQ3Kx8: return f(Layout<Q3K>{});
+    case quant::kQ2Kx8: return f(Layout<Q2K>{});
     default: return f(nib::Q4x8Layout{});
   }
 }
 
 // Input rows one pass of the AVX-512 kernels takes (grouped::gemv's kRows).
-// Q6Kx8's kernel spends as much on each block's unpacking and on its two
-// halves' scaling as on its dot products, and 6 rows share the unpacking; the
+// The per-half kernels spend as much on each block's unpacking and on its two
+// halves' scaling as on their dot products, and 6 rows share the unpacking; the
 // nibble kernels, at the machine's vpdpbusd rate with 4 rows, gain nothing
 // from more (2 threads, the 1B file's matrices at 512 rows, alternated: Q6Kx8
 // 306-326 -> 351 GOP/s, Q4Kx8 419-479 either way). The AVX2 kernels (16
 // registers) take at most 4 rows at a time of a pass.
 template <class L>
-constexpr int64_t kPassRows = std::is_same_v<L, Q6KLayout> ? 6 : grouped::kMaxRows;
+constexpr bool kPerHalf = std::is_same_v<L, Layout<Q6K>> || std::is_same_v<L, Layout<Q3K>> ||
+                          std::is_same_v<L, Layout<Q2K>>;
+template <class L>
+constexpr int64_t kPassRows = kPerHalf<L> ? 6 : grouped::kMaxRows;
 
 // Calls kernel(std::integral_constant<int, R>) for R = rows (1 .. kMax).
 template <int64_t kMax, class K>
@@ -375,11 +253,15 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 }  // namespace
 
 // The table layouts' quants (IQ4x8, IQ4NLx8, the grid i-quants') index a table
-// of values, which these kernels do not read; Q3Kx8 and Q2Kx8 have no kernels
-// here either (those files stay exact).
+// of values, which these kernels do not read (those weights stay exact).
 bool takes(int64_t qtype) {
   return quant::grouped(qtype) && !quant::super_table(qtype) && !quant::table_halves(qtype) &&
-         qtype != quant::kIQ4NLx8 && qtype != quant::kQ3Kx8 && qtype != quant::kQ2Kx8;
+         qtype != quant::kIQ4NLx8;
+}
+
+InputOrder input_order(int64_t qtype) {
+  return qtype == quant::kQ3Kx8 || qtype == quant::kQ2Kx8 ? InputOrder::kTwoBit
+                                                          : InputOrder::kNibble;
 }
 
 template <typename T>

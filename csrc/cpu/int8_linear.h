@@ -29,14 +29,30 @@ struct Int8Rows {
 // Elements per sum16 entry: half a block, the span of a Q6_K scale.
 constexpr int64_t kHalf = 16;
 
-// Where element i of a block sits in Int8Rows' order.
-constexpr int64_t position(int64_t i) { return 8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2; }
+// The byte order of a block's rounded inputs, which follows how the weights'
+// kernels unpack their quants (4 a 32-bit lane, meeting one input word):
+// kNibble, nibble words' even and odd quants (the 4- to 6-bit layouts); kTwoBit,
+// 2-bit words' quants t, t + 4, t + 8, t + 12 of each half block (Q3Kx8,
+// Q2Kx8: int8_halves.h).
+enum class InputOrder { kNibble, kTwoBit };
 
-// Rounds x [m, k] (int8_rows.cpp).
-Int8Rows quantize_rows(const float* x, int64_t m, int64_t k);
+// Where element i of a block sits in that order.
+constexpr int64_t position(int64_t i, InputOrder order = InputOrder::kNibble) {
+  if (order == InputOrder::kTwoBit) {
+    const int64_t u = i % kHalf;
+    return kHalf * (i / kHalf) + 4 * (u % 4) + u / 4;
+  }
+  return 8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2;
+}
 
-// Whether the fast mode covers weights of `qtype` (the grouped layouts).
+// Rounds x [m, k] (int8_rows.cpp), its bytes in `order`.
+Int8Rows quantize_rows(const float* x, int64_t m, int64_t k,
+                       InputOrder order = InputOrder::kNibble);
+
+// Whether the fast mode covers weights of `qtype` (the grouped layouts), and
+// the order their kernels read the input in.
 bool takes(int64_t qtype);
+InputOrder input_order(int64_t qtype);
 
 // out[m, n] = x @ W^T (+ bias) for x as quantize_rows left it.
 template <typename T>

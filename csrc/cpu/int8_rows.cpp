@@ -1,6 +1,7 @@
 // Rounding the input rows of the int8 fast mode (int8_linear.h): each block of
 // 32 to int8 with its scale and sums, in the byte order the kernels read
-// (position()). The AVX-512 and the scalar rounding give the same bytes.
+// (position(), in the order the weight's kernels ask for). The AVX-512 and the
+// scalar rounding give the same bytes.
 #include "int8_linear.h"
 
 // First, so that its silencing of GCC 12's AVX-512 header warnings applies (simd.h).
@@ -24,14 +25,15 @@ using quant::kBlock;
 // scalar and the vector rounding give the same bytes.
 inline float inverse_scale(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
 
-void quantize_block_scalar(const float* x, int8_t* q, float* scale, float* sum32, float* sum16) {
+void quantize_block_scalar(const float* x, int8_t* q, float* scale, float* sum32, float* sum16,
+                           InputOrder order) {
   float amax = 0.f;
   for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = inverse_scale(amax), dx = amax / 127.f;
   int32_t sums[2] = {0, 0};
   for (int64_t i = 0; i < kBlock; ++i) {
     const auto v = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // to nearest even
-    q[position(i)] = static_cast<int8_t>(v);
+    q[position(i, order)] = static_cast<int8_t>(v);
     sums[i / kHalf] += v;
   }
   *scale = dx;
@@ -42,7 +44,7 @@ void quantize_block_scalar(const float* x, int8_t* q, float* scale, float* sum32
 
 #if SHARDLM_HAVE_AVX2
 SHARDLM_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* scale, float* sum32,
-                                          float* sum16) {
+                                          float* sum16, InputOrder order) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inv = _mm512_set1_ps(inverse_scale(amax));
@@ -50,12 +52,16 @@ SHARDLM_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* scal
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest even (MXCSR)
   const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
-  // Natural order to Int8Rows' order, 8 bytes at a time: 0 2 4 6 1 3 5 7.
-  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0,
-                                         2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  // Natural order to Int8Rows' order (position()): the nibble order 8 bytes at
+  // a time, 0 2 4 6 1 3 5 7; the two-bit one 16 at a time, a 4 x 4 transpose.
+  const __m256i nibble = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0,
+                                          2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m256i two_bit = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                           0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m256i bytes =
       _mm256_set_m128i(_mm512_cvtsepi32_epi8(qb), _mm512_cvtsepi32_epi8(qa));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(bytes, order));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_shuffle_epi8(bytes, order == InputOrder::kTwoBit ? two_bit : nibble));
   *scale = dx;
   *sum32 = dx * static_cast<float>(sa + sb);
   sum16[0] = dx * static_cast<float>(sa);
@@ -65,7 +71,7 @@ SHARDLM_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* scal
 
 }  // namespace
 
-Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
+Int8Rows quantize_rows(const float* x, int64_t m, int64_t k, InputOrder order) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scale, sum32, sum16;
   const int64_t blocks = m * k / kBlock;
@@ -82,11 +88,12 @@ Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
     for (int64_t b = begin; b < end; ++b) {
 #if SHARDLM_HAVE_AVX2
       if (avx512) {
-        quantize_block_avx512(x + b * kBlock, qp + b * kBlock, sp + b, s32 + b, s16 + 2 * b);
+        quantize_block_avx512(x + b * kBlock, qp + b * kBlock, sp + b, s32 + b, s16 + 2 * b,
+                              order);
         continue;
       }
 #endif
-      quantize_block_scalar(x + b * kBlock, qp + b * kBlock, sp + b, s32 + b, s16 + 2 * b);
+      quantize_block_scalar(x + b * kBlock, qp + b * kBlock, sp + b, s32 + b, s16 + 2 * b, order);
     }
   });
   (void)avx512;

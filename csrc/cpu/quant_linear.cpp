@@ -171,7 +171,9 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
     if (path == Path::kInt8) {
-      cpu::int8::linear(o, kType, w, cpu::int8::quantize_rows(a.x, m, k), b, m, n, k);
+      cpu::int8::linear(o, kType, w,
+                        cpu::int8::quantize_rows(a.x, m, k, cpu::int8::input_order(kType)), b, m,
+                        n, k);
     } else if (path == Path::kPanel) {
       cpu::panel::linear(o, kType, w, a.x, b, m, n, k);
     } else if (path == Path::kTiled) {
