@@ -43,6 +43,14 @@ SHARDLM_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i quants, int32_t input
   const __m256i pairs = _mm256_maddubs_epi16(quants, _mm256_set1_epi32(inputs));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+// The same with signed quants (|q| and q's signs apart; int8_linear.cpp's
+// table layouts): |q| times the input with q's sign (psignb).
+SHARDLM_AVX2 inline __m256i signed_dot4_avx2(__m256i acc, __m256i magnitudes, __m256i signs,
+                                             int32_t inputs) {
+  const __m256i pairs =
+      _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(inputs), signs));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 #endif
 
 namespace halves {

@@ -37,8 +37,63 @@ static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are the per-half la
 
 // ---- 4- and 5-bit layouts (nibble_layouts.h) ----------------------------------------
 
+// The table layouts (L::kTable: IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S) multiply their
+// table's values as int8: each value times kTableFactor<L> (2 where a value
+// has a half, IQ3_XXS's 15.5; else 1), the block's scale divided by it (a
+// power of two: exact). VNNI multiplies unsigned bytes, so it takes value + 128
+// and takes 128 * sum(xq) back off through the offset term; AVX2's pairs into
+// int16 would saturate on those, so it multiplies |value| by the input with
+// the value's sign.
+template <class L>
+constexpr bool integral_values(float factor) {
+  for (int i = 0; i < 16; ++i) {
+    const float v = L::kValues[i] * factor;
+    if (v != static_cast<float>(static_cast<int>(v)) || v < -127.f || v > 127.f) return false;
+  }
+  return true;
+}
+
+template <class L>
+constexpr float kTableFactor = integral_values<L>(1.f) ? 1.f : 2.f;
+
+template <class L>
+struct TableBytes {
+  int8_t values[16];
+  uint8_t biased[16];  // value + 128
+  constexpr TableBytes() : values{}, biased{} {
+    static_assert(integral_values<L>(kTableFactor<L>), "table values are not int8");
+    for (int i = 0; i < 16; ++i) {
+      values[i] = static_cast<int8_t>(L::kValues[i] * kTableFactor<L>);
+      biased[i] = static_cast<uint8_t>(values[i] + 128);
+    }
+  }
+};
+
+template <class L>
+constexpr TableBytes<L> kTableBytes{};
+
+// Row r's quant e of block b as the kernels multiply it: the quant, or its
+// table value times kTableFactor.
+template <class L>
+int32_t int_quant(const uint8_t* w, int64_t b, int64_t r, int64_t e) {
+  if constexpr (L::kTable) {
+    const uint32_t index = (nib::word_at(L::quants(w, b) + 4 * (8 * (e / 8) + r)) >> (4 * (e % 8))) & 0x0f;
+    return kTableBytes<L>.values[index];
+  } else {
+    return static_cast<int32_t>(nib::quant_of<L>(w, b, r, e));
+  }
+}
+
+// Block b's scale of row r as the kernels apply it (a table layout's divided
+// by kTableFactor).
+template <class L>
+float int_scale(const uint8_t* w, int64_t b, int64_t r) {
+  if constexpr (L::kTable) return L::d(w, b, r) / kTableFactor<L>;
+  return L::d(w, b, r);
+}
+
 // Each kernel takes its layout as a tag (a value of the layout type), so that
-// the Q6Kx8 kernels below are overloads of the same names.
+// the per-half kernels (int8_halves.h) are overloads of the same names.
 template <class L>
 void rows_scalar(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
                  int64_t rows, int64_t k) {
@@ -50,10 +105,8 @@ void rows_scalar(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows
       for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* xq = x.q + (row + b) * kBlock;
         int32_t dot = 0;
-        for (int64_t e = 0; e < kBlock; ++e) {
-          dot += static_cast<int32_t>(nib::quant_of<L>(w, b, r, e)) * xq[position(e)];
-        }
-        total += L::d(w, b, r) * x.scale[row + b] * static_cast<float>(dot) +
+        for (int64_t e = 0; e < kBlock; ++e) dot += int_quant<L>(w, b, r, e) * xq[position(e)];
+        total += int_scale<L>(w, b, r) * x.scale[row + b] * static_cast<float>(dot) +
                  L::m(w, b, r) * x.sum32[row + b];
       }
       acc[i * stride + r] = total;
@@ -89,6 +142,19 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
     for (int s = 0; s < 4; ++s) {
       __m256i even, odd;
       nibble_bytes_avx2<L>(w, b, s, even, odd);
+      if constexpr (L::kTable) {
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(kTableBytes<L>.values)));
+        const __m256i even_v = _mm256_shuffle_epi8(table, even);
+        const __m256i odd_v = _mm256_shuffle_epi8(table, odd);
+        const __m256i even_a = _mm256_abs_epi8(even_v), odd_a = _mm256_abs_epi8(odd_v);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
+          dot[r] = signed_dot4_avx2(signed_dot4_avx2(dot[r], even_a, even_v, input_word(xq)), odd_a,
+                                    odd_v, input_word(xq + 4));
+        }
+        continue;
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
         dot[r] = dot4_avx2(dot4_avx2(dot[r], even, input_word(xq)), odd, input_word(xq + 4));
@@ -96,6 +162,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
     }
     __m256 d, m;
     nib::scales_avx2<L>(w, b, d, m);
+    if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / kTableFactor<L>));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
@@ -134,6 +201,12 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
         even = _mm512_and_si512(v, mask);
         odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
       }
+      if constexpr (L::kTable) {
+        const __m512i table = _mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(kTableBytes<L>.biased)));
+        even = _mm512_shuffle_epi8(table, even);
+        odd = _mm512_shuffle_epi8(table, odd);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
@@ -143,6 +216,10 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
     }
     __m512 d, m;
     nib::scales_pair<L>(w, next, b, d, m);
+    if constexpr (L::kTable) {
+      d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / kTableFactor<L>));
+      m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));  // the bias's share: -128 d dx sum(xq)
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
@@ -173,6 +250,10 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ40x8: return f(nib::Q40x8Layout{});
     case quant::kQ5Kx8: return f(nib::Q5Kx8Layout{});
     case quant::kQ51x8: return f(nib::Q51x8Layout{});
+    case quant::kIQ4x8: return f(nib::IQ4x8Layout{});
+    case quant::kIQ4NLx8: return f(nib::IQ4NLx8Layout{});
+    case quant::kIQ3XXSx8: return f(nib::IQ3XXSx8Layout{});
+    case quant::kIQ3Sx8: return f(nib::IQ3Sx8Layout{});
     case quant::kQ6Kx8: return f(Layout<Q6K>{});
     case quant::kQ3Kx8: return f(Layout<Q3K>{});
     case quant::kQ2Kx8: return f(Layout<Q2K>{});
@@ -252,12 +333,10 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 
 }  // namespace
 
-// The table layouts' quants (IQ4x8, IQ4NLx8, the grid i-quants') index a table
-// of values, which these kernels do not read (those weights stay exact).
-bool takes(int64_t qtype) {
-  return quant::grouped(qtype) && !quant::super_table(qtype) && !quant::table_halves(qtype) &&
-         qtype != quant::kIQ4NLx8;
-}
+// The grid i-quants' layouts of Q3Kx8's bytes (IQ2_*, IQ1_*: table_halves)
+// have no kernels here: their tables' values are not int8 (those weights stay
+// exact).
+bool takes(int64_t qtype) { return quant::grouped(qtype) && !quant::table_halves(qtype); }
 
 InputOrder input_order(int64_t qtype) {
   return qtype == quant::kQ3Kx8 || qtype == quant::kQ2Kx8 ? InputOrder::kTwoBit
