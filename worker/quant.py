@@ -54,10 +54,6 @@ K_LAYOUTS = {"Q4_K": ("Q4Kx8", kquant.to_q4kx8), "Q6_K": ("Q6Kx8", kquant.to_q6k
 #: The 8-row layouts whose rows `dequantize_rows` takes from whole dequantized groups.
 GROUPED_LAYOUTS = ("Q4Kx8", "Q6Kx8", "Q5x8", "Q5Kx8", "Q40x8", "Q51x8", "IQ4x8", "IQ4NLx8",
                    "Q3Kx8", "Q2Kx8", *gridquant.LAYOUTS)
-#: The 8-row layouts the int8 activations' kernels do not read (the grid i-quants of Q3Kx8's
-#: bytes, whose tables' values are not int8): they stay exact in that mode.
-EXACT_ONLY_LAYOUTS = tuple(layout for layout in gridquant.LAYOUTS
-                           if layout not in ("IQ3XXSx8", "IQ3Sx8"))
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GROUP_ROWS = 8  # rows of a Q4x8 group

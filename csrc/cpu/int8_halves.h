@@ -53,6 +53,42 @@ SHARDLM_AVX2 inline __m256i signed_dot4_avx2(__m256i acc, __m256i magnitudes, __
 }
 #endif
 
+// A table layout's values (value_tables.h) as the int8 its kernels multiply:
+// each value times kFactor, the smallest power of two (up to 8) that makes
+// every one an integer (IQ3_XXS's 15.5: 2; the IQ2 grid's 3.125: 8), with the
+// block's scale divided by it (exact). VNNI multiplies unsigned bytes, so it
+// takes value + 128 (`biased`) and takes 128 * sum(xq) back off through the
+// offset term; AVX2's pairs into int16 would saturate on those, so it
+// multiplies |value| by the input with the value's sign.
+template <const float* kV>
+struct Int8Table {
+  static constexpr bool integral(float factor) {
+    for (int i = 0; i < 16; ++i) {
+      const float v = kV[i] * factor;
+      if (v != static_cast<float>(static_cast<int>(v)) || v < -127.f || v > 127.f) return false;
+    }
+    return true;
+  }
+  static constexpr float kFactor = integral(1.f)   ? 1.f
+                                   : integral(2.f) ? 2.f
+                                   : integral(4.f) ? 4.f
+                                                   : 8.f;
+  static_assert(integral(kFactor), "a table whose values are not int8 times a power of two");
+  struct Bytes {
+    int8_t values[16];
+    uint8_t biased[16];  // value + 128
+  };
+  static constexpr Bytes make() {
+    Bytes t{};
+    for (int i = 0; i < 16; ++i) {
+      t.values[i] = static_cast<int8_t>(kV[i] * kFactor);
+      t.biased[i] = static_cast<uint8_t>(t.values[i] + 128);
+    }
+    return t;
+  }
+  static constexpr Bytes kBytes = make();
+};
+
 namespace halves {
 
 namespace q6 = q6kx8::layout;
@@ -69,8 +105,28 @@ struct Layout {
   }
 };
 
+template <class T>
+constexpr bool is_layout = false;
+template <class P>
+constexpr bool is_layout<Layout<P>> = true;
+
 template <class P>
 constexpr InputOrder kOrder = P::kTwoBit ? InputOrder::kTwoBit : InputOrder::kNibble;
+
+// What a quant's integer stands for, times Int8Table's factor for a table
+// layout (the grid i-quants: a 3-bit index into the table), and the factor
+// (1 without a table).
+template <class P>
+int32_t int_value(int quant) {
+  if constexpr (P::kTable) return Int8Table<P::kValues>::kBytes.values[quant];
+  return quant;
+}
+
+template <class P>
+constexpr float kValueFactor = [] {
+  if constexpr (P::kTable) return Int8Table<P::kValues>::kFactor;
+  return 1.f;
+}();
 
 template <class P>
 void rows_scalar(Layout<P>, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
@@ -85,9 +141,9 @@ void rows_scalar(Layout<P>, float* acc, int64_t stride, const uint8_t* w, const 
         for (int64_t h = 0; h < 2; ++h) {
           int32_t dot = 0;
           for (int64_t e = kHalf * h; e < kHalf * (h + 1); ++e) {
-            dot += q6::quant_of<P>(w, b, r, e) * xq[position(e, kOrder<P>)];
+            dot += int_value<P>(q6::quant_of<P>(w, b, r, e)) * xq[position(e, kOrder<P>)];
           }
-          const float scale = q6::scale_of<P>(w, b, h, r);
+          const float scale = q6::scale_of<P>(w, b, h, r) / kValueFactor<P>;
           const float offset = P::kMins ? q6::min_of<P>(w, b, h, r) : P::kOffset * scale;
           total += scale * x.scale[row + b] * static_cast<float>(dot) +
                    offset * -x.sum16[2 * (row + b) + h];
@@ -167,6 +223,12 @@ SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int S, __m256i& first,
     const __m256i third = P::kThirdBit ? load256(q + 64) : _mm256_setzero_si256();
     first = two_bit_step_avx2<P>(2 * S, half_word, third);
     second = two_bit_step_avx2<P>(2 * S + 1, half_word, third);
+    if constexpr (P::kTable) {  // the indices' values, signed (see rows_avx2)
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(Int8Table<P::kValues>::kBytes.values)));
+      first = _mm256_shuffle_epi8(table, first);
+      second = _mm256_shuffle_epi8(table, second);
+    }
   } else {
     const grouped::Joined256 joined =
         grouped::join_avx2(load256(q + 32 * S), load256(q + 128 + 32 * (S / 2)), 2 * (S % 2), 0x30);
@@ -175,13 +237,19 @@ SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int S, __m256i& first,
 }
 
 template <class P>
-SHARDLM_AVX512 inline void step_pair_avx512(const uint8_t* q, int64_t next, int S, __m512i& first,
+SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next, int S, __m512i& first,
                                             __m512i& second) {
   if constexpr (P::kTwoBit) {
     const __m512i half_word = grouped::load_pair(q + 32 * (S / 2), next);
     const __m512i third = P::kThirdBit ? grouped::load_pair(q + 64, next) : _mm512_setzero_si512();
     first = two_bit_step_avx512<P>(2 * S, half_word, third);
     second = two_bit_step_avx512<P>(2 * S + 1, half_word, third);
+    if constexpr (P::kTable) {  // the indices' values + 128, unsigned (see pair_vnni)
+      const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(Int8Table<P::kValues>::kBytes.biased)));
+      first = _mm512_shuffle_epi8(table, first);
+      second = _mm512_shuffle_epi8(table, second);
+    }
   } else {
     const grouped::Joined512 joined = grouped::join_avx512(
         grouped::load_pair(q + 32 * S, next), grouped::load_pair(q + 128 + 32 * (S / 2), next),
@@ -205,6 +273,7 @@ SHARDLM_AVX2 inline void half_scales_avx2(const uint8_t* sp, int64_t b, int h, _
     offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
   } else {
     scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    if constexpr (P::kTable) scale = _mm256_mul_ps(scale, _mm256_set1_ps(1.f / kValueFactor<P>));
     offset = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(P::kOffset)));
   }
 }
@@ -223,7 +292,9 @@ SHARDLM_AVX512 inline void half_scales_avx512(const uint8_t* sp, int64_t next, i
                            _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
   } else {
     scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-    offset = _mm512_mul_ps(scale, _mm512_set1_ps(static_cast<float>(P::kOffset)));
+    if constexpr (P::kTable) scale = _mm512_mul_ps(scale, _mm512_set1_ps(1.f / kValueFactor<P>));
+    // A table layout's bytes are value + 128 (step_pair_avx512): 128 * sum(xq) comes back off.
+    offset = _mm512_mul_ps(scale, _mm512_set1_ps(P::kTable ? 128.f : static_cast<float>(P::kOffset)));
   }
 }
 
@@ -244,8 +315,14 @@ SHARDLM_AVX2 void rows_avx2(Layout<P>, float* acc, int64_t stride, const uint8_t
       step_pair_avx2<P>(q, s, first, second);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r][s / 2] = dot4_avx2(dot4_avx2(dot[r][s / 2], first, input_word(xq)), second,
-                                  input_word(xq + 4));
+        if constexpr (P::kTable) {
+          dot[r][s / 2] = signed_dot4_avx2(
+              signed_dot4_avx2(dot[r][s / 2], _mm256_abs_epi8(first), first, input_word(xq)),
+              _mm256_abs_epi8(second), second, input_word(xq + 4));
+        } else {
+          dot[r][s / 2] = dot4_avx2(dot4_avx2(dot[r][s / 2], first, input_word(xq)), second,
+                                    input_word(xq + 4));
+        }
       }
     }
     const uint8_t* sp = q6::super_of<P>(w, b);

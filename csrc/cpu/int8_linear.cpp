@@ -6,8 +6,10 @@
 // quants times signed inputs, summed in 4s into int32) covers 4 quants of 16
 // rows. The AVX2 kernels do the same with vpmaddubsw (pairs into int16: at
 // most 2 * 63 * 128, no saturation) and vpmaddwd. Per block the integer sum
-// is scaled once: d * dx * sum(q xq) + m * dx * sum(xq). The input's rounding
-// is int8_rows.cpp's.
+// is scaled once: d * dx * sum(q xq) + m * dx * sum(xq). The table layouts
+// look their nibbles up as int8 values first (below), and the layouts with a
+// scale per half block have their own kernel (int8_halves.h). The input's
+// rounding is int8_rows.cpp's.
 #include "int8_linear.h"
 
 // First, so that its silencing of GCC 12's AVX-512 header warnings applies (simd.h).
@@ -34,61 +36,27 @@ namespace q6 = q6kx8::layout;
 
 static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are the per-half layouts' scale spans");
 
-
-// ---- 4- and 5-bit layouts (nibble_layouts.h) ----------------------------------------
+// ---- 4- and 5-bit layouts and the tables (nibble_layouts.h) -------------------------
 
 // The table layouts (L::kTable: IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S) multiply their
-// table's values as int8: each value times kTableFactor<L> (2 where a value
-// has a half, IQ3_XXS's 15.5; else 1), the block's scale divided by it (a
-// power of two: exact). VNNI multiplies unsigned bytes, so it takes value + 128
-// and takes 128 * sum(xq) back off through the offset term; AVX2's pairs into
-// int16 would saturate on those, so it multiplies |value| by the input with
-// the value's sign.
-template <class L>
-constexpr bool integral_values(float factor) {
-  for (int i = 0; i < 16; ++i) {
-    const float v = L::kValues[i] * factor;
-    if (v != static_cast<float>(static_cast<int>(v)) || v < -127.f || v > 127.f) return false;
-  }
-  return true;
-}
-
-template <class L>
-constexpr float kTableFactor = integral_values<L>(1.f) ? 1.f : 2.f;
-
-template <class L>
-struct TableBytes {
-  int8_t values[16];
-  uint8_t biased[16];  // value + 128
-  constexpr TableBytes() : values{}, biased{} {
-    static_assert(integral_values<L>(kTableFactor<L>), "table values are not int8");
-    for (int i = 0; i < 16; ++i) {
-      values[i] = static_cast<int8_t>(L::kValues[i] * kTableFactor<L>);
-      biased[i] = static_cast<uint8_t>(values[i] + 128);
-    }
-  }
-};
-
-template <class L>
-constexpr TableBytes<L> kTableBytes{};
-
-// Row r's quant e of block b as the kernels multiply it: the quant, or its
-// table value times kTableFactor.
+// table's values as int8 (int8_halves.h: Int8Table). Row r's quant e of block
+// b as the kernels multiply it: the quant, or its table value times the
+// table's factor.
 template <class L>
 int32_t int_quant(const uint8_t* w, int64_t b, int64_t r, int64_t e) {
   if constexpr (L::kTable) {
     const uint32_t index = (nib::word_at(L::quants(w, b) + 4 * (8 * (e / 8) + r)) >> (4 * (e % 8))) & 0x0f;
-    return kTableBytes<L>.values[index];
+    return Int8Table<L::kValues>::kBytes.values[index];
   } else {
     return static_cast<int32_t>(nib::quant_of<L>(w, b, r, e));
   }
 }
 
 // Block b's scale of row r as the kernels apply it (a table layout's divided
-// by kTableFactor).
+// by its table's factor).
 template <class L>
 float int_scale(const uint8_t* w, int64_t b, int64_t r) {
-  if constexpr (L::kTable) return L::d(w, b, r) / kTableFactor<L>;
+  if constexpr (L::kTable) return L::d(w, b, r) / Int8Table<L::kValues>::kFactor;
   return L::d(w, b, r);
 }
 
@@ -144,7 +112,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
       nibble_bytes_avx2<L>(w, b, s, even, odd);
       if constexpr (L::kTable) {
         const __m256i table = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(kTableBytes<L>.values)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Int8Table<L::kValues>::kBytes.values)));
         const __m256i even_v = _mm256_shuffle_epi8(table, even);
         const __m256i odd_v = _mm256_shuffle_epi8(table, odd);
         const __m256i even_a = _mm256_abs_epi8(even_v), odd_a = _mm256_abs_epi8(odd_v);
@@ -162,7 +130,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
     }
     __m256 d, m;
     nib::scales_avx2<L>(w, b, d, m);
-    if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / kTableFactor<L>));
+    if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / Int8Table<L::kValues>::kFactor));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
@@ -203,7 +171,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
       }
       if constexpr (L::kTable) {
         const __m512i table = _mm512_broadcast_i32x4(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(kTableBytes<L>.biased)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Int8Table<L::kValues>::kBytes.biased)));
         even = _mm512_shuffle_epi8(table, even);
         odd = _mm512_shuffle_epi8(table, odd);
       }
@@ -217,7 +185,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
     __m512 d, m;
     nib::scales_pair<L>(w, next, b, d, m);
     if constexpr (L::kTable) {
-      d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / kTableFactor<L>));
+      d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / Int8Table<L::kValues>::kFactor));
       m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));  // the bias's share: -128 d dx sum(xq)
     }
 #pragma GCC unroll 8
@@ -257,6 +225,11 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
     case quant::kQ6Kx8: return f(Layout<Q6K>{});
     case quant::kQ3Kx8: return f(Layout<Q3K>{});
     case quant::kQ2Kx8: return f(Layout<Q2K>{});
+    case quant::kIQ2XXSx8:
+    case quant::kIQ2XSx8:
+    case quant::kIQ2Sx8: return f(Layout<q6::IQ2Halves>{});
+    case quant::kIQ1Sx8:
+    case quant::kIQ1Mx8: return f(Layout<q6::IQ1Halves>{});
     default: return f(nib::Q4x8Layout{});
   }
 }
@@ -269,8 +242,7 @@ decltype(auto) with_layout(int64_t qtype, const F& f) {
 // 306-326 -> 351 GOP/s, Q4Kx8 419-479 either way). The AVX2 kernels (16
 // registers) take at most 4 rows at a time of a pass.
 template <class L>
-constexpr bool kPerHalf = std::is_same_v<L, Layout<Q6K>> || std::is_same_v<L, Layout<Q3K>> ||
-                          std::is_same_v<L, Layout<Q2K>>;
+constexpr bool kPerHalf = halves::is_layout<L>;
 template <class L>
 constexpr int64_t kPassRows = kPerHalf<L> ? 6 : grouped::kMaxRows;
 
@@ -333,14 +305,12 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
 
 }  // namespace
 
-// The grid i-quants' layouts of Q3Kx8's bytes (IQ2_*, IQ1_*: table_halves)
-// have no kernels here: their tables' values are not int8 (those weights stay
-// exact).
-bool takes(int64_t qtype) { return quant::grouped(qtype) && !quant::table_halves(qtype); }
+bool takes(int64_t qtype) { return quant::grouped(qtype); }
 
 InputOrder input_order(int64_t qtype) {
-  return qtype == quant::kQ3Kx8 || qtype == quant::kQ2Kx8 ? InputOrder::kTwoBit
-                                                          : InputOrder::kNibble;
+  return qtype == quant::kQ3Kx8 || qtype == quant::kQ2Kx8 || quant::table_halves(qtype)
+             ? InputOrder::kTwoBit
+             : InputOrder::kNibble;
 }
 
 template <typename T>

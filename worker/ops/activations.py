@@ -1,12 +1,12 @@
 """How the CPU quantized linears treat their input: exact (float32, the default); or, the opt-in
 fast mode, rounded to int8 per block of 32 elements the way GGML's Q8_0 rounds it, so the kernels
 take integer dot products (``csrc/cpu/int8_linear.h``), for the 8-row grouped layouts
-(``INT8_LAYOUTS``: every 4-, 5- and 6-bit weight kept packed); or, near-exact, int16: in the
-panel path (``PANEL_LAYOUTS``, products of ``INT16_MIN_ROWS`` rows or more over K a multiple of
-``INT16_BLOCK``: prefills and large batches) each ``INT16_BLOCK``-element block of the input is
-rounded to 14-bit integers and each row of the dequantized weight to 13-bit ones, whose pair
-products VNNI sums at twice the float32 FMA rate (``csrc/cpu/panel_int16.h``). Other weights and
-shorter products stay exact.
+(``INT8_LAYOUTS``: every 1- to 6-bit weight kept packed); or,
+near-exact, int16: in the panel path (``PANEL_LAYOUTS``, products of ``INT16_MIN_ROWS`` rows or
+more over K a multiple of ``INT16_BLOCK``: prefills and large batches) each ``INT16_BLOCK``-element
+block of the input is rounded to 14-bit integers and each row of the dequantized weight to 13-bit
+ones, whose pair products VNNI sums at twice the float32 FMA rate (``csrc/cpu/panel_int16.h``).
+Other weights and shorter products stay exact.
 
 A process-wide setting, like the SIMD cap: the worker sets it on Load from its EngineOptions, and
 both the compiled ops and the reference (:mod:`worker.ops.reference`) read it here.
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from shardlm.constants import ACTIVATION_PRECISIONS
 
-from shardlm_server.worker.quant import BLOCK, EXACT_ONLY_LAYOUTS, GROUPED_LAYOUTS
+from shardlm_server.worker.quant import BLOCK, GROUPED_LAYOUTS
 
 from .native import library as _C
 
@@ -28,9 +28,9 @@ __all__ = ["ACTIVATION_PRECISIONS", "INT16_BLOCK", "INT16_LEVELS", "INT16_WEIGHT
            "INT8_LAYOUTS", "PANEL_LAYOUTS", "INT16_MIN_ROWS", "activation_precision",
            "round_blocks", "round_to_int16", "round_to_int8", "rounds_input", "rounds_panel",
            "set_activation_precision", "using"]
-#: The weight layouts the int8 fast mode covers: every 8-row grouped one (csrc: quant::grouped)
-#: but those it has no kernel for (csrc/cpu/int8_linear.h: takes), which stay exact.
-INT8_LAYOUTS = tuple(t for t in ("Q4x8", *GROUPED_LAYOUTS) if t not in EXACT_ONLY_LAYOUTS)
+#: The weight layouts the int8 fast mode covers: every 8-row grouped one (csrc: quant::grouped;
+#: csrc/cpu/int8_linear.h: takes).
+INT8_LAYOUTS = ("Q4x8", *GROUPED_LAYOUTS)
 #: The layouts the panel path takes (csrc/cpu/panel_linear.h: takes), Q8_0 only in whole groups
 #: of 8 output rows; the int16 precision rounds there from INT16_MIN_ROWS input rows
 #: (csrc/cpu/panel_int16.h: kMinRows).
