@@ -1,13 +1,16 @@
 // int8-activation kernels (int8_linear.h) for the layouts with a scale per half
-// block (q6k_layout.h): Q6Kx8 (6-bit quants), Q3Kx8 (3-bit) and Q2Kx8 (2-bit,
-// with a minimum per half). A block of 8 rows unpacks into 8 vectors of quant
-// bytes, step k holding 4 quants a lane that meet the input's word k (bytes
-// 4k .. 4k + 3 of the block in Int8Rows' order for the layout: InputOrder), so
-// steps 0-3 cover half 0 and steps 4-7 half 1; the kernel sums each half's
-// integer dot products apart and scales them once:
+// block (q6k_layout.h): Q6Kx8 (6-bit quants), Q3Kx8 (3-bit), Q2Kx8 (2-bit,
+// with a minimum per half) and the IQ2 / IQ1 grids' (Q3Kx8's bytes, each 3-bit
+// quant an index into a table: Int8Table below, the table layouts' int8
+// values, which int8_linear.cpp's IQ4 and IQ3 kernels read too). A block of 8
+// rows unpacks into 8 vectors of quant bytes, step k holding 4 quants a lane
+// that meet the input's word k (bytes 4k .. 4k + 3 of the block in Int8Rows'
+// order for the layout: InputOrder), so steps 0-3 cover half 0 and steps 4-7
+// half 1; the kernel sums each half's integer dot products apart and scales
+// them once:
 //   scale_h * dx * sum(q xq) - offset_h * dx * sum_h(xq),
-// with scale_h = d * sc_h, and offset_h = kOffset * scale_h (Q6K: 32, Q3K: 4)
-// or Q2K's dmin * mn_h.
+// with scale_h = d * sc_h, and offset_h = kOffset * scale_h (Q6K: 32, Q3K: 4),
+// Q2K's dmin * mn_h, or for a grid's biased values on VNNI 128 * scale_h.
 //
 // Unpacking. Q6Kx8: nibble words joined with their high bits (grouped.h), even
 // and odd quants, the nibble order. Q3Kx8 and Q2Kx8: a half's 2-bit word holds
@@ -95,11 +98,10 @@ namespace q6 = q6kx8::layout;
 using grouped::kGroupRows;
 using quant::kBlock;
 
-// Stands for a per-half layout P (q6::Q6K, Q3K, Q2K) among int8_linear.cpp's
-// layouts: its kernels are overloads on this tag.
+// Stands for a per-half layout P (q6::Q6K, Q3K, Q2K, IQ2Halves, IQ1Halves)
+// among int8_linear.cpp's layouts: its kernels are overloads on this tag.
 template <class P>
 struct Layout {
-  using Parts = P;
   static int64_t group_bytes(int64_t k) {
     return k / (kBlock * quant::kSuperBlocks) * P::kSuperBytes;
   }
@@ -113,9 +115,9 @@ constexpr bool is_layout<Layout<P>> = true;
 template <class P>
 constexpr InputOrder kOrder = P::kTwoBit ? InputOrder::kTwoBit : InputOrder::kNibble;
 
-// What a quant's integer stands for, times Int8Table's factor for a table
-// layout (the grid i-quants: a 3-bit index into the table), and the factor
-// (1 without a table).
+// What a quant's integer stands for: itself, or for a table layout (a 3-bit
+// index) its table's value times Int8Table's factor, kValueFactor (1 without
+// a table), which the scales are divided by.
 template <class P>
 int32_t int_value(int quant) {
   if constexpr (P::kTable) return Int8Table<P::kValues>::kBytes.values[quant];
