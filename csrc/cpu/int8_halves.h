@@ -92,6 +92,25 @@ struct Int8Table {
   static constexpr Bytes kBytes = make();
 };
 
+// The portable kernels' loops: acc[i * stride + r] = the sum over the blocks b
+// of term(i_b, b, r, xq) for input rows m0 + i (i < rows) and the group's rows
+// r, where i_b indexes the input row's block b in Int8Rows' per-block arrays
+// and xq points at its bytes.
+template <class Term>
+void portable_rows(float* acc, int64_t stride, const Int8Rows& x, int64_t m0, int64_t rows,
+                   int64_t blocks, const Term& term) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = (m0 + i) * blocks;
+    for (int64_t r = 0; r < grouped::kGroupRows; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        total += term(row + b, b, r, x.q + (row + b) * quant::kBlock);
+      }
+      acc[i * stride + r] = total;
+    }
+  }
+}
+
 namespace halves {
 
 namespace q6 = q6kx8::layout;
@@ -133,27 +152,20 @@ constexpr float kValueFactor = [] {
 template <class P>
 void rows_scalar(Layout<P>, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
                  int64_t m0, int64_t rows, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t row = (m0 + i) * blocks;
-    for (int64_t r = 0; r < kGroupRows; ++r) {
-      float total = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* xq = x.q + (row + b) * kBlock;
-        for (int64_t h = 0; h < 2; ++h) {
-          int32_t dot = 0;
-          for (int64_t e = kHalf * h; e < kHalf * (h + 1); ++e) {
-            dot += int_value<P>(q6::quant_of<P>(w, b, r, e)) * xq[position(e, kOrder<P>)];
-          }
-          const float scale = q6::scale_of<P>(w, b, h, r) / kValueFactor<P>;
-          const float offset = P::kMins ? q6::min_of<P>(w, b, h, r) : P::kOffset * scale;
-          total += scale * x.scale[row + b] * static_cast<float>(dot) +
-                   offset * -x.sum16[2 * (row + b) + h];
-        }
+  portable_rows(acc, stride, x, m0, rows, k / kBlock,
+                [&](int64_t i, int64_t b, int64_t r, const int8_t* xq) {
+    float total = 0.f;
+    for (int64_t h = 0; h < 2; ++h) {
+      int32_t dot = 0;
+      for (int64_t e = kHalf * h; e < kHalf * (h + 1); ++e) {
+        dot += int_value<P>(q6::quant_of<P>(w, b, r, e)) * xq[position(e, kOrder<P>)];
       }
-      acc[i * stride + r] = total;
+      const float scale = q6::scale_of<P>(w, b, h, r) / kValueFactor<P>;
+      const float offset = P::kMins ? q6::min_of<P>(w, b, h, r) : P::kOffset * scale;
+      total += scale * x.scale[i] * static_cast<float>(dot) + offset * -x.sum16[2 * i + h];
     }
-  }
+    return total;
+  });
 }
 
 #if SHARDLM_HAVE_AVX2
@@ -177,7 +189,8 @@ template <class P>
 SHARDLM_AVX2 inline __m256i two_bit_step_avx2(int k, __m256i half_word,
                                               [[maybe_unused]] __m256i third) {
   const int h = k / 4, t = k % 4;
-  const __m256i low = _mm256_and_si256(_mm256_srli_epi32(half_word, 2 * t), _mm256_set1_epi32(kLowBits));
+  const __m256i low =
+      _mm256_and_si256(_mm256_srli_epi32(half_word, 2 * t), _mm256_set1_epi32(kLowBits));
   if constexpr (!P::kThirdBit) {
     return low;
   } else {
@@ -239,8 +252,8 @@ SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int S, __m256i& first,
 }
 
 template <class P>
-SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next, int S, __m512i& first,
-                                            __m512i& second) {
+SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next, int S,
+                                                 __m512i& first, __m512i& second) {
   if constexpr (P::kTwoBit) {
     const __m512i half_word = grouped::load_pair(q + 32 * (S / 2), next);
     const __m512i third = P::kThirdBit ? grouped::load_pair(q + 64, next) : _mm512_setzero_si512();
@@ -285,8 +298,9 @@ SHARDLM_AVX512 inline void half_scales_avx512(const uint8_t* sp, int64_t next, i
                                               __m512& scale, __m512& offset) {
   const __m512 d = grouped::halves_pair(sp, next);
   const uint8_t* at = sp + q6::scales_at<P>(b, h);
-  const __m128i sc = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)),
-                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + next)));
+  const __m128i sc =
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)),
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + next)));
   if constexpr (P::kMins) {
     const __m512i bytes = _mm512_cvtepu8_epi32(sc);
     scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))));
@@ -296,7 +310,8 @@ SHARDLM_AVX512 inline void half_scales_avx512(const uint8_t* sp, int64_t next, i
     scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
     if constexpr (P::kTable) scale = _mm512_mul_ps(scale, _mm512_set1_ps(1.f / kValueFactor<P>));
     // A table layout's bytes are value + 128 (step_pair_avx512): 128 * sum(xq) comes back off.
-    offset = _mm512_mul_ps(scale, _mm512_set1_ps(P::kTable ? 128.f : static_cast<float>(P::kOffset)));
+    offset = _mm512_mul_ps(
+        scale, _mm512_set1_ps(P::kTable ? 128.f : static_cast<float>(P::kOffset)));
   }
 }
 

@@ -34,9 +34,20 @@ using quant::kBlock;
 namespace nib = q4x8::nibble;
 namespace q6 = q6kx8::layout;
 
-static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are the per-half layouts' scale spans");
+static_assert(kHalf == q6::kHalf,
+              "Int8Rows' half-block sums are the per-half layouts' scale spans");
 
 // ---- 4- and 5-bit layouts and the tables (nibble_layouts.h) -------------------------
+
+// A table layout's Int8Table (void for the others).
+template <class L, bool = L::kTable>
+struct TableOf {
+  using type = void;
+};
+template <class L>
+struct TableOf<L, true> {
+  using type = Int8Table<L::kValues>;
+};
 
 // The table layouts (L::kTable: IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S) multiply their
 // table's values as int8 (int8_halves.h: Int8Table). Row r's quant e of block
@@ -45,8 +56,9 @@ static_assert(kHalf == q6::kHalf, "Int8Rows' half-block sums are the per-half la
 template <class L>
 int32_t int_quant(const uint8_t* w, int64_t b, int64_t r, int64_t e) {
   if constexpr (L::kTable) {
-    const uint32_t index = (nib::word_at(L::quants(w, b) + 4 * (8 * (e / 8) + r)) >> (4 * (e % 8))) & 0x0f;
-    return Int8Table<L::kValues>::kBytes.values[index];
+    const uint32_t word = nib::word_at(L::quants(w, b) + 4 * (8 * (e / 8) + r));
+    const uint32_t index = (word >> (4 * (e % 8))) & 0x0f;
+    return TableOf<L>::type::kBytes.values[index];
   } else {
     return static_cast<int32_t>(nib::quant_of<L>(w, b, r, e));
   }
@@ -56,7 +68,7 @@ int32_t int_quant(const uint8_t* w, int64_t b, int64_t r, int64_t e) {
 // by its table's factor).
 template <class L>
 float int_scale(const uint8_t* w, int64_t b, int64_t r) {
-  if constexpr (L::kTable) return L::d(w, b, r) / Int8Table<L::kValues>::kFactor;
+  if constexpr (L::kTable) return L::d(w, b, r) / TableOf<L>::type::kFactor;
   return L::d(w, b, r);
 }
 
@@ -65,21 +77,13 @@ float int_scale(const uint8_t* w, int64_t b, int64_t r) {
 template <class L>
 void rows_scalar(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x, int64_t m0,
                  int64_t rows, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t row = (m0 + i) * blocks;
-    for (int64_t r = 0; r < kGroupRows; ++r) {
-      float total = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* xq = x.q + (row + b) * kBlock;
-        int32_t dot = 0;
-        for (int64_t e = 0; e < kBlock; ++e) dot += int_quant<L>(w, b, r, e) * xq[position(e)];
-        total += int_scale<L>(w, b, r) * x.scale[row + b] * static_cast<float>(dot) +
-                 L::m(w, b, r) * x.sum32[row + b];
-      }
-      acc[i * stride + r] = total;
-    }
-  }
+  portable_rows(acc, stride, x, m0, rows, k / kBlock,
+                [&](int64_t i, int64_t b, int64_t r, const int8_t* xq) {
+    int32_t dot = 0;
+    for (int64_t e = 0; e < kBlock; ++e) dot += int_quant<L>(w, b, r, e) * xq[position(e)];
+    return int_scale<L>(w, b, r) * x.scale[i] * static_cast<float>(dot) +
+           L::m(w, b, r) * x.sum32[i];
+  });
 }
 
 #if SHARDLM_HAVE_AVX2
@@ -100,6 +104,7 @@ SHARDLM_AVX2 inline void nibble_bytes_avx2(const uint8_t* w, int64_t b, int s, _
 template <int R, class L>
 SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
                             int64_t m0, int64_t k) {
+  using Table = typename TableOf<L>::type;
   const int64_t blocks = k / kBlock;
   __m256 sum[R], off[R];
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
@@ -112,7 +117,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
       nibble_bytes_avx2<L>(w, b, s, even, odd);
       if constexpr (L::kTable) {
         const __m256i table = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Int8Table<L::kValues>::kBytes.values)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Table::kBytes.values)));
         const __m256i even_v = _mm256_shuffle_epi8(table, even);
         const __m256i odd_v = _mm256_shuffle_epi8(table, odd);
         const __m256i even_a = _mm256_abs_epi8(even_v), odd_a = _mm256_abs_epi8(odd_v);
@@ -130,7 +135,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
     }
     __m256 d, m;
     nib::scales_avx2<L>(w, b, d, m);
-    if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / Int8Table<L::kValues>::kFactor));
+    if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / Table::kFactor));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
@@ -148,6 +153,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
 template <int R, class L>
 SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next,
                                    const Int8Rows& x, int64_t m0, int64_t k) {
+  using Table = typename TableOf<L>::type;
   const int64_t blocks = k / kBlock;
   const __m512i mask = _mm512_set1_epi32(0x0f0f0f0f);
   __m512 sum[R], off[R];
@@ -171,7 +177,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
       }
       if constexpr (L::kTable) {
         const __m512i table = _mm512_broadcast_i32x4(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Int8Table<L::kValues>::kBytes.biased)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Table::kBytes.biased)));
         even = _mm512_shuffle_epi8(table, even);
         odd = _mm512_shuffle_epi8(table, odd);
       }
@@ -185,7 +191,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
     __m512 d, m;
     nib::scales_pair<L>(w, next, b, d, m);
     if constexpr (L::kTable) {
-      d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / Int8Table<L::kValues>::kFactor));
+      d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / Table::kFactor));
       m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));  // the bias's share: -128 d dx sum(xq)
     }
 #pragma GCC unroll 8
