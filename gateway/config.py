@@ -227,8 +227,8 @@ class ServeConfig:
     cpu_simd: bool = setting(True, "let the CPU kernels take their SIMD (AVX2, AVX-512) paths",
                              "engine")
     activation_precision: str = setting(
-        ACTIVATION_PRECISIONS[0], "CPU linears on 4-6 bit weights: exact keeps activations in "
-        "float32; int8 rounds them per block of 32 (as llama.cpp does) for integer dot products, "
+        ACTIVATION_PRECISIONS[0], "CPU linears on packed 1-6 bit weights: exact keeps activations "
+        "in float32; int8 rounds them per block of 32 (as llama.cpp does) for integer dot products, "
         "faster prefill and decode at a small accuracy cost; int16 rounds inputs and weights to "
         "14-bit integers per block of 32 in prefills and steps of 32 rows or more (faster "
         "prefill on CPUs with AVX-512 VNNI, near-exact), decode exact", "engine",

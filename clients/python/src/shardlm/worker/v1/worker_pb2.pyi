@@ -143,7 +143,7 @@ class EngineOptions(google.protobuf.message.Message):
     """How the CPU quantized linears treat their input: "exact" (float32; also
     what "" means); "int8", the opt-in fast mode that rounds each 32-element
     block of the input to int8 (as GGML's Q8_0) for integer dot products with
-    weights kept in 4-, 5- or 6-bit blocks; or "int16", near-exact, which in
+    weights kept packed in 1- to 6-bit blocks; or "int16", near-exact, which in
     products of 32 input rows or more (prefills, large batches) rounds each
     32-element block of the input and of the weight to 14-bit integers.
     Applies to the whole worker process; another value is refused
