@@ -221,8 +221,6 @@ SHARDLM_AVX512 inline __m512i two_bit_step_avx512(int k, __m512i half_word,
   }
 }
 
-// Block b's 8 steps of quant bytes, 8 rows (AVX2) or two groups' 16 (AVX-512:
-// w's group in the low half, the one `next` bytes on in the high half).
 SHARDLM_AVX2 inline __m256i load256(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -232,12 +230,13 @@ SHARDLM_AVX2 inline __m256i load256(const uint8_t* p) {
 // on in the high half). Made a pair at a time, beside the pair's dot products,
 // as the nibble kernels do: 8 vectors made at once cost the Q6Kx8 kernel 2%.
 template <class P>
-SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int S, __m256i& first, __m256i& second) {
+SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int s, __m256i& first,
+                                        __m256i& second) {
   if constexpr (P::kTwoBit) {
-    const __m256i half_word = load256(q + 32 * (S / 2));
+    const __m256i half_word = load256(q + 32 * (s / 2));
     const __m256i third = P::kThirdBit ? load256(q + 64) : _mm256_setzero_si256();
-    first = two_bit_step_avx2<P>(2 * S, half_word, third);
-    second = two_bit_step_avx2<P>(2 * S + 1, half_word, third);
+    first = two_bit_step_avx2<P>(2 * s, half_word, third);
+    second = two_bit_step_avx2<P>(2 * s + 1, half_word, third);
     if constexpr (P::kTable) {  // the indices' values, signed (see rows_avx2)
       const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
           reinterpret_cast<const __m128i*>(Int8Table<P::kValues>::kBytes.values)));
@@ -246,19 +245,20 @@ SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int S, __m256i& first,
     }
   } else {
     const grouped::Joined256 joined =
-        grouped::join_avx2(load256(q + 32 * S), load256(q + 128 + 32 * (S / 2)), 2 * (S % 2), 0x30);
+        grouped::join_avx2(load256(q + 32 * s), load256(q + 128 + 32 * (s / 2)), 2 * (s % 2),
+                           0x30);
     grouped::joined_bytes_avx2(joined, 0x3f3f3f3f, first, second);
   }
 }
 
 template <class P>
-SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next, int S,
+SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next, int s,
                                                  __m512i& first, __m512i& second) {
   if constexpr (P::kTwoBit) {
-    const __m512i half_word = grouped::load_pair(q + 32 * (S / 2), next);
+    const __m512i half_word = grouped::load_pair(q + 32 * (s / 2), next);
     const __m512i third = P::kThirdBit ? grouped::load_pair(q + 64, next) : _mm512_setzero_si512();
-    first = two_bit_step_avx512<P>(2 * S, half_word, third);
-    second = two_bit_step_avx512<P>(2 * S + 1, half_word, third);
+    first = two_bit_step_avx512<P>(2 * s, half_word, third);
+    second = two_bit_step_avx512<P>(2 * s + 1, half_word, third);
     if constexpr (P::kTable) {  // the indices' values + 128, unsigned (see pair_vnni)
       const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(
           reinterpret_cast<const __m128i*>(Int8Table<P::kValues>::kBytes.biased)));
@@ -267,8 +267,8 @@ SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next,
     }
   } else {
     const grouped::Joined512 joined = grouped::join_avx512(
-        grouped::load_pair(q + 32 * S, next), grouped::load_pair(q + 128 + 32 * (S / 2), next),
-        2 * (S % 2), 0x30);
+        grouped::load_pair(q + 32 * s, next), grouped::load_pair(q + 128 + 32 * (s / 2), next),
+        2 * (s % 2), 0x30);
     grouped::joined_bytes_avx512(joined, 0x3f3f3f3f, first, second);
   }
 }
