@@ -22,6 +22,7 @@
 #include "cpu_utils.h"
 #include "grouped.h"
 #include "int8_halves.h"
+#include "int8_unpacked.h"
 #include "nibble_layouts.h"
 #include "q6k_layout.h"
 #include "quant_blocks.h"
@@ -146,41 +147,66 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
 }
 
+// Nibble word s of block b of two groups (w and w + next; h: the block's high
+// bits, 5-bit layouts) as even and odd quant bytes, 16 rows: a table layout's
+// as its values + 128 (TableOf).
+template <class L>
+SHARDLM_AVX512_VNNI inline void step_pair_vnni(const uint8_t* w, int64_t next, int64_t b,
+                                               __m512i h, int s, __m512i& even, __m512i& odd) {
+  const __m512i v = grouped::load_pair(L::quants(w, b) + 32 * s, next);
+  if constexpr (L::kFive) {
+    grouped::joined_bytes_avx512(grouped::join_avx512(v, h, s, 0x10), 0x1f1f1f1f, even, odd);
+  } else {
+    const __m512i mask = _mm512_set1_epi32(0x0f0f0f0f);
+    even = _mm512_and_si512(v, mask);
+    odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
+  }
+  if constexpr (L::kTable) {
+    const __m512i table = _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(TableOf<L>::type::kBytes.biased)));
+    even = _mm512_shuffle_epi8(table, even);
+    odd = _mm512_shuffle_epi8(table, odd);
+  }
+}
+
+// Block b's d and m of two groups, 16 rows (a table layout's d divided by its
+// factor, and m the bias's share, -128 d: the sum of d dx (value + 128) xq
+// less 128 d dx sum(xq)).
+template <class L>
+SHARDLM_AVX512_VNNI inline void scales_vnni(const uint8_t* w, int64_t next, int64_t b, __m512& d,
+                                            __m512& m) {
+  nib::scales_pair<L>(w, next, b, d, m);
+  if constexpr (L::kTable) {
+    d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / TableOf<L>::type::kFactor));
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+  }
+}
+
+template <class L>
+SHARDLM_AVX512_VNNI inline __m512i highs_vnni(const uint8_t* w, int64_t next, int64_t b) {
+  return L::kFive ? grouped::load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
+}
+
 // Two groups (w and w + next) at once, 16 rows a vector: acc[16 r + l]. Every
 // loop over the rows is unrolled: where one indexes sum, off or dot by a loop
 // variable, GCC keeps the whole array on the stack, a store and a reload per
-// block on each chain (so also in the Q6Kx8 kernel below).
+// block on each chain (so also in the per-half kernel, int8_halves.h).
 template <int R, class L>
 SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next,
                                    const Int8Rows& x, int64_t m0, int64_t k) {
-  using Table = typename TableOf<L>::type;
   const int64_t blocks = k / kBlock;
-  const __m512i mask = _mm512_set1_epi32(0x0f0f0f0f);
   __m512 sum[R], off[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     nib::prefetch_block<L>(w, b, next);
-    const uint8_t* qw = L::quants(w, b);
-    const __m512i h = L::kFive ? grouped::load_pair(L::highs(w, b), next) : _mm512_setzero_si512();
+    const __m512i h = highs_vnni<L>(w, next, b);
     __m512i dot[R][2];  // even and odd quants: two chains
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = grouped::load_pair(qw + 32 * s, next);
       __m512i even, odd;
-      if constexpr (L::kFive) {
-        grouped::joined_bytes_avx512(grouped::join_avx512(v, h, s, 0x10), 0x1f1f1f1f, even, odd);
-      } else {
-        even = _mm512_and_si512(v, mask);
-        odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
-      }
-      if constexpr (L::kTable) {
-        const __m512i table = _mm512_broadcast_i32x4(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Table::kBytes.biased)));
-        even = _mm512_shuffle_epi8(table, even);
-        odd = _mm512_shuffle_epi8(table, odd);
-      }
+      step_pair_vnni<L>(w, next, b, h, s, even, odd);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
@@ -189,11 +215,7 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
       }
     }
     __m512 d, m;
-    nib::scales_pair<L>(w, next, b, d, m);
-    if constexpr (L::kTable) {
-      d = _mm512_mul_ps(d, _mm512_set1_ps(1.f / Table::kFactor));
-      m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));  // the bias's share: -128 d dx sum(xq)
-    }
+    scales_vnni<L>(w, next, b, d, m);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
@@ -204,6 +226,33 @@ SHARDLM_AVX512_VNNI void pair_vnni(L, float* acc, const uint8_t* w, int64_t next
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(sum[r], off[r]));
+}
+
+// A nibble layout's pair unpacked for the many-rows path (int8_unpacked.h), as
+// pair_vnni unpacks it.
+template <class L>
+SHARDLM_AVX512_VNNI void unpack_pair(L, unpacked::Block* u, const uint8_t* w, int64_t next,
+                                     int64_t blocks) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    nib::prefetch_block<L>(w, b, next);
+    const __m512i h = highs_vnni<L>(w, next, b);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      __m512i even, odd;
+      step_pair_vnni<L>(w, next, b, h, s, even, odd);
+      unpacked::store(u[b].bytes[2 * s], even);
+      unpacked::store(u[b].bytes[2 * s + 1], odd);
+    }
+    __m512 d, m;
+    scales_vnni<L>(w, next, b, d, m);
+    unpacked::store(u[b].scale[0], d);
+    unpacked::store(u[b].offset[0], m);
+  }
+}
+
+template <class P>
+void unpack_pair(halves::Layout<P>, unpacked::Block* u, const uint8_t* w, int64_t next, int64_t blocks) {
+  unpacked::unpack_halves<P>(u, w, next, blocks);
 }
 #endif
 
@@ -252,6 +301,21 @@ constexpr bool kPerHalf = halves::is_layout<L>;
 template <class L>
 constexpr int64_t kPassRows = kPerHalf<L> ? 6 : grouped::kMaxRows;
 
+// From how many input rows the AVX-512 kernels take a pair of groups unpacked
+// once (int8_unpacked.h) instead of once a pass. A plain nibble layout's
+// unpacking is a mask and a shift per 128 quants, which the buffer's stores
+// and loads cost more than below 32 rows (the ~1B Q4_K_M file's matrices, 16
+// rows: 420-487 against 490-515 GOP/s; 64 rows: 542-590 against 540-555);
+// every other layout gains from its second pass on (Q3Kx8, 16 rows: 403-421
+// against 346; 512 rows: 464-470 against 318-347).
+template <class L>
+constexpr int64_t kUnpackRows = [] {
+  if constexpr (!kPerHalf<L>) {
+    if constexpr (!L::kFive && !L::kTable) return int64_t{32};
+  }
+  return kPassRows<L> + 1;
+}();
+
 // Calls kernel(std::integral_constant<int, R>) for R = rows (1 .. kMax).
 template <int64_t kMax, class K>
 void with_rows(int64_t rows, const K& kernel) {
@@ -297,6 +361,15 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
     const uint8_t* wg = w + g * group_bytes;
 #if SHARDLM_HAVE_AVX2
     if (width == 2 * kGroupRows && vnni) {
+      if (m >= kUnpackRows<L>) {
+        // Many rows: the pair is unpacked once (at its first pass: each thread
+        // takes a pair's passes in order, m0 = 0 first) for all of them.
+        unpacked::Block* u = unpacked::buffer(k / kBlock);
+        if (m0 == 0) unpack_pair(L{}, u, wg, group_bytes, k / kBlock);
+        return with_rows<kPassRows<L>>(rows, [&](auto r) {
+          unpacked::rows_vnni<decltype(r)::value, kPerHalf<L>>(acc, u, k / kBlock, x, m0);
+        });
+      }
       return with_rows<kPassRows<L>>(rows, [&](auto r) {
         pair_vnni<decltype(r)::value>(L{}, acc, wg, group_bytes, x, m0, k);
       });

@@ -57,6 +57,16 @@ def test_kernel_matches_reference(int8_mode, layout, m):
     torch.testing.assert_close(ops.quant_linear(x, w, bias), expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("layout", activations.INT8_LAYOUTS)
+def test_a_row_does_not_depend_on_the_rows_beside_it(int8_mode, layout):
+    """Many rows take each pair of groups unpacked once (csrc/cpu/int8_unpacked.h), one row the
+    direct kernels: the same sums, bit for bit (a verify step must compute what decode does)."""
+    w = layout_weight(layout, seed=7)
+    x = torch.randn(40, w.shape[1])
+    one_by_one = torch.cat([ops.quant_linear(x[i:i + 1], w) for i in range(len(x))])
+    assert torch.equal(ops.quant_linear(x, w), one_by_one)
+
+
 @pytest.mark.parametrize("layout", ["Q4Kx8", "Q6Kx8"])
 def test_int8_is_close_to_exact_but_not_equal(layout):
     """The fast mode is on when set (results move) and rounds only the input (they move little)."""
