@@ -25,93 +25,13 @@
 #include <cstring>
 
 #include "grouped.h"
+#include "int8_common.h"
 #include "int8_linear.h"
 #include "q6k_layout.h"
 #include "quant_blocks.h"
 #include "simd.h"
 
-namespace shardlm::cpu::int8 {
-
-// The 4 input bytes at p as one word, to broadcast against 4 quant bytes a lane.
-inline int32_t input_word(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof word);
-  return word;
-}
-
-#if SHARDLM_HAVE_AVX2
-// acc + 4-byte dot products of unsigned quants and signed inputs, AVX2
-// (vpmaddubsw: pairs into int16, at most 2 * 63 * 128, no saturation).
-SHARDLM_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i quants, int32_t inputs) {
-  const __m256i pairs = _mm256_maddubs_epi16(quants, _mm256_set1_epi32(inputs));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-// The same with signed quants (|q| and q's signs apart; int8_linear.cpp's
-// table layouts): |q| times the input with q's sign (psignb).
-SHARDLM_AVX2 inline __m256i signed_dot4_avx2(__m256i acc, __m256i magnitudes, __m256i signs,
-                                             int32_t inputs) {
-  const __m256i pairs =
-      _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(inputs), signs));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
-
-// A table layout's values (value_tables.h) as the int8 its kernels multiply:
-// each value times kFactor, the smallest power of two (up to 8) that makes
-// every one an integer (IQ3_XXS's 15.5: 2; the IQ2 grid's 3.125: 8), with the
-// block's scale divided by it (exact). VNNI multiplies unsigned bytes, so it
-// takes value + 128 (`biased`) and takes 128 * sum(xq) back off through the
-// offset term; AVX2's pairs into int16 would saturate on those, so it
-// multiplies |value| by the input with the value's sign.
-template <const float* kV>
-struct Int8Table {
-  static constexpr bool integral(float factor) {
-    for (int i = 0; i < 16; ++i) {
-      const float v = kV[i] * factor;
-      if (v != static_cast<float>(static_cast<int>(v)) || v < -127.f || v > 127.f) return false;
-    }
-    return true;
-  }
-  static constexpr float kFactor = integral(1.f)   ? 1.f
-                                   : integral(2.f) ? 2.f
-                                   : integral(4.f) ? 4.f
-                                                   : 8.f;
-  static_assert(integral(kFactor), "a table whose values are not int8 times a power of two");
-  struct Bytes {
-    int8_t values[16];
-    uint8_t biased[16];  // value + 128
-  };
-  static constexpr Bytes make() {
-    Bytes t{};
-    for (int i = 0; i < 16; ++i) {
-      t.values[i] = static_cast<int8_t>(kV[i] * kFactor);
-      t.biased[i] = static_cast<uint8_t>(t.values[i] + 128);
-    }
-    return t;
-  }
-  static constexpr Bytes kBytes = make();
-};
-
-// The portable kernels' loops: acc[i * stride + r] = the sum over the blocks b
-// of term(i_b, b, r, xq) for input rows m0 + i (i < rows) and the group's rows
-// r, where i_b indexes the input row's block b in Int8Rows' per-block arrays
-// and xq points at its bytes.
-template <class Term>
-void portable_rows(float* acc, int64_t stride, const Int8Rows& x, int64_t m0, int64_t rows,
-                   int64_t blocks, const Term& term) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t row = (m0 + i) * blocks;
-    for (int64_t r = 0; r < grouped::kGroupRows; ++r) {
-      float total = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        total += term(row + b, b, r, x.q + (row + b) * quant::kBlock);
-      }
-      acc[i * stride + r] = total;
-    }
-  }
-}
-
-namespace halves {
+namespace shardlm::cpu::int8::halves {
 
 namespace q6 = q6kx8::layout;
 using grouped::kGroupRows;
@@ -402,5 +322,4 @@ SHARDLM_AVX512_VNNI void pair_vnni(Layout<P>, float* acc, const uint8_t* w, int6
 }
 #endif
 
-}  // namespace halves
-}  // namespace shardlm::cpu::int8
+}  // namespace shardlm::cpu::int8::halves

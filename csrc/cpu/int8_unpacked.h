@@ -121,4 +121,13 @@ SHARDLM_AVX512_VNNI void unpack_halves(Block* u, const uint8_t* w, int64_t next,
 }
 
 }  // namespace shardlm::cpu::int8::unpacked
+
+namespace shardlm::cpu::int8::halves {
+// The many-rows path's unpacking of a per-half layout's pair (an overload
+// beside the nibble layouts', int8_nibbles.h).
+template <class P>
+void unpack_pair(Layout<P>, unpacked::Block* u, const uint8_t* w, int64_t next, int64_t blocks) {
+  unpacked::unpack_halves<P>(u, w, next, blocks);
+}
+}  // namespace shardlm::cpu::int8::halves
 #endif
