@@ -1,8 +1,8 @@
 // int8-activation kernels (int8_linear.h) for the layouts with a scale per half
 // block (q6k_layout.h): Q6Kx8 (6-bit quants), Q3Kx8 (3-bit), Q2Kx8 (2-bit,
 // with a minimum per half) and the IQ2 / IQ1 grids' (Q3Kx8's bytes, each 3-bit
-// quant an index into a table: Int8Table below, the table layouts' int8
-// values, which int8_linear.cpp's IQ4 and IQ3 kernels read too). A block of 8
+// quant an index into a table: int8_common.h's Int8Table, the table layouts' int8
+// values, which int8_nibbles.h's IQ4 and IQ3 kernels read too). A block of 8
 // rows unpacks into 8 vectors of quant bytes, step k holding 4 quants a lane
 // that meet the input's word k (bytes 4k .. 4k + 3 of the block in Int8Rows'
 // order for the layout: InputOrder), so steps 0-3 cover half 0 and steps 4-7
@@ -278,7 +278,7 @@ SHARDLM_AVX2 void rows_avx2(Layout<P>, float* acc, int64_t stride, const uint8_t
 }
 
 // Two groups (w and w + next) at once, 16 rows a vector: acc[16 r + l]. Every
-// loop over the rows is unrolled (int8_linear.cpp's pair_vnni says why).
+// loop over the rows is unrolled (int8_nibbles.h's pair_vnni says why).
 template <int R, class P>
 SHARDLM_AVX512_VNNI void pair_vnni(Layout<P>, float* acc, const uint8_t* w, int64_t next,
                                    const Int8Rows& x, int64_t m0, int64_t k) {

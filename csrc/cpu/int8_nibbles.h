@@ -34,7 +34,7 @@ struct TableOf<L, true> {
 };
 
 // The table layouts (L::kTable: IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S) multiply their
-// table's values as int8 (int8_halves.h: Int8Table). Row r's quant e of block
+// table's values as int8 (int8_common.h: Int8Table). Row r's quant e of block
 // b as the kernels multiply it: the quant, or its table value times the
 // table's factor.
 template <class L>
