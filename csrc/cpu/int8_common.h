@@ -74,6 +74,23 @@ struct Int8Table {
   static constexpr Bytes kBytes = make();
 };
 
+// A table layout's Int8Table (void for the others), and the factor its
+// quants' values are multiplied by (1 without a table).
+template <class L, bool = L::kTable>
+struct TableOf {
+  using type = void;
+};
+template <class L>
+struct TableOf<L, true> {
+  using type = Int8Table<L::kValues>;
+};
+
+template <class L>
+constexpr float kValueFactor = [] {
+  if constexpr (L::kTable) return TableOf<L>::type::kFactor;
+  return 1.f;
+}();
+
 // The portable kernels' loops: acc[i * stride + r] = the sum over the blocks b
 // of term(i_b, b, r, xq) for input rows m0 + i (i < rows) and the group's rows
 // r, where i_b indexes the input row's block b in Int8Rows' per-block arrays

@@ -55,19 +55,13 @@ template <class P>
 constexpr InputOrder kOrder = P::kTwoBit ? InputOrder::kTwoBit : InputOrder::kNibble;
 
 // What a quant's integer stands for: itself, or for a table layout (a 3-bit
-// index) its table's value times Int8Table's factor, kValueFactor (1 without
-// a table), which the scales are divided by.
+// index) its table's value times kValueFactor (int8_common.h), which the
+// scales are divided by.
 template <class P>
 int32_t int_value(int quant) {
-  if constexpr (P::kTable) return Int8Table<P::kValues>::kBytes.values[quant];
+  if constexpr (P::kTable) return TableOf<P>::type::kBytes.values[quant];
   return quant;
 }
-
-template <class P>
-constexpr float kValueFactor = [] {
-  if constexpr (P::kTable) return Int8Table<P::kValues>::kFactor;
-  return 1.f;
-}();
 
 template <class P>
 void rows_scalar(Layout<P>, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
@@ -159,7 +153,7 @@ SHARDLM_AVX2 inline void step_pair_avx2(const uint8_t* q, int s, __m256i& first,
     second = two_bit_step_avx2<P>(2 * s + 1, half_word, third);
     if constexpr (P::kTable) {  // the indices' values, signed (see rows_avx2)
       const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(Int8Table<P::kValues>::kBytes.values)));
+          reinterpret_cast<const __m128i*>(TableOf<P>::type::kBytes.values)));
       first = _mm256_shuffle_epi8(table, first);
       second = _mm256_shuffle_epi8(table, second);
     }
@@ -181,7 +175,7 @@ SHARDLM_AVX512_VNNI inline void step_pair_avx512(const uint8_t* q, int64_t next,
     second = two_bit_step_avx512<P>(2 * s + 1, half_word, third);
     if constexpr (P::kTable) {  // the indices' values + 128, unsigned (see pair_vnni)
       const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(Int8Table<P::kValues>::kBytes.biased)));
+          reinterpret_cast<const __m128i*>(TableOf<P>::type::kBytes.biased)));
       first = _mm512_shuffle_epi8(table, first);
       second = _mm512_shuffle_epi8(table, second);
     }

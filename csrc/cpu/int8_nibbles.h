@@ -23,16 +23,6 @@ using grouped::kGroupRows;
 using quant::kBlock;
 namespace nib = q4x8::nibble;
 
-// A table layout's Int8Table (void for the others).
-template <class L, bool = L::kTable>
-struct TableOf {
-  using type = void;
-};
-template <class L>
-struct TableOf<L, true> {
-  using type = Int8Table<L::kValues>;
-};
-
 // The table layouts (L::kTable: IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S) multiply their
 // table's values as int8 (int8_common.h: Int8Table). Row r's quant e of block
 // b as the kernels multiply it: the quant, or its table value times the
@@ -52,8 +42,7 @@ int32_t int_quant(const uint8_t* w, int64_t b, int64_t r, int64_t e) {
 // by its table's factor).
 template <class L>
 float int_scale(const uint8_t* w, int64_t b, int64_t r) {
-  if constexpr (L::kTable) return L::d(w, b, r) / TableOf<L>::type::kFactor;
-  return L::d(w, b, r);
+  return L::d(w, b, r) / kValueFactor<L>;
 }
 
 // Each kernel takes its layout as a tag (a value of the layout type), so that
