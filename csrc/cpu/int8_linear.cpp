@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "cpu_utils.h"
@@ -36,6 +37,7 @@ using nibbles::rows_scalar;
 #if SHARDLM_HAVE_AVX2
 using nibbles::pair_vnni;
 using nibbles::rows_avx2;
+using nibbles::unpack_avx2;
 using nibbles::unpack_pair;
 #endif
 
@@ -107,6 +109,33 @@ constexpr int64_t kUnpackRows = [] {
   return kPassRows<L> + 1;
 }();
 
+// The same for the AVX2 kernels (one group of 8 rows a buffer). Their dot
+// products cost more than VNNI's (a vpmaddubsw, a vpmaddwd and an add per 4
+// quants a lane), so the buffer's stores and loads pay later, and on the
+// layouts whose unpacking is a mask and a shift (plain nibbles, Q2K) never
+// (SIMD capped at AVX2 on the AMD EPYC of the README's tables, 4096 x 2048,
+// 2 threads, GOP/s direct -> unpacked: 256 rows IQ2XXSx8 129 -> 170, Q6Kx8
+// 156 -> 183, IQ4x8 192 -> 205, Q5x8 215 -> 236, but Q4x8 266 -> 243, Q2Kx8
+// 197 -> 184; 8 rows every layout slower; 16 rows the per-half ones faster,
+// IQ2XXSx8 131 -> 152, the table and 5-bit nibble ones from 64).
+template <class L>
+constexpr int64_t kUnpackRowsAvx2 = [] {
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  if constexpr (kPerHalf<L>) {
+    return std::is_same_v<L, Layout<Q2K>> ? kNever : int64_t{16};
+  } else {
+    return L::kFive || L::kTable ? int64_t{64} : kNever;
+  }
+}();
+
+// Whether the AVX2 many-rows kernel takes offsets off (int8_unpacked.h): every
+// nibble layout's m, a per-half layout's where it has them.
+template <class L>
+constexpr bool kOffsets = [] {
+  if constexpr (kPerHalf<L>) return L::kOffsets;
+  return true;
+}();
+
 // Calls kernel(std::integral_constant<int, R>) for R = rows (1 .. kMax).
 template <int64_t kMax, class K>
 void with_rows(int64_t rows, const K& kernel) {
@@ -164,6 +193,22 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
       return with_rows<kPassRows<L>>(rows, [&](auto r) {
         pair_vnni<decltype(r)::value>(L{}, acc, wg, group_bytes, x, m0, k);
       });
+    }
+    if (avx2 && m >= kUnpackRowsAvx2<L>) {
+      // Many rows without VNNI (or VNNI's odd last group): each group unpacked
+      // once, at the first pass, as above.
+      unpacked::Block* u = unpacked::buffer(k / kBlock);
+      const int groups = static_cast<int>(width / kGroupRows);
+      if (m0 == 0) unpack_avx2(L{}, u, wg, group_bytes, groups, k / kBlock);
+      for (int g = 0; g < groups; ++g) {
+        for (int64_t i = 0; i < rows; i += grouped::kMaxRows) {
+          with_rows<grouped::kMaxRows>(std::min(grouped::kMaxRows, rows - i), [&](auto r) {
+            unpacked::rows_avx2<decltype(r)::value, kPerHalf<L>, L::kTable, kOffsets<L>>(
+                acc + g * kGroupRows + i * width, width, u, g, k / kBlock, x, m0 + i);
+          });
+        }
+      }
+      return;
     }
 #endif
     (void)vnni;

@@ -74,41 +74,52 @@ SHARDLM_AVX2 inline void nibble_bytes_avx2(const uint8_t* w, int64_t b, int s, _
   odd = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
 }
 
+// Step s of block b as the AVX2 kernels multiply it: its even and odd quant
+// bytes, a table layout's looked up as its signed values.
+template <class L>
+SHARDLM_AVX2 inline void step_avx2(const uint8_t* w, int64_t b, int s, __m256i& even,
+                                   __m256i& odd) {
+  nibble_bytes_avx2<L>(w, b, s, even, odd);
+  if constexpr (L::kTable) {
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(TableOf<L>::type::kBytes.values)));
+    even = _mm256_shuffle_epi8(table, even);
+    odd = _mm256_shuffle_epi8(table, odd);
+  }
+}
+
+// Block b's d (a table layout's divided by its factor) and m, 8 rows.
+template <class L>
+SHARDLM_AVX2 inline void block_scales_avx2(const uint8_t* w, int64_t b, __m256& d, __m256& m) {
+  nib::scales_avx2<L>(w, b, d, m);
+  if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / kValueFactor<L>));
+}
+
 template <int R, class L>
 SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, const Int8Rows& x,
                             int64_t m0, int64_t k) {
-  using Table = typename TableOf<L>::type;
   const int64_t blocks = k / kBlock;
   __m256 sum[R], off[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     nib::prefetch_block<L>(w, b);
     __m256i dot[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
       __m256i even, odd;
-      nibble_bytes_avx2<L>(w, b, s, even, odd);
-      if constexpr (L::kTable) {
-        const __m256i table = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(Table::kBytes.values)));
-        const __m256i even_v = _mm256_shuffle_epi8(table, even);
-        const __m256i odd_v = _mm256_shuffle_epi8(table, odd);
-        const __m256i even_a = _mm256_abs_epi8(even_v), odd_a = _mm256_abs_epi8(odd_v);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-          dot[r] = signed_dot4_avx2(signed_dot4_avx2(dot[r], even_a, even_v, input_word(xq)), odd_a,
-                                    odd_v, input_word(xq + 4));
-        }
-        continue;
-      }
+      step_avx2<L>(w, b, s, even, odd);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r] = dot4_avx2(dot4_avx2(dot[r], even, input_word(xq)), odd, input_word(xq + 4));
+        dot[r] = step_dot_avx2<L::kTable>(dot[r], even, odd, xq);
       }
     }
     __m256 d, m;
-    nib::scales_avx2<L>(w, b, d, m);
-    if constexpr (L::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / Table::kFactor));
+    block_scales_avx2<L>(w, b, d, m);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
@@ -116,6 +127,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
       off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum32[i]), off[r]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
 }
 
@@ -219,6 +231,31 @@ SHARDLM_AVX512_VNNI void unpack_pair(L, unpacked::Block* u, const uint8_t* w, in
     scales_vnni<L>(w, next, b, d, m);
     unpacked::store(u[b].scale[0], d);
     unpacked::store(u[b].offset[0], m);
+  }
+}
+
+// A nibble layout's `groups` groups (w, and w + next) unpacked for the AVX2
+// many-rows path (int8_unpacked.h's rows_avx2), as rows_avx2 above unpacks
+// them (step_avx2, block_scales_avx2).
+template <class L>
+SHARDLM_AVX2 void unpack_avx2(L, unpacked::Block* u, const uint8_t* w, int64_t next, int groups,
+                              int64_t blocks) {
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * next;
+    for (int64_t b = 0; b < blocks; ++b) {
+      nib::prefetch_block<L>(wg, b);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        __m256i even, odd;
+        step_avx2<L>(wg, b, s, even, odd);
+        unpacked::store(u[b].bytes[2 * s] + 32 * g, even);
+        unpacked::store(u[b].bytes[2 * s + 1] + 32 * g, odd);
+      }
+      __m256 d, m;
+      block_scales_avx2<L>(wg, b, d, m);
+      unpacked::store(u[b].scale[0] + 8 * g, d);
+      unpacked::store(u[b].offset[0] + 8 * g, m);
+    }
   }
 }
 

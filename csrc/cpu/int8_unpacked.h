@@ -1,6 +1,6 @@
-// The int8 kernels' path for many input rows (a prefill, a large batch) on
-// AVX-512 VNNI: a pair of groups (16 rows) is unpacked once into a thread's
-// buffer, each block's 8 steps of quant bytes with its scales and offsets, and
+// The int8 kernels' path for many input rows (a prefill, a large batch): a
+// pair of groups (16 rows; on AVX2 one or two groups of 8) is unpacked once
+// into a thread's buffer, each block's 8 steps of quant bytes with its scales and offsets, and
 // every pass of input rows reads that buffer instead of unpacking the block
 // again. The direct kernels (int8_linear.cpp, int8_halves.h) unpack every
 // block once per pass of 4 or 6 rows, which for the 3-bit, 2-bit and table
@@ -27,6 +27,10 @@ namespace shardlm::cpu::int8::unpacked {
 struct Block {
   uint8_t bytes[8][64];
   float scale[2][16], offset[2][16];
+  // The AVX2 per-half kernels' integer scales (int8_halves.h's
+  // block_factors_avx2), group g's at multipliers[h][16 g]; their d in
+  // scale[0].
+  int16_t multipliers[2][32];
 };
 
 SHARDLM_AVX512 inline __m512i load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -120,6 +124,99 @@ SHARDLM_AVX512_VNNI void unpack_halves(Block* u, const uint8_t* w, int64_t next,
   }
 }
 
+SHARDLM_AVX2 inline __m256i load_bytes256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+SHARDLM_AVX2 inline void store(uint8_t* p, __m256i v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+SHARDLM_AVX2 inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// The AVX2 kernels' path for many rows (without VNNI, or an odd last group
+// beside VNNI's pairs): group g (0 or 1) of the unpacked blocks, its 8 rows'
+// bytes at bytes[k][32 g], against R input rows from m0: acc[r * stride + l].
+// The operations and their order are the direct kernels' (rows_avx2 in
+// int8_nibbles.h and int8_halves.h): a table layout's bytes are its signed
+// values; a per-half layout's halves are summed in one integer chain, each
+// pair of products times its half's multiplier, and scaled once by d, with
+// its halves' offsets (kOffsets) taken off apart.
+template <int R, bool kPerHalf, bool kTable, bool kOffsets>
+SHARDLM_AVX2 void rows_avx2(float* acc, int64_t stride, const Block* u, int g, int64_t blocks,
+                            const Int8Rows& x, int64_t m0) {
+  __m256 sum[R], off[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i dot[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m256i first = load_bytes256(u[b].bytes[2 * s] + 32 * g);
+      const __m256i second = load_bytes256(u[b].bytes[2 * s + 1] + 32 * g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + ((m0 + r) * blocks + b) * quant::kBlock + 8 * s;
+        if constexpr (kPerHalf) {
+          const __m256i multipliers = load_bytes256(
+              reinterpret_cast<const uint8_t*>(u[b].multipliers[s / 2] + 16 * g));
+          dot[r] = halves::scaled_step_dot<kTable>(dot[r], first, second, xq, multipliers);
+        } else {
+          dot[r] = step_dot_avx2<kTable>(dot[r], first, second, xq);
+        }
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(u[b].scale[0] + 8 * g);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * blocks + b;
+      sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
+                               _mm256_cvtepi32_ps(dot[r]), sum[r]);
+      if constexpr (kPerHalf && kOffsets) {
+        for (int h = 0; h < 2; ++h) {
+          off[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u[b].offset[h] + 8 * g),
+                                   _mm256_set1_ps(-x.sum16[2 * i + h]), off[r]);
+        }
+      } else if constexpr (!kPerHalf) {
+        off[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u[b].offset[0] + 8 * g),
+                                 _mm256_set1_ps(x.sum32[i]), off[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * stride, _mm256_add_ps(sum[r], off[r]));
+}
+
+// A per-half layout's `groups` groups (w, and w + next) unpacked into u for
+// rows_avx2, as the direct AVX2 kernel unpacks them.
+template <class P>
+SHARDLM_AVX2 void unpack_halves_avx2(Block* u, const uint8_t* w, int64_t next, int groups,
+                                     int64_t blocks) {
+  namespace q6 = q6kx8::layout;
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * next;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* q = q6::words_of<P>(wg, b);
+      grouped::prefetch_span(wg, q6::stream_begin<P>(wg, b), q + P::kBlockBytes, 0);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        __m256i first, second;
+        halves::step_pair_avx2<P>(q, s, first, second);
+        store(u[b].bytes[2 * s] + 32 * g, first);
+        store(u[b].bytes[2 * s + 1] + 32 * g, second);
+      }
+      __m256 d, offset[2];
+      __m256i multipliers[2];
+      halves::block_factors_avx2<P>(q6::super_of<P>(wg, b), b, d, multipliers, offset);
+      store(u[b].scale[0] + 8 * g, d);
+      for (int h = 0; h < 2; ++h) {
+        store(reinterpret_cast<uint8_t*>(u[b].multipliers[h] + 16 * g), multipliers[h]);
+        if constexpr (halves::kHasOffset<P>) store(u[b].offset[h] + 8 * g, offset[h]);
+      }
+    }
+  }
+}
+
 }  // namespace shardlm::cpu::int8::unpacked
 
 namespace shardlm::cpu::int8::halves {
@@ -128,6 +225,11 @@ namespace shardlm::cpu::int8::halves {
 template <class P>
 void unpack_pair(Layout<P>, unpacked::Block* u, const uint8_t* w, int64_t next, int64_t blocks) {
   unpacked::unpack_halves<P>(u, w, next, blocks);
+}
+template <class P>
+void unpack_avx2(Layout<P>, unpacked::Block* u, const uint8_t* w, int64_t next, int groups,
+                 int64_t blocks) {
+  unpacked::unpack_halves_avx2<P>(u, w, next, groups, blocks);
 }
 }  // namespace shardlm::cpu::int8::halves
 #endif

@@ -49,7 +49,7 @@ def test_rounding_is_per_block_to_the_nearest_of_255_levels():
 
 
 @pytest.mark.parametrize("layout", activations.INT8_LAYOUTS)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 40, 72])
 def test_kernel_matches_reference(int8_mode, layout, m):
     w = layout_weight(layout, seed=m)
     x, bias = torch.randn(m, w.shape[1]), torch.randn(w.shape[0])
@@ -57,14 +57,21 @@ def test_kernel_matches_reference(int8_mode, layout, m):
     torch.testing.assert_close(ops.quant_linear(x, w, bias), expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("simd", ["avx512", "avx2"])
 @pytest.mark.parametrize("layout", activations.INT8_LAYOUTS)
-def test_a_row_does_not_depend_on_the_rows_beside_it(int8_mode, layout):
-    """Many rows take each pair of groups unpacked once (csrc/cpu/int8_unpacked.h), one row the
-    direct kernels: the same sums, bit for bit (a verify step must compute what decode does)."""
+def test_a_row_does_not_depend_on_the_rows_beside_it(int8_mode, layout, simd):
+    """Many rows take each pair of groups (AVX2: each group) unpacked once
+    (csrc/cpu/int8_unpacked.h), one row the direct kernels: the same sums, bit for bit (a verify
+    step must compute what decode does). AVX-512 runs the odd seventh group on AVX2 too."""
     w = layout_weight(layout, seed=7)
-    x = torch.randn(40, w.shape[1])
-    one_by_one = torch.cat([ops.quant_linear(x[i:i + 1], w) for i in range(len(x))])
-    assert torch.equal(ops.quant_linear(x, w), one_by_one)
+    x = torch.randn(72, w.shape[1])
+    ops.set_cpu_simd(simd)
+    try:
+        one_by_one = torch.cat([ops.quant_linear(x[i:i + 1], w) for i in range(len(x))])
+        together = ops.quant_linear(x, w)
+    finally:
+        ops.set_cpu_simd(True)
+    assert torch.equal(together, one_by_one)
 
 
 @pytest.mark.parametrize("layout", ["Q4Kx8", "Q6Kx8"])
@@ -150,7 +157,7 @@ def simd_paths_match_reference(tmp_path, precision: str, inputs: dict) -> None:
 def test_vnni_avx2_and_portable_paths_agree(tmp_path, int8_mode):
     inputs = {}
     for layout in activations.INT8_LAYOUTS:
-        for m in (1, 4, 9):
+        for m in (1, 4, 9, 72):  # 9 and 72 rows: the many-rows paths (int8_linear.cpp)
             w = layout_weight(layout, seed=m)
             inputs[f"{layout} m={m}"] = {"x": torch.randn(m, w.shape[1]), "qtype": w.qtype,
                                          "blocks": w.blocks, "shape": w.shape,
