@@ -36,18 +36,20 @@ SHARDLM_AVX2 inline __m256i signed_dot4_avx2(__m256i acc, __m256i magnitudes, __
       _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(inputs), signs));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-// acc + one step's two vectors of quant bytes (a table's signed values:
-// kTable) against the input's 8 bytes at xq, in the order the AVX2 kernels sum
-// them.
+// One step's two vectors of quant bytes (a table's signed values: kTable)
+// against the input's 8 bytes at xq, into two chains (dot[0] the first
+// vector's, dot[1] the second's: half the latency of one chain, which one row
+// a pass waits on), which the AVX2 kernels add at the end of a block.
 template <bool kTable>
-SHARDLM_AVX2 inline __m256i step_dot_avx2(__m256i acc, __m256i first, __m256i second,
-                                          const int8_t* xq) {
+SHARDLM_AVX2 inline void step_dot_avx2(__m256i (&dot)[2], __m256i first, __m256i second,
+                                       const int8_t* xq) {
   if constexpr (kTable) {
-    return signed_dot4_avx2(
-        signed_dot4_avx2(acc, _mm256_abs_epi8(first), first, input_word(xq)),
-        _mm256_abs_epi8(second), second, input_word(xq + 4));
+    dot[0] = signed_dot4_avx2(dot[0], _mm256_abs_epi8(first), first, input_word(xq));
+    dot[1] = signed_dot4_avx2(dot[1], _mm256_abs_epi8(second), second, input_word(xq + 4));
+  } else {
+    dot[0] = dot4_avx2(dot[0], first, input_word(xq));
+    dot[1] = dot4_avx2(dot[1], second, input_word(xq + 4));
   }
-  return dot4_avx2(dot4_avx2(acc, first, input_word(xq)), second, input_word(xq + 4));
 }
 #endif
 

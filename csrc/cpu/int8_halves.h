@@ -217,40 +217,52 @@ SHARDLM_AVX512 inline void half_scales_avx512(const uint8_t* sp, int64_t next, i
   }
 }
 
-// Block b's factors of 8 rows for the AVX2 kernels: d (a table's divided by
-// its factor); each half's integer scale (sc, or Q2K's low nibble) in both
-// int16 halves of each lane, vpmaddwd's multiplier, so that a block's two
-// halves are summed in one integer chain (at most 32 * 127 * 127 * 128 a lane)
-// and scaled once by d; and each half's offset where it has one (kHasOffset:
-// kOffset * d * sc, Q2K's dmin * mn).
+// Half h's integer scales of block b, 8 rows, for the AVX2 kernels (sc, or
+// Q2K's low nibble), as 32-bit lanes.
 template <class P>
-SHARDLM_AVX2 inline void block_factors_avx2(const uint8_t* sp, int64_t b, __m256& d,
-                                            __m256i multipliers[2], __m256 offset[2]) {
+SHARDLM_AVX2 inline __m256i half_scale_ints_avx2(const uint8_t* sp, int64_t b, int h) {
+  const __m128i sc =
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + q6::scales_at<P>(b, h)));
+  if constexpr (P::kMins) {
+    return _mm256_and_si256(_mm256_cvtepu8_epi32(sc), _mm256_set1_epi32(0x0f));
+  }
+  return _mm256_cvtepi8_epi32(sc);
+}
+
+// Those scales in both int16 halves of each lane: vpmaddwd's multiplier, so
+// that the AVX2 kernels sum a block's two halves in one integer sum (at most
+// 32 * 127 * 127 * 128 a lane) and scale it once by d. Made where a step needs
+// it, not held through the block: the Q3K kernel has no register to spare.
+template <class P>
+SHARDLM_AVX2 inline __m256i half_multipliers_avx2(const uint8_t* sp, int64_t b, int h) {
+  const __m256i scale = half_scale_ints_avx2<P>(sp, b, h);
+  return _mm256_blend_epi16(scale, _mm256_slli_epi32(scale, 16), 0xAA);
+}
+
+// Block b's d of 8 rows (a table's divided by its factor) and each half's
+// offset where it has one (kHasOffset: kOffset * d * sc, Q2K's dmin * mn).
+template <class P>
+SHARDLM_AVX2 inline void block_scales_avx2(const uint8_t* sp, int64_t b, __m256& d,
+                                           __m256 offset[2]) {
   d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
   if constexpr (P::kTable) d = _mm256_mul_ps(d, _mm256_set1_ps(1.f / kValueFactor<P>));
   for (int h = 0; h < 2; ++h) {
-    const __m128i sc =
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + q6::scales_at<P>(b, h)));
-    __m256i scale;
     if constexpr (P::kMins) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(sc);
-      scale = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f));
+      const __m128i sc =
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + q6::scales_at<P>(b, h)));
       const __m256 dmin =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-      offset[h] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
-    } else {
-      scale = _mm256_cvtepi8_epi32(sc);
-      if constexpr (kHasOffset<P>) {
-        offset[h] = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(static_cast<float>(P::kOffset))),
-                                  _mm256_cvtepi32_ps(scale));
-      }
+      offset[h] = _mm256_mul_ps(
+          dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(sc), 4)));
+    } else if constexpr (kHasOffset<P>) {
+      offset[h] = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(static_cast<float>(P::kOffset))),
+                                _mm256_cvtepi32_ps(half_scale_ints_avx2<P>(sp, b, h)));
     }
-    multipliers[h] = _mm256_blend_epi16(scale, _mm256_slli_epi32(scale, 16), 0xAA);
   }
 }
 
 // acc + a step's 4-byte dot products against input word `inputs`, each pair
-// of products times its half's multiplier (block_factors_avx2): |q| times
+// of products times its half's multiplier (half_multipliers_avx2): |q| times
 // the input with q's sign for a table's signed values, as signed_dot4_avx2.
 template <bool kTable>
 SHARDLM_AVX2 inline __m256i scaled_dot4(__m256i acc, __m256i quants, int32_t inputs,
@@ -262,17 +274,17 @@ SHARDLM_AVX2 inline __m256i scaled_dot4(__m256i acc, __m256i quants, int32_t inp
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, multipliers));
 }
 
-// acc + one step's two vectors against the input's 8 bytes at xq, each pair of
-// products times the step's half's multipliers.
+// step_dot_avx2 (int8_common.h) with each pair of products times the step's
+// half's multipliers.
 template <bool kTable>
-SHARDLM_AVX2 inline __m256i scaled_step_dot(__m256i acc, __m256i first, __m256i second,
-                                            const int8_t* xq, __m256i multipliers) {
-  return scaled_dot4<kTable>(scaled_dot4<kTable>(acc, first, input_word(xq), multipliers), second,
-                             input_word(xq + 4), multipliers);
+SHARDLM_AVX2 inline void scaled_step_dot(__m256i (&dot)[2], __m256i first, __m256i second,
+                                         const int8_t* xq, __m256i multipliers) {
+  dot[0] = scaled_dot4<kTable>(dot[0], first, input_word(xq), multipliers);
+  dot[1] = scaled_dot4<kTable>(dot[1], second, input_word(xq + 4), multipliers);
 }
 
 // The AVX2 kernel: R input rows from m0 against one group. Each block's halves
-// are summed in one integer chain (block_factors_avx2), scaled once by d
+// are summed in one integer sum (half_multipliers_avx2), scaled once by d
 // dx, and the halves' offsets taken off against their input sums.
 template <int R, class P>
 SHARDLM_AVX2 void rows_avx2(Layout<P>, float* acc, int64_t stride, const uint8_t* w,
@@ -285,27 +297,28 @@ SHARDLM_AVX2 void rows_avx2(Layout<P>, float* acc, int64_t stride, const uint8_t
     const uint8_t* q = q6::words_of<P>(w, b);
     const uint8_t* sp = q6::super_of<P>(w, b);
     grouped::prefetch_span(w, q6::stream_begin<P>(w, b), q + P::kBlockBytes, 0);
-    __m256 d, offset[2];
-    __m256i multipliers[2];
-    block_factors_avx2<P>(sp, b, d, multipliers, offset);
-    __m256i dot[R];
+    __m256i dot[R][2];  // two chains (scaled_step_dot)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4  // constant s: immediate shifts, and the chains stay in registers
     for (int s = 0; s < 4; ++s) {
       __m256i first, second;
       step_pair_avx2<P>(q, s, first, second);
+      const __m256i multipliers = half_multipliers_avx2<P>(sp, b, s / 2);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r] = scaled_step_dot<P::kTable>(dot[r], first, second, xq, multipliers[s / 2]);
+        scaled_step_dot<P::kTable>(dot[r], first, second, xq, multipliers);
       }
     }
+    __m256 d, offset[2];
+    block_scales_avx2<P>(sp, b, d, offset);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
-                               _mm256_cvtepi32_ps(dot[r]), sum[r]);
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1])),
+                               sum[r]);
       if constexpr (kHasOffset<P>) {
         off[r] = _mm256_fmadd_ps(offset[0], _mm256_set1_ps(-x.sum16[2 * i]), off[r]);
         off[r] = _mm256_fmadd_ps(offset[1], _mm256_set1_ps(-x.sum16[2 * i + 1]), off[r]);

@@ -104,9 +104,9 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     nib::prefetch_block<L>(w, b);
-    __m256i dot[R];
+    __m256i dot[R][2];  // two chains (step_dot_avx2)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
       __m256i even, odd;
@@ -114,7 +114,7 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * kBlock + 8 * s;
-        dot[r] = step_dot_avx2<L::kTable>(dot[r], even, odd, xq);
+        step_dot_avx2<L::kTable>(dot[r], even, odd, xq);
       }
     }
     __m256 d, m;
@@ -123,7 +123,8 @@ SHARDLM_AVX2 void rows_avx2(L, float* acc, int64_t stride, const uint8_t* w, con
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
-                               _mm256_cvtepi32_ps(dot[r]), sum[r]);
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1])),
+                               sum[r]);
       off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum32[i]), off[r]);
     }
   }

@@ -28,7 +28,7 @@ struct Block {
   uint8_t bytes[8][64];
   float scale[2][16], offset[2][16];
   // The AVX2 per-half kernels' integer scales (int8_halves.h's
-  // block_factors_avx2), group g's at multipliers[h][16 g]; their d in
+  // half_multipliers_avx2), group g's at multipliers[h][16 g]; their d in
   // scale[0].
   int16_t multipliers[2][32];
 };
@@ -147,9 +147,9 @@ SHARDLM_AVX2 void rows_avx2(float* acc, int64_t stride, const Block* u, int g, i
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r] = off[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i dot[R];
+    __m256i dot[R][2];  // two chains, as the direct kernels
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
       const __m256i first = load_bytes256(u[b].bytes[2 * s] + 32 * g);
@@ -160,9 +160,9 @@ SHARDLM_AVX2 void rows_avx2(float* acc, int64_t stride, const Block* u, int g, i
         if constexpr (kPerHalf) {
           const __m256i multipliers = load_bytes256(
               reinterpret_cast<const uint8_t*>(u[b].multipliers[s / 2] + 16 * g));
-          dot[r] = halves::scaled_step_dot<kTable>(dot[r], first, second, xq, multipliers);
+          halves::scaled_step_dot<kTable>(dot[r], first, second, xq, multipliers);
         } else {
-          dot[r] = step_dot_avx2<kTable>(dot[r], first, second, xq);
+          step_dot_avx2<kTable>(dot[r], first, second, xq);
         }
       }
     }
@@ -171,7 +171,8 @@ SHARDLM_AVX2 void rows_avx2(float* acc, int64_t stride, const Block* u, int g, i
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
       sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
-                               _mm256_cvtepi32_ps(dot[r]), sum[r]);
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1])),
+                               sum[r]);
       if constexpr (kPerHalf && kOffsets) {
         for (int h = 0; h < 2; ++h) {
           off[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u[b].offset[h] + 8 * g),
@@ -205,12 +206,13 @@ SHARDLM_AVX2 void unpack_halves_avx2(Block* u, const uint8_t* w, int64_t next, i
         store(u[b].bytes[2 * s] + 32 * g, first);
         store(u[b].bytes[2 * s + 1] + 32 * g, second);
       }
+      const uint8_t* sp = q6::super_of<P>(wg, b);
       __m256 d, offset[2];
-      __m256i multipliers[2];
-      halves::block_factors_avx2<P>(q6::super_of<P>(wg, b), b, d, multipliers, offset);
+      halves::block_scales_avx2<P>(sp, b, d, offset);
       store(u[b].scale[0] + 8 * g, d);
       for (int h = 0; h < 2; ++h) {
-        store(reinterpret_cast<uint8_t*>(u[b].multipliers[h] + 16 * g), multipliers[h]);
+        store(reinterpret_cast<uint8_t*>(u[b].multipliers[h] + 16 * g),
+              halves::half_multipliers_avx2<P>(sp, b, h));
         if constexpr (halves::kHasOffset<P>) store(u[b].offset[h] + 8 * g, offset[h]);
       }
     }
