@@ -336,16 +336,22 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
 
 }  // namespace
 
-bool takes(int64_t qtype, int64_t m, int64_t n) {
-  return m >= kMinRows && (grouped(qtype) || (qtype == kQ8_0 && n % kGroupRows == 0));
+// Whether the int16 precision rounds a product of m rows over K = k here (panel_int16.h).
+bool rounds_int16(int64_t m, int64_t k) {
+  return cpu::activation_precision() == cpu::ActivationPrecision::kInt16 &&
+         m >= panel16::kMinRows && panel16::takes(k);
+}
+
+bool takes(int64_t qtype, int64_t m, int64_t n, int64_t k) {
+  if (qtype == kQ8_0) return m >= kMinRows && n % kGroupRows == 0;
+  return grouped(qtype) && (m >= kGroupedMinRows || rounds_int16(m, k));
 }
 
 template <typename T>
 void linear(T* out, int64_t qtype, const uint8_t* w, const float* x, const T* bias, int64_t m,
             int64_t n, int64_t k) {
   // Equal chunks of at most kMaxRows rows (a long prompt's last one not left a few rows).
-  const bool rounded = cpu::activation_precision() == cpu::ActivationPrecision::kInt16 &&
-                       m >= panel16::kMinRows && panel16::takes(k);
+  const bool rounded = rounds_int16(m, k);
   const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
   for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
     const int64_t rows = (m - r0) / (chunks - c);

@@ -162,7 +162,7 @@ void quant_linear_typed(at::Tensor& out, const at::Tensor& input, const at::Tens
   const Path path =
       cpu::activation_precision() == cpu::ActivationPrecision::kInt8 && cpu::int8::takes(kType)
           ? Path::kInt8
-      : cpu::panel::takes(kType, m, n) ? Path::kPanel
+      : cpu::panel::takes(kType, m, n, k) ? Path::kPanel
       : m > gemv_max_rows(kType)       ? Path::kTiled
                                        : Path::kGemv;
   const Activations a = prepare_input(input, kType, m, k, path);

@@ -107,11 +107,11 @@ def test_q5_0_as_q8_0_holds_the_same_weights():
                                atol=0, rtol=0)
 
 
-# m: decode rows (AVX-512 pairs take up to 8 a pass, single groups 4: 5 and 9 leave
-# remainders), the panel path (16-256 rows), tiles.
+# m: the matrix-vector kernels (AVX-512 pairs take up to 8 a pass, single groups 4: 5 and 9
+# leave remainders; up to 47 rows), the panel path (from 48 rows: csrc/cpu/panel_linear.h).
 # n: 5 groups of 8 (AVX-512 pairs plus one), 4 groups; k: one and three super-blocks.
 @pytest.mark.parametrize("qtype", list(LAYOUTS))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 23, 64, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 23, 47, 48, 64, 300])
 @pytest.mark.parametrize("n,k", [(40, 256), (32, 768)])
 def test_quant_linear_on_regrouped_k_quants_matches_reference(qtype, m, n, k):
     w = k_weight(n, k, qtype, seed=m)
