@@ -229,9 +229,9 @@ class ServeConfig:
     activation_precision: str = setting(
         ACTIVATION_PRECISIONS[0], "CPU linears on packed 1-6 bit weights: exact keeps activations "
         "in float32; int8 rounds them per block of 32 (as llama.cpp does) for integer dot products, "
-        "faster prefill and decode at a small accuracy cost; int16 rounds inputs and weights to "
-        "14-bit integers per block of 32 in prefills and steps of 32 rows or more (faster "
-        "prefill on CPUs with AVX-512 VNNI, near-exact), decode exact", "engine",
+        "faster prefill and decode at a small accuracy cost; int16 rounds inputs (per block of 64) "
+        "and weights (per row) to 14- and 13-bit integers in prefills and steps of 32 rows or "
+        "more (faster prefill on CPUs with AVX-512 VNNI, near-exact), decode exact", "engine",
         choices=ACTIVATION_PRECISIONS)
     speculation: str = setting(
         SPECULATION_MODES[0], "speculative decoding without a draft model: ngram verifies drafts "

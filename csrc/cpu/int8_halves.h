@@ -10,7 +10,10 @@
 // them once:
 //   scale_h * dx * sum(q xq) - offset_h * dx * sum_h(xq),
 // with scale_h = d * sc_h, and offset_h = kOffset * scale_h (Q6K: 32, Q3K: 4),
-// Q2K's dmin * mn_h, or for a grid's biased values on VNNI 128 * scale_h.
+// Q2K's dmin * mn_h, or for a grid's biased values on VNNI 128 * scale_h. The
+// AVX2 kernels instead multiply each pair of products by sc_h in vpmaddwd,
+// so a block's halves make one integer sum, scaled once by d * dx; a table's
+// signed values there have no offset.
 //
 // Unpacking. Q6Kx8: nibble words joined with their high bits (grouped.h), even
 // and odd quants, the nibble order. Q3Kx8 and Q2Kx8: a half's 2-bit word holds
@@ -37,13 +40,13 @@ namespace q6 = q6kx8::layout;
 using grouped::kGroupRows;
 using quant::kBlock;
 
-// Stands for a per-half layout P (q6::Q6K, Q3K, Q2K, IQ2Halves, IQ1Halves)
-// among int8_linear.cpp's layouts: its kernels are overloads on this tag.
 // Whether a layout's halves have an offset to take off (Q6K's and Q3K's kOffset
 // * scale, Q2K's minimum) on AVX2: a table's signed values have none.
 template <class P>
 constexpr bool kHasOffset = P::kMins || P::kOffset != 0;
 
+// Stands for a per-half layout P (q6::Q6K, Q3K, Q2K, IQ2Halves, IQ1Halves)
+// among int8_linear.cpp's layouts: its kernels are overloads on this tag.
 template <class P>
 struct Layout {
   static constexpr bool kTable = P::kTable, kOffsets = kHasOffset<P>;

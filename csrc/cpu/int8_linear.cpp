@@ -114,10 +114,11 @@ constexpr int64_t kUnpackRows = [] {
 // quants a lane), so the buffer's stores and loads pay later, and on the
 // layouts whose unpacking is a mask and a shift (plain nibbles, Q2K) never
 // (SIMD capped at AVX2 on the AMD EPYC of the README's tables, 4096 x 2048,
-// 2 threads, GOP/s direct -> unpacked: 256 rows IQ2XXSx8 129 -> 170, Q6Kx8
-// 156 -> 183, IQ4x8 192 -> 205, Q5x8 215 -> 236, but Q4x8 266 -> 243, Q2Kx8
-// 197 -> 184; 8 rows every layout slower; 16 rows the per-half ones faster,
-// IQ2XXSx8 131 -> 152, the table and 5-bit nibble ones from 64).
+// 2 threads, GOP/s direct -> unpacked, before the per-half kernels' integer
+// scales: 256 rows IQ2XXSx8 129 -> 170, Q6Kx8 156 -> 183, IQ4x8 192 -> 205,
+// Q5x8 215 -> 236, but Q4x8 266 -> 243, Q2Kx8 197 -> 184; 8 rows every layout
+// slower; 16 rows the per-half ones faster, IQ2XXSx8 131 -> 152, the table and
+// 5-bit nibble ones from 64. bench.int8_layers --simd avx2 has the figures now).
 template <class L>
 constexpr int64_t kUnpackRowsAvx2 = [] {
   constexpr int64_t kNever = std::numeric_limits<int64_t>::max();

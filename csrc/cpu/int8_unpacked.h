@@ -1,7 +1,7 @@
 // The int8 kernels' path for many input rows (a prefill, a large batch): a
 // pair of groups (16 rows; on AVX2 one or two groups of 8) is unpacked once
-// into a thread's buffer, each block's 8 steps of quant bytes with its scales and offsets, and
-// every pass of input rows reads that buffer instead of unpacking the block
+// into a thread's buffer, each block's 8 steps of quant bytes with its scales
+// and offsets, and every pass of input rows reads that buffer instead of unpacking the block
 // again. The direct kernels (int8_linear.cpp, int8_halves.h) unpack every
 // block once per pass of 4 or 6 rows, which for the 3-bit, 2-bit and table
 // layouts costs as much as their dot products. The sums here are the direct
@@ -137,9 +137,9 @@ SHARDLM_AVX2 inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // bytes at bytes[k][32 g], against R input rows from m0: acc[r * stride + l].
 // The operations and their order are the direct kernels' (rows_avx2 in
 // int8_nibbles.h and int8_halves.h): a table layout's bytes are its signed
-// values; a per-half layout's halves are summed in one integer chain, each
-// pair of products times its half's multiplier, and scaled once by d, with
-// its halves' offsets (kOffsets) taken off apart.
+// values; a per-half layout's halves make one integer sum, each pair of
+// products times its half's multiplier, scaled once by d, with its halves'
+// offsets (kOffsets) taken off apart.
 template <int R, bool kPerHalf, bool kTable, bool kOffsets>
 SHARDLM_AVX2 void rows_avx2(float* acc, int64_t stride, const Block* u, int g, int64_t blocks,
                             const Int8Rows& x, int64_t m0) {
