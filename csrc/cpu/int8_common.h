@@ -36,6 +36,14 @@ SHARDLM_AVX2 inline __m256i signed_dot4_avx2(__m256i acc, __m256i magnitudes, __
       _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(inputs), signs));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+// sum + d * dx * (dot[0] + dot[1]): a block's integer sum (its two chains)
+// scaled once, as every AVX2 kernel ends a block.
+SHARDLM_AVX2 inline __m256 scaled_block_avx2(__m256 sum, __m256 d, float dx,
+                                             const __m256i (&dot)[2]) {
+  return _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)),
+                         _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1])), sum);
+}
+
 // One step's two vectors of quant bytes (a table's signed values: kTable)
 // against the input's 8 bytes at xq, into two chains (dot[0] the first
 // vector's, dot[1] the second's: half the latency of one chain, which one row

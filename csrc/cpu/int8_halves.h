@@ -319,9 +319,7 @@ SHARDLM_AVX2 void rows_avx2(Layout<P>, float* acc, int64_t stride, const uint8_t
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * blocks + b;
-      sum[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])),
-                               _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1])),
-                               sum[r]);
+      sum[r] = scaled_block_avx2(sum[r], d, x.scale[i], dot[r]);
       if constexpr (kHasOffset<P>) {
         off[r] = _mm256_fmadd_ps(offset[0], _mm256_set1_ps(-x.sum16[2 * i]), off[r]);
         off[r] = _mm256_fmadd_ps(offset[1], _mm256_set1_ps(-x.sum16[2 * i + 1]), off[r]);
