@@ -122,6 +122,13 @@ PyObject* set_cpu_simd(PyObject* /*self*/, PyObject* arg) {
   return store_setting(arg, 2, shardlm::cpu::simd_cap(), "set_cpu_simd: level must be 0, 1 or 2");
 }
 
+// set_cpu_vnni(allowed: int) -> None: 0 keeps the AVX-512 VNNI paths off even
+// where the CPU has them (the paths of an AVX-512 CPU without VNNI), 1 allows
+// them (the default).
+PyObject* set_cpu_vnni(PyObject* /*self*/, PyObject* arg) {
+  return store_setting(arg, 1, shardlm::cpu::vnni_setting(), "set_cpu_vnni: must be 0 or 1");
+}
+
 // set_activation_precision(precision: int) -> None: how quant_linear treats its
 // input on CPU, for the whole process: 0 exact (float32), 1 rounded to int8
 // per block of 32 for the grouped layouts, 2 rounded to 14-bit integers per
@@ -190,6 +197,8 @@ PyMethodDef shardlm_methods[] = {
     {"set_cpu_simd", set_cpu_simd, METH_O,
      "set_cpu_simd(level: int) -> None: cap the CPU kernels' paths (0 portable, 1 AVX2, "
      "2 AVX-512)."},
+    {"set_cpu_vnni", set_cpu_vnni, METH_O,
+     "set_cpu_vnni(allowed: int) -> None: 0 keeps the AVX-512 VNNI paths off, 1 allows them."},
     {"set_activation_precision", set_activation_precision, METH_O,
      "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
      "grouped layouts (0 exact float32, 1 int8 per block of 32, 2 int16 panels)."},

@@ -70,7 +70,18 @@ inline bool cpu_has_avx512_vnni() {
   return has;
 }
 
-inline bool use_avx512_vnni() { return use_avx512() && cpu_has_avx512_vnni(); }
+// Whether the VNNI paths may run where the CPU has them (set_cpu_vnni, ops.cpp;
+// 1 by default): 0 makes a CPU with VNNI take the paths of an AVX-512 CPU
+// without it, to test and time them.
+inline std::atomic<int>& vnni_setting() {
+  static std::atomic<int> allowed{1};
+  return allowed;
+}
+
+inline bool use_avx512_vnni() {
+  return use_avx512() && cpu_has_avx512_vnni() &&
+         vnni_setting().load(std::memory_order_relaxed) != 0;
+}
 
 // How quant_linear treats its input: exact (float32, the default), rounded to
 // int8 per block of 32 for the 8-row grouped weight layouts (int8_linear.h),

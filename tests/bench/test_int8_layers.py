@@ -24,11 +24,12 @@ def test_every_layout_has_a_layer(layout):
 def test_a_tiny_run_prints_a_row_per_layout(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["int8_layers", "--shape", "16,256", "--rows", "1,5",
                                       "--layouts", "Q4x8,IQ2XXSx8", "--rounds", "1",
-                                      "--budget", "0.001", "--simd", "avx2"])
+                                      "--budget", "0.001", "--simd", "avx2", "--no-vnni"])
     try:
         int8_layers.main()
     finally:
         ops.set_cpu_simd(True)
+        ops.set_cpu_vnni(True)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| IQ")
             or line.startswith("| Q4")]
     assert [r.split()[1] for r in rows] == ["Q4x8", "IQ2XXSx8"]

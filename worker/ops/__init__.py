@@ -57,6 +57,7 @@ __all__ = [
     "set_activation_precision",
     "set_cpu_simd",
     "set_cpu_subnormal_quants",
+    "set_cpu_vnni",
     "silu_and_mul",
     "skinny_linear",
 ]
@@ -78,6 +79,17 @@ def set_cpu_simd(enabled: bool | str) -> None:
         level = len(SIMD_LEVELS) - 1 if enabled else 0
     if _C is not None:
         _C.set_cpu_simd(level)
+
+
+def set_cpu_vnni(enabled: bool) -> None:
+    """Allow (True, the default) or forbid the AVX-512 VNNI paths (the int8 and int16
+    precisions' integer dot products) where the CPU has them: forbidden, an AVX-512 CPU with
+    VNNI takes the paths of one without it (AVX2's integer kernels, beside AVX-512's float
+    ones), to test and time them."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"set_cpu_vnni takes True or False, not {enabled!r}")
+    if _C is not None:
+        _C.set_cpu_vnni(int(enabled))
 
 
 def cpu_simd_active() -> bool:

@@ -57,20 +57,23 @@ def test_kernel_matches_reference(int8_mode, layout, m):
     torch.testing.assert_close(ops.quant_linear(x, w, bias), expected, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("simd", ["avx512", "avx2"])
+@pytest.mark.parametrize("simd,vnni", [("avx512", True), ("avx512", False), ("avx2", True)])
 @pytest.mark.parametrize("layout", activations.INT8_LAYOUTS)
-def test_a_row_does_not_depend_on_the_rows_beside_it(int8_mode, layout, simd):
+def test_a_row_does_not_depend_on_the_rows_beside_it(int8_mode, layout, simd, vnni):
     """Many rows take each pair of groups (AVX2: each group) unpacked once
     (csrc/cpu/int8_unpacked.h), one row the direct kernels: the same sums, bit for bit (a verify
-    step must compute what decode does). AVX-512 runs the odd seventh group on AVX2 too."""
+    step must compute what decode does). AVX-512 runs the odd seventh group on AVX2 too, and
+    without VNNI every pair (two groups a buffer)."""
     w = layout_weight(layout, seed=7)
     x = torch.randn(72, w.shape[1])
     ops.set_cpu_simd(simd)
+    ops.set_cpu_vnni(vnni)
     try:
         one_by_one = torch.cat([ops.quant_linear(x[i:i + 1], w) for i in range(len(x))])
         together = ops.quant_linear(x, w)
     finally:
         ops.set_cpu_simd(True)
+        ops.set_cpu_vnni(True)
     assert torch.equal(together, one_by_one)
 
 
@@ -115,6 +118,15 @@ def test_tiny_and_huge_activations(int8_mode, scale):
                                **TOL[torch.float32])
 
 
+def test_vnni_can_be_kept_off_and_only_takes_a_bool():
+    """set_cpu_vnni(False) makes this process take an AVX-512 CPU without VNNI's paths (the
+    tests above compare them); anything but a bool is refused."""
+    with pytest.raises(ValueError, match="True or False"):
+        ops.set_cpu_vnni(0)
+    ops.set_cpu_vnni(False)
+    ops.set_cpu_vnni(True)
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="exact, int8"):
         ops.set_activation_precision("int4")
@@ -127,7 +139,9 @@ _SCRIPT = """
 import sys, torch
 from shardlm_server.worker import ops
 from shardlm_server.worker.quant import QuantizedWeight
-ops.set_cpu_simd(sys.argv[3])
+level, _, vnni = sys.argv[3].partition("-")  # "avx512-novnni": AVX-512 with VNNI kept off
+ops.set_cpu_simd(level)
+ops.set_cpu_vnni(vnni != "novnni")
 ops.set_activation_precision(sys.argv[4])
 inp = torch.load(sys.argv[1])
 out = {name: ops.quant_linear(a["x"], QuantizedWeight(a["qtype"], a["blocks"], a["shape"]), a["b"])
@@ -138,12 +152,12 @@ torch.save(out, sys.argv[2])
 
 def simd_paths_match_reference(tmp_path, precision: str, inputs: dict) -> None:
     """quant_linear of each of `inputs` (name -> x, qtype, blocks, shape, b) with `precision`
-    set, run in a fresh process per SIMD level (AVX-512, AVX2, portable), against the reference
-    computed here (the caller has set the same precision)."""
+    set, run in a fresh process per SIMD level (AVX-512, AVX-512 without VNNI, AVX2, portable),
+    against the reference computed here (the caller has set the same precision)."""
     inputs_file = tmp_path / "inputs.pt"
     torch.save(inputs, inputs_file)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    for level in ("avx512", "avx2", "portable"):
+    for level in ("avx512", "avx512-novnni", "avx2", "portable"):
         out_file = tmp_path / f"out_{level}.pt"
         subprocess.run([sys.executable, "-c", _SCRIPT, str(inputs_file), str(out_file), level,
                         precision], env=env, check=True, timeout=300)
