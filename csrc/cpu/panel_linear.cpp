@@ -334,13 +334,13 @@ void linear_rows(T* out, int64_t qtype, const uint8_t* w, const float* x, const 
   });
 }
 
-}  // namespace
-
 // Whether the int16 precision rounds a product of m rows over K = k here (panel_int16.h).
 bool rounds_int16(int64_t m, int64_t k) {
   return cpu::activation_precision() == cpu::ActivationPrecision::kInt16 &&
          m >= panel16::kMinRows && panel16::takes(k);
 }
+
+}  // namespace
 
 bool takes(int64_t qtype, int64_t m, int64_t n, int64_t k) {
   if (qtype == kQ8_0) return m >= kMinRows && n % kGroupRows == 0;
