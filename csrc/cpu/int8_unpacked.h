@@ -154,12 +154,14 @@ SHARDLM_AVX2 void rows_avx2(float* acc, int64_t stride, const Block* u, int g, i
     for (int s = 0; s < 4; ++s) {
       const __m256i first = load_bytes256(u[b].bytes[2 * s] + 32 * g);
       const __m256i second = load_bytes256(u[b].bytes[2 * s + 1] + 32 * g);
+      const __m256i multipliers =
+          kPerHalf ? load_bytes256(reinterpret_cast<const uint8_t*>(u[b].multipliers[s / 2] +
+                                                                    16 * g))
+                   : _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + ((m0 + r) * blocks + b) * quant::kBlock + 8 * s;
         if constexpr (kPerHalf) {
-          const __m256i multipliers = load_bytes256(
-              reinterpret_cast<const uint8_t*>(u[b].multipliers[s / 2] + 16 * g));
           halves::scaled_step_dot<kTable>(dot[r], first, second, xq, multipliers);
         } else {
           step_dot_avx2<kTable>(dot[r], first, second, xq);
