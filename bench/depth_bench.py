@@ -82,7 +82,11 @@ def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps
     llama = None
     result: dict = {"depth": depth, "steps": steps}
     if gguf is not None and llamacpp.available():
-        llama = llamacpp.LlamaCpp(gguf, threads, n_ctx=depth + steps + 16)
+        if (crash := llamacpp.crash_reason(gguf, threads)) is None:
+            llama = llamacpp.LlamaCpp(gguf, threads, n_ctx=depth + steps + 16)
+        else:
+            result["llama_cpp_not_run"] = crash  # "llama_cpp" holds a row only
+            print(f"llama.cpp at depth: not run: {crash}", flush=True)
     times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
     theirs: list[float] = []
     bandwidths: list[float] = []

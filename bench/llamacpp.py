@@ -2,18 +2,41 @@
 bench.model_bench times ShardLM: batch-1 greedy decode steps after a short prompt, one prefill of a
 long prompt, and the argmax next token at every position of a teacher-forced text.
 
-`available()` is False when the package is absent; the benchmark then prints one line and leaves
-the llama.cpp columns out.
+`available()` is False when the package is absent, and `crash_reason()` says when its build dies on
+this machine and file (a child process tries it first, so a crash inside llama.cpp cannot take the
+benchmark down); the benchmark then prints one line and leaves the llama.cpp columns out.
+
+`INSTALL_HINT` builds it for the machine's own SIMD without its AMX int8 path: on CPUs with AMX
+(Intel Xeon from Sapphire Rapids on) that path segfaults in `ggml_backend_amx_mul_mat` at the first
+prompt in the llama.cpp that llama-cpp-python 0.3.36 vendors (seen here on a 2-core Xeon VM; the
+upstream report is ggml-org/llama.cpp#20824). Elsewhere `-mno-amx-int8` changes nothing.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-INSTALL_HINT = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "llama-cpp-python[server]"'
+# The native build minus AMX int8 (see the module docstring); scripts/build_llama_server.sh builds
+# llama-server and llama-quantize with the same flags.
+NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+INSTALL_HINT = f'CMAKE_ARGS="{NATIVE_CMAKE_ARGS}" pip install "llama-cpp-python[server]"'
+REBUILD_HINT = (f'CMAKE_ARGS="{NATIVE_CMAKE_ARGS}" pip install --force-reinstall --no-deps '
+                '--no-cache-dir "llama-cpp-python[server]"')
+# A prompt long enough for llama.cpp's batched matrix paths, then one decode step: what the
+# benchmark asks of it, in a child process.
+_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=128, n_batch=128, n_threads=int(sys.argv[2]),
+            n_threads_batch=int(sys.argv[2]), verbose=False)
+llm.eval(list(range(1, 65)))
+llm.eval([1])
+"""
 
 
 def available() -> bool:
@@ -22,6 +45,20 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def crash_reason(gguf: Path, threads: int) -> str | None:
+    """None when llama.cpp loads `gguf` and runs a prompt and a decode step in a child process;
+    else why not, in one line. A file llama.cpp refuses is not a crash: LlamaCpp says so itself."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(threads)],
+                              capture_output=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return "llama.cpp did not finish a 64-token prompt in 300 s"
+    if done.returncode >= 0:
+        return None
+    return (f"llama.cpp died by signal {-done.returncode} on this machine; rebuild it with "
+            f"{REBUILD_HINT}")
 
 
 def version() -> str | None:

@@ -123,6 +123,8 @@ def measure(args) -> dict:
         result["llama_cpp"] = "not run: llama.cpp needs a GGUF file"
     elif not llamacpp.available():
         result["llama_cpp"] = f"not run: llama-cpp-python is not installed ({llamacpp.INSTALL_HINT})"
+    elif (crash := llamacpp.crash_reason(gguf, threads)) is not None:
+        result["llama_cpp"] = f"not run: {crash}"
     else:
         try:
             llama = llamacpp.LlamaCpp(gguf, threads, n_ctx=max(prefill_len, args.prompt_len +

@@ -9,7 +9,9 @@
 # The source is the llama.cpp that llama-cpp-python vendors, fetched as that package's source
 # distribution through pip (the version installed in PYTHON's environment when there is one, so
 # the in-process and the server comparisons run the same llama.cpp), built with the machine's own
-# SIMD (GGML_NATIVE), statically, without the web UI, TLS or curl. About 8 minutes on 2 cores.
+# SIMD (GGML_NATIVE) less its AMX int8 path, which segfaults on CPUs with AMX in this llama.cpp
+# (bench/llamacpp.py says more; elsewhere the flag changes nothing), statically, without the web
+# UI, TLS or curl. About 8 minutes on 2 cores.
 # The same source's HF-to-GGUF converter (convert_hf_to_gguf.py, its conversion/ package and its
 # gguf-py) is kept in DEST/converter: tests/worker/test_llama_cpp_converter.py checks that files
 # it writes load as their Hugging Face checkpoints do.
@@ -34,6 +36,7 @@ SRC=$(echo "$WORK"/llama_cpp_python-*/vendor/llama.cpp)
 
 echo "building llama-server and llama-quantize (${MAX_JOBS:-$(nproc)} jobs)"
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8 \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF > "$WORK/configure.log" 2>&1 \
