@@ -3,6 +3,7 @@
     python -m bench.int8_layers                          # the widest SIMD level the CPU has
     python -m bench.int8_layers --simd avx2 --rows 1,4,16,64,256
     python -m bench.int8_layers --no-vnni               # an AVX-512 CPU without VNNI's paths
+    python -m bench.int8_layers --no-amx                # an AMX CPU on its VNNI kernels
 
 One random weight per layout of `ops.activations.INT8_LAYOUTS` (`--shape N,K`, 4096 x 2048 by
 default), regrouped as a model loads it: Q4_0, Q4_1, Q5_0 and Q5_1 from `gguf`'s quantizer, the
@@ -64,6 +65,8 @@ def main() -> None:
                    help="cap the kernels' SIMD level (ops.set_cpu_simd)")
     p.add_argument("--no-vnni", action="store_true",
                    help="keep AVX-512 VNNI off where the CPU has it (ops.set_cpu_vnni)")
+    p.add_argument("--no-amx", action="store_true",
+                   help="keep the AMX tiles off where the CPU has them (ops.set_cpu_amx)")
     p.add_argument("--rows", default="1,4,16,64,256", help="input rows, comma-separated")
     p.add_argument("--shape", default="4096,2048", help="N,K of each layer")
     p.add_argument("--layouts", default=",".join(activations.INT8_LAYOUTS))
@@ -74,9 +77,10 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     ops.set_cpu_simd(True if a.simd == "widest" else a.simd)
     ops.set_cpu_vnni(not a.no_vnni)
+    ops.set_cpu_amx(not a.no_amx)
     n, k = (int(v) for v in a.shape.split(","))
     rows = [int(r) for r in a.rows.split(",")]
-    vnni = ", VNNI off" if a.no_vnni else ""
+    vnni = (", VNNI off" if a.no_vnni else "") + (", AMX off" if a.no_amx else "")
     print(f"{n} x {k}, {a.threads} threads, SIMD {a.simd}{vnni}: GOP/s exact / int8 (int8 / exact)")
     print("| layout | " + " | ".join(f"M = {m}" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))

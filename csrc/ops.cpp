@@ -129,6 +129,19 @@ PyObject* set_cpu_vnni(PyObject* /*self*/, PyObject* arg) {
   return store_setting(arg, 1, shardlm::cpu::vnni_setting(), "set_cpu_vnni: must be 0 or 1");
 }
 
+// set_cpu_amx(allowed: int) -> None: 0 keeps the int8 mode's AMX path off even
+// where the CPU has it (the VNNI kernels then take its rows), 1 allows it (the
+// default).
+PyObject* set_cpu_amx(PyObject* /*self*/, PyObject* arg) {
+  return store_setting(arg, 1, shardlm::cpu::amx_setting(), "set_cpu_amx: must be 0 or 1");
+}
+
+// cpu_amx_active() -> bool: whether the int8 mode's many rows take AMX tiles now
+// (this CPU and OS have them, and set_cpu_amx and set_cpu_vnni allow them).
+PyObject* cpu_amx_active(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(shardlm::cpu::use_amx_int8() ? 1 : 0);
+}
+
 // set_activation_precision(precision: int) -> None: how quant_linear treats its
 // input on CPU, for the whole process: 0 exact (float32), 1 rounded to int8
 // per block of 32 for the grouped layouts, 2 rounded to 14-bit integers per
@@ -199,6 +212,10 @@ PyMethodDef shardlm_methods[] = {
      "2 AVX-512)."},
     {"set_cpu_vnni", set_cpu_vnni, METH_O,
      "set_cpu_vnni(allowed: int) -> None: 0 keeps the AVX-512 VNNI paths off, 1 allows them."},
+    {"set_cpu_amx", set_cpu_amx, METH_O,
+     "set_cpu_amx(allowed: int) -> None: 0 keeps the int8 mode's AMX path off, 1 allows it."},
+    {"cpu_amx_active", cpu_amx_active, METH_NOARGS,
+     "cpu_amx_active() -> bool: whether the int8 mode's many rows take AMX tiles now."},
     {"set_activation_precision", set_activation_precision, METH_O,
      "set_activation_precision(precision: int) -> None: quant_linear's CPU input for the "
      "grouped layouts (0 exact float32, 1 int8 per block of 32, 2 int16 panels)."},

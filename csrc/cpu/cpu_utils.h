@@ -83,6 +83,26 @@ inline bool use_avx512_vnni() {
          vnni_setting().load(std::memory_order_relaxed) != 0;
 }
 
+// Whether the CPU and the OS let this process use AMX int8 tiles (Intel Xeon
+// from Sapphire Rapids on): the CPU's AMX-TILE and AMX-INT8, the OS's tile
+// state in XCR0, and Linux's per-process permission for it, asked for here
+// (arch_prctl; a kernel before 5.16 has no such call and no AMX). Probed once
+// per process (amx.cpp).
+bool cpu_has_amx_int8();
+
+// Whether the AMX path of the int8 mode may run where the CPU has it
+// (set_cpu_amx, ops.cpp; 1 by default): 0 keeps such a CPU on the VNNI
+// kernels, to test and time them against it.
+inline std::atomic<int>& amx_setting() {
+  static std::atomic<int> allowed{1};
+  return allowed;
+}
+
+inline bool use_amx_int8() {
+  return use_avx512_vnni() && amx_setting().load(std::memory_order_relaxed) != 0 &&
+         cpu_has_amx_int8();
+}
+
 // How quant_linear treats its input: exact (float32, the default), rounded to
 // int8 per block of 32 for the 8-row grouped weight layouts (int8_linear.h),
 // or, with the weights too, to 14-bit integers per block of 32 in the panel

@@ -23,6 +23,7 @@
 
 #include "cpu_utils.h"
 #include "grouped.h"
+#include "int8_amx.h"
 #include "int8_halves.h"
 #include "int8_nibbles.h"
 #include "int8_unpacked.h"
@@ -177,8 +178,10 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
   const int64_t group_bytes = L::group_bytes(k);
   const bool avx2 = cpu::use_avx2();
   const bool vnni = cpu::use_avx512_vnni();
-  grouped::gemv<kPassRows<L>>(out, bias, m, n, group_bytes,
-                [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
+  // With AMX, many rows of a layout with one scale a block go 16 a pass (a
+  // tile's rows; int8_amx.h), a last pass of fewer through the VNNI kernels.
+  const bool on_amx = !kPerHalf<L> && m >= kUnpackRows<L> && cpu::use_amx_int8();
+  const auto dot = [&](float* acc, int64_t g, int64_t width, int64_t m0, int64_t rows) {
     const uint8_t* wg = w + g * group_bytes;
 #if SHARDLM_HAVE_AVX2
     if (width == 2 * kGroupRows && vnni) {
@@ -187,9 +190,16 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
         // takes a pair's passes in order, m0 = 0 first) for all of them.
         unpacked::Block* u = unpacked::buffer(k / kBlock);
         if (m0 == 0) unpack_pair(L{}, u, wg, group_bytes, k / kBlock);
-        return with_rows<kPassRows<L>>(rows, [&](auto r) {
-          unpacked::rows_vnni<decltype(r)::value, kPerHalf<L>>(acc, u, k / kBlock, x, m0);
-        });
+        if (on_amx && rows == amx::kRows) {
+          return amx::rows(acc, u, k / kBlock, x, m0);
+        }
+        for (int64_t i = 0; i < rows; i += kPassRows<L>) {
+          with_rows<kPassRows<L>>(std::min(kPassRows<L>, rows - i), [&](auto r) {
+            unpacked::rows_vnni<decltype(r)::value, kPerHalf<L>>(acc + i * width, u, k / kBlock,
+                                                                 x, m0 + i);
+          });
+        }
+        return;
       }
       return with_rows<kPassRows<L>>(rows, [&](auto r) {
         pair_vnni<decltype(r)::value>(L{}, acc, wg, group_bytes, x, m0, k);
@@ -216,7 +226,11 @@ void linear_of(T* out, const uint8_t* w, const Int8Rows& x, const T* bias, int64
     for (int64_t half = 0; half < width / kGroupRows; ++half) {
       group_dot<L>(acc + half * kGroupRows, width, wg + half * group_bytes, x, m0, rows, k, avx2);
     }
-  });
+  };
+#if SHARDLM_HAVE_AVX2
+  if (on_amx) return grouped::gemv<amx::kRows>(out, bias, m, n, group_bytes, dot);
+#endif
+  grouped::gemv<kPassRows<L>>(out, bias, m, n, group_bytes, dot);
 }
 
 }  // namespace

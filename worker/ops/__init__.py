@@ -38,6 +38,7 @@ __all__ = [
     "activation_precision",
     "attention_block",
     "compute_cos_sin_cache",
+    "cpu_amx_active",
     "cpu_simd_active",
     "cpu_subnormal_quants_active",
     "fused_add_rms_norm",
@@ -55,6 +56,7 @@ __all__ = [
     "rotary_embedding",
     "sample_rows",
     "set_activation_precision",
+    "set_cpu_amx",
     "set_cpu_simd",
     "set_cpu_subnormal_quants",
     "set_cpu_vnni",
@@ -90,6 +92,22 @@ def set_cpu_vnni(enabled: bool) -> None:
         raise ValueError(f"set_cpu_vnni takes True or False, not {enabled!r}")
     if _C is not None:
         _C.set_cpu_vnni(int(enabled))
+
+
+def set_cpu_amx(enabled: bool) -> None:
+    """Allow (True, the default) or forbid the int8 precision's AMX path where the CPU has AMX
+    int8 tiles (Intel Xeon from Sapphire Rapids on): forbidden, its many-row products take the
+    VNNI kernels, which compute the same results bit for bit, to test and time them."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"set_cpu_amx takes True or False, not {enabled!r}")
+    if _C is not None:
+        _C.set_cpu_amx(int(enabled))
+
+
+def cpu_amx_active() -> bool:
+    """Whether the int8 precision's many-row products take AMX tiles now: this CPU and OS have
+    them, and set_cpu_amx, set_cpu_vnni and set_cpu_simd allow them."""
+    return bool(_C is not None and _C.cpu_amx_active())
 
 
 def cpu_simd_active() -> bool:

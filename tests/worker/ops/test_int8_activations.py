@@ -127,6 +127,35 @@ def test_vnni_can_be_kept_off_and_only_takes_a_bool():
     ops.set_cpu_vnni(True)
 
 
+@pytest.mark.skipif(not ops.cpu_amx_active(),
+                    reason="needs a CPU with AMX int8 tiles (Intel Xeon from Sapphire Rapids on)")
+@pytest.mark.parametrize("layout", activations.INT8_LAYOUTS)
+def test_amx_rows_equal_the_vnni_rows(int8_mode, layout):
+    """On AMX, 16 rows a pass take tiles for the layouts with one scale a block
+    (csrc/cpu/int8_amx.h), the rest VNNI: the same integer sums scaled the same way, so the same
+    results bit for bit with AMX kept off. 72 rows: four tiles, then a pass of 8 on VNNI."""
+    w = layout_weight(layout, seed=11)
+    x, bias = torch.randn(72, w.shape[1]), torch.randn(w.shape[0])
+    with_amx = ops.quant_linear(x, w, bias)
+    ops.set_cpu_amx(False)
+    try:
+        assert not ops.cpu_amx_active()
+        without = ops.quant_linear(x, w, bias)
+    finally:
+        ops.set_cpu_amx(True)
+    assert torch.equal(with_amx, without)
+
+
+def test_amx_can_be_kept_off_and_only_takes_a_bool():
+    with pytest.raises(ValueError, match="True or False"):
+        ops.set_cpu_amx(1)
+    ops.set_cpu_amx(False)
+    try:
+        assert not ops.cpu_amx_active()
+    finally:
+        ops.set_cpu_amx(True)
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="exact, int8"):
         ops.set_activation_precision("int4")
