@@ -81,20 +81,15 @@ SHARDLM_AMX inline void tile_sums(int32_t (*dot)[16], const unpacked::Block& u, 
   _tile_stored(SHARDLM_TILE_C, dot, 64);
 }
 
-// Block b's stored sums scaled into the 16 rows' sums and offsets, as
-// rows_vnni scales its chains: sum += d * dx * dot, off += m * sum32.
-SHARDLM_AMX inline void scale_block(float (*sum)[16], float (*off)[16], const int32_t (*dot)[16],
-                                    const unpacked::Block& u, const Int8Rows& x, int64_t m0,
-                                    int64_t blocks, int64_t b) {
-  const __m512 d = _mm512_loadu_ps(u.scale[0]), m = _mm512_loadu_ps(u.offset[0]);
+// Block b's stored sums scaled into the 16 rows' sums, held in registers
+// through the blocks: sum += d * dx * dot, as rows_vnni scales its chains.
+SHARDLM_AMX inline void scale_block(__m512 (&sum)[16], const int32_t (*dot)[16],
+                                    const unpacked::Block& u, const float* dx, int64_t blocks) {
+  const __m512 d = _mm512_loadu_ps(u.scale[0]);
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
-    const int64_t i = (m0 + r) * blocks + b;
     const __m512 products = _mm512_cvtepi32_ps(_mm512_loadu_si512(dot[r]));
-    _mm512_storeu_ps(sum[r], _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[i])),
-                                             products, _mm512_loadu_ps(sum[r])));
-    _mm512_storeu_ps(off[r],
-                     _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum32[i]), _mm512_loadu_ps(off[r])));
+    sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks])), products, sum[r]);
   }
 }
 
@@ -105,21 +100,39 @@ SHARDLM_AMX void rows_amx(float* acc, const unpacked::Block* u, int64_t blocks,
   // loaded tiles of other shapes since.
   _tile_loadconfig(&config);
   const int64_t k = blocks * quant::kBlock;
-  alignas(64) float sum[16][16] = {}, off[16][16] = {};
+  __m512 sum[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) sum[r] = _mm512_setzero_ps();
   // Two blocks' sums: block b's tiles run while block b - 1's are scaled, so
   // the scaling never waits for the tile store it reads.
   alignas(64) int32_t dot[2][16][16];
   const int8_t* a = x.q + m0 * k;
+  const float* dx = x.scale + m0 * blocks;  // row r's block b at r * blocks + b
   for (int64_t b = 0; b < blocks; ++b) {
     tile_sums(dot[b & 1], u[b], a + b * quant::kBlock, k);
-    if (b > 0) scale_block(sum, off, dot[(b - 1) & 1], u[b - 1], x, m0, blocks, b - 1);
+    if (b > 0) scale_block(sum, dot[(b - 1) & 1], u[b - 1], dx + b - 1, blocks);
   }
-  scale_block(sum, off, dot[(blocks - 1) & 1], u[blocks - 1], x, m0, blocks, blocks - 1);
+  scale_block(sum, dot[(blocks - 1) & 1], u[blocks - 1], dx + blocks - 1, blocks);
   _tile_release();
+  // The offsets, m * sum32 over the blocks, each row in a chain of its own
+  // (rows_vnni's off) with the sums parked in acc meanwhile, then added once,
+  // as rows_vnni adds them.
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(acc + 16 * r, sum[r]);
+  __m512 off[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) off[r] = _mm512_setzero_ps();
+  const float* sums = x.sum32 + m0 * blocks;  // row r's block b at r * blocks + b
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 m = _mm512_loadu_ps(u[b].offset[0]);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), off[r]);
+    }
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
-    _mm512_storeu_ps(acc + 16 * r,
-                     _mm512_add_ps(_mm512_loadu_ps(sum[r]), _mm512_loadu_ps(off[r])));
+    _mm512_storeu_ps(acc + 16 * r, _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), off[r]));
   }
 }
 
