@@ -4,7 +4,6 @@
 // First, so that its silencing of GCC 12's AVX-512 header warnings applies (simd.h).
 #include "simd.h"
 
-
 #include "cpu_utils.h"
 
 #if SHARDLM_HAVE_AVX2
@@ -22,7 +21,8 @@ bool cpu_has_amx_int8() {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
     if (!tile || !int8) return false;
-    // The OS saves the tile state (XCR0 bits 17 and 18)...
+    // The OS saves the tile state (XCR0 bits 17 and 18; xgetbv needs OSXSAVE)...
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;
     unsigned lo = 0, hi = 0;
     __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if ((lo & (3u << 17)) != (3u << 17)) return false;
