@@ -36,8 +36,11 @@ def start_serve(*args: str, output: list[str] | None = None) -> tuple[subprocess
 
 def test_sigterm_announces_then_drains_in_flight_streams(llama_dir, tmp_path):
     config = tmp_path / "serve.toml"
+    # The in-flight stream must still run when the refused call comes (about 2 s in), or the
+    # drain has already ended and the transport refuses it uncounted: 500 tokens, one decode
+    # step a worker call (300 at the default calls took under 2 s on an Intel Xeon VM).
     config.write_text(f'model = "{llama_dir}"\ndtype = "float32"\ndrain_grace = 20\n'
-                      'drain_announce = 30\n')
+                      'drain_announce = 30\nmax_decode_steps = 1\n')
     output: list[str] = []
     proc, address = start_serve("--config", str(config), "--tp", "2", output=output)
     try:
@@ -48,7 +51,7 @@ def test_sigterm_announces_then_drains_in_flight_streams(llama_dir, tmp_path):
             health_pb2.HealthCheckResponse.SERVING
         stream = stub.Generate(gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
-            stop=common_pb2.StopConditions(max_new_tokens=300, ignore_eos=True)))
+            stop=common_pb2.StopConditions(max_new_tokens=500, ignore_eos=True)))
         chunks = [next(stream)]
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -65,7 +68,7 @@ def test_sigterm_announces_then_drains_in_flight_streams(llama_dir, tmp_path):
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.UNAVAILABLE
         chunks += list(stream)  # the in-flight stream still completes
-        assert sum(len(c.token_ids) for c in chunks) == 300
+        assert sum(len(c.token_ids) for c in chunks) == 500
         assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert proc.wait(30) == 0
         drained = [line for line in output if line.startswith("drained: ")]
