@@ -87,7 +87,7 @@ inline bool use_avx512_vnni() {
 // from Sapphire Rapids on): the CPU's AMX-TILE and AMX-INT8, the OS's tile
 // state in XCR0, and Linux's per-process permission for it, asked for here
 // (arch_prctl; a kernel before 5.16 has no such call and no AMX). Probed once
-// per process (amx.cpp).
+// per process (int8_amx.cpp).
 bool cpu_has_amx_int8();
 
 // Whether the AMX path of the int8 mode may run where the CPU has it

@@ -1,12 +1,13 @@
 // The int8 mode's many-rows path on AMX (Intel Xeon from Sapphire Rapids on):
 // 16 input rows against a pair of groups unpacked as int8_unpacked.h unpacks
 // them, each block's integer dot products in one tile instruction instead of
-// 128 VNNI ones, for the layouts with one scale a block. The unpacked block's bytes are already an AMX B tile
-// (step j's 64 bytes: 16 features x the 4 quants meeting the input's word j),
-// and the rounded input rows an A tile as they lie (16 rows, K bytes apart),
-// so nothing is rearranged; the tile's int32 sums are VNNI's exactly (integer
-// sums), and they are scaled with rows_vnni's float operations in its order:
-// a row's result is the same, bit for bit, on either path.
+// 128 VNNI ones, for the layouts with one scale a block. The unpacked block's
+// bytes are already an AMX B tile (step j's 64 bytes: 16 features x the 4
+// quants meeting the input's word j), and the rounded input rows an A tile as
+// they lie (16 rows, K bytes apart), so nothing is rearranged; the tile's
+// int32 sums are VNNI's exactly (integer sums), and they are scaled with
+// rows_vnni's float operations in its order: a row's result is the same, bit
+// for bit, on either path.
 #pragma once
 
 #include <cstdint>
