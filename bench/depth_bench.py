@@ -4,7 +4,10 @@ steps after a context of `depth` tokens, where each step reads the KV cache as w
 ShardLM's engine runs with a float32 KV cache (the float32 model's default) and a float16 one (what
 llama.cpp keeps by default), llama.cpp in process (`llama-cpp-python`, `llama-bench -d` measures
 the same thing) on the same file and threads; the three are timed in alternation, `rounds` rounds,
-and the medians and spreads reported. The floor counts the step's weight bytes and its KV bytes (the
+and the medians and spreads reported. With `--activation-precision` (the opt-in modes, e.g. int8)
+the float16-cache engine is also timed in each mode in the same rounds: at depth the weights are
+read by the mode's kernels and the cache by the same attention, so the row says how much of the
+step the exact kernels' arithmetic holds back. The floor counts the step's weight bytes and its KV bytes (the
 whole context, every layer, K and V) against the read bandwidth measured in the same round
 (`roofline.round_shares`); the share is the median of the rounds' shares.
 """
@@ -28,9 +31,11 @@ from shardlm_server.worker.engine import (
     StopParams,
 )
 from shardlm_server.worker.kv_cache import CacheConfig
+from shardlm_server.worker.ops import activations
 from shardlm_server.worker.speculative import SpeculationConfig
 
 KV_DTYPES = ("float32", "float16")
+MODE_KV = "float16"  # the cache the opt-in activation precisions are timed with
 BLOCK_SIZE = 16
 
 
@@ -69,8 +74,9 @@ def _row(step_seconds: list[float], weight_bytes: int, kv_bytes: int,
 
 
 def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps: int,
-            rounds: int, weight_bytes: int) -> dict:
-    """Every figure of the depth section; see the module docstring."""
+            rounds: int, weight_bytes: int, modes: tuple[str, ...] = ()) -> dict:
+    """Every figure of the depth section; see the module docstring. `modes`: the opt-in
+    activation precisions also timed (float16 cache), each a row `shardlm_kv_float16_<mode>`."""
     threads = torch.get_num_threads()
     engines = {kv: _engine(path, dtype, kv, depth + steps + 1) for kv in KV_DTYPES}
     first = engines[KV_DTYPES[0]]
@@ -88,6 +94,7 @@ def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps
             result["llama_cpp_not_run"] = crash  # "llama_cpp" holds a row only
             print(f"llama.cpp at depth: not run: {crash}", flush=True)
     times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+    mode_times: dict[str, list[float]] = {mode: [] for mode in modes}
     theirs: list[float] = []
     bandwidths: list[float] = []
     for engine in engines.values():  # warm-up: the first steps at depth allocate scratch
@@ -96,10 +103,17 @@ def measure(path: Path, gguf: Path | None, dtype: torch.dtype, depth: int, steps
         bandwidths.append(roofline.read_bandwidth(repeats=4))
         for kv, engine in engines.items():
             times[kv].append(_engine_step_seconds(engine, prompt, steps))
+        for mode in modes:
+            with activations.using(mode):
+                mode_times[mode].append(_engine_step_seconds(engines[MODE_KV], prompt, steps))
         if llama is not None:
             theirs.append(llama.decode_seconds(prompt, steps) / steps)
     for kv in KV_DTYPES:
         result[f"shardlm_kv_{kv}"] = _row(times[kv], weight_bytes, kv_bytes[kv], bandwidths)
+    for mode in modes:
+        result[f"shardlm_kv_{MODE_KV}_{mode}"] = _row(mode_times[mode], weight_bytes,
+                                                      kv_bytes[MODE_KV], bandwidths)
+    result["modes"] = list(modes)
     if llama is not None:
         # llama.cpp keeps a float16 cache of the same shape by default.
         result["llama_cpp"] = _row(theirs, weight_bytes, kv_bytes["float16"], bandwidths)
@@ -120,12 +134,22 @@ def targets(result: dict) -> list[tuple[str, float | None, float]]:
                     ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 1.3))
     out.append((f"decode at depth {result['depth']}: weights + KV at >= 60% of the read floor",
                 ours["pct_of_floor"] / 100, 0.6))
+    for mode in result.get("modes", []):
+        row = result[f"shardlm_kv_{MODE_KV}_{mode}"]
+        if theirs:
+            out.append((f"decode at depth {result['depth']} ({MODE_KV} KV, {mode} mode) vs "
+                        f"llama.cpp >= 1.3x",
+                        row["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 1.3))
+        out.append((f"decode at depth {result['depth']} ({mode} mode): weights + KV at >= 60% "
+                    f"of the read floor", row["pct_of_floor"] / 100, 0.6))
     return out
 
 
 def print_rows(result: dict) -> None:
     print(f"decode at a {result['depth']}-token depth ({result['steps']} steps):")
     rows = [(f"ShardLM, {kv} KV", result[f"shardlm_kv_{kv}"]) for kv in KV_DTYPES]
+    rows += [(f"ShardLM, {MODE_KV} KV, {mode}", result[f"shardlm_kv_{MODE_KV}_{mode}"])
+             for mode in result.get("modes", [])]
     if "llama_cpp" in result:
         rows.append(("llama.cpp, float16 KV", result["llama_cpp"]))
     for label, r in rows:

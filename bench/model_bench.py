@@ -8,7 +8,7 @@ round runs both engines back to back and the medians are reported):
     (torch.profiler self times over a few steps, scaled to the unprofiled step time);
   * the GB/s ShardLM streams against the read bandwidth measured in every round (bench.roofline);
   * with --depth N, batch-1 decode after an N-token context, KV bytes counted in the floor
-    (bench.depth_bench);
+    (bench.depth_bench), with each --activation-precision mode as well;
   * with --activation-precision int8 and/or int16, ShardLM's decode and prefill also with those
     activation precisions (the opt-in modes), timed in the same rounds, each with its own top-1
     agreement;
@@ -203,7 +203,7 @@ def measure(args) -> dict:
     if args.depth:
         print(f"-- decode at a {args.depth}-token depth", flush=True)
         result["depth"] = depth_bench.measure(path, gguf, dtype, args.depth, steps,
-                                              args.repeats + 1, nbytes)
+                                              args.repeats + 1, nbytes, tuple(modes))
 
     if "stack" in args.section_list:
         print("-- full stack", flush=True)

@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "on it (CPU), instead of the random shapes")
     p.add_argument("--depth", type=int, default=0,
                    help="--model: also batch-1 decode after a context of this many tokens "
-                   "(e.g. 4096), ShardLM's float32 and float16 KV caches against llama.cpp")
+                   "(e.g. 4096), ShardLM's float32 and float16 KV caches against llama.cpp, and "
+                   "the float16 cache in each --activation-precision mode")
     p.add_argument("--activation-precision", default="exact",
                    help="--model: any of int8, int16 (comma-separated) also times ShardLM in "
                    "process with those activation precisions (the opt-in modes), in the same "

@@ -24,3 +24,19 @@ def test_the_share_is_the_median_of_the_rounds():
     assert row["pct_of_floor"] == pytest.approx(50.0)  # shares 50%, 100%, 25%
     assert row["pct_of_floor_spread"] == pytest.approx([25.0, 100.0])
     assert row["floor_ms_per_token"] == pytest.approx(1000.0)
+
+
+def test_each_opt_in_mode_gets_its_own_row_and_targets():
+    from bench.depth_bench import print_rows, targets
+
+    row = _row([1.0], weight_bytes=6, kv_bytes=4, bandwidths=[10.0])
+    fast = _row([0.5], weight_bytes=6, kv_bytes=4, bandwidths=[10.0])
+    result = {"depth": 4096, "steps": 1, "modes": ["int8"], "bandwidth_gb_s": [1e-8],
+              "shardlm_kv_float32": row, "shardlm_kv_float16": row,
+              "shardlm_kv_float16_int8": fast, "llama_cpp": row}
+    names = {name: value for name, value, _goal in targets(result)}
+    assert names["decode at depth 4096 (float16 KV, int8 mode) vs llama.cpp >= 1.3x"] == \
+        pytest.approx(2.0)
+    assert names["decode at depth 4096 (int8 mode): weights + KV at >= 60% of the read floor"] \
+        == pytest.approx(2.0)
+    print_rows(result)  # the mode's row prints beside the exact ones
