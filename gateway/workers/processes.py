@@ -24,9 +24,12 @@ from shardlm.errors import UnavailableError
 
 WORKER_MODULE = "shardlm_server.worker"  # run with `python -m`; the gateway never imports it
 # libgomp's spins before an idle CPU worker thread sleeps (GOMP_SPINCOUNT; see start_local):
-# about 0.1 ms here. Against PASSIVE, one stream through the stack decoded ~30% faster;
-# 2,000 to 20,000 measured alike.
-CPU_SPIN_COUNT = 5000
+# libgomp's own default, a few ms (each spin is a `pause`, ~10-140 cycles by CPU). Against
+# PASSIVE, one stream through the stack decoded ~30% faster with 5,000 (2026-11-23, AMD VM);
+# on an Intel VM, whose idle vCPUs wake slowly, 5,000 (about 0.1 ms) still let the team sleep
+# between a call's steps: one stream 81% of the engine in process against 89% with 300,000 (5
+# alternated rounds), 32 streams 90% and 91% (bench.stack_overhead's method).
+CPU_SPIN_COUNT = 300_000
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,11 @@ class WorkerGroup:
             return
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         env = {"OMP_NUM_THREADS": str(threads)}
-        # The ranks share the cores with each other, the gateway and often the clients. OpenMP
-        # threads that spin for long between parallel regions (libgomp's default) would take
-        # cores the others need for every token; threads that sleep at once (PASSIVE) pay a
-        # wake-up at each of the few hundred regions of a step. A short spin covers the gaps
-        # inside a step and lets go of the core between steps. An operator's own setting wins.
+        # The ranks share the cores with each other, the gateway and often the clients. Threads
+        # that sleep at once (PASSIVE) pay a wake-up at each of the few hundred regions of a
+        # step, and threads that sleep between a call's steps pay one (on a VM, a halted vCPU's)
+        # at every step; a spin of a few ms covers both and lets go of the cores once the
+        # workers are idle. An operator's own setting wins.
         if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
             env["GOMP_SPINCOUNT"] = str(CPU_SPIN_COUNT)
         for rank in range(num_workers):

@@ -21,7 +21,7 @@ def spawned_env(monkeypatch) -> dict[str, str]:
     return seen[0]
 
 
-def test_cpu_workers_split_the_cores_and_spin_briefly(monkeypatch):
+def test_cpu_workers_split_the_cores_and_spin_before_sleeping(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(worker_processes.os, "cpu_count", lambda: 8)
