@@ -115,14 +115,17 @@ SHARDLM_AVX2 inline void block_avx2(__m256* vacc, float* macc, const uint8_t* w,
   }
 }
 
-// One or two input rows alternate two sets of accumulators between even and
-// odd blocks, so consecutive blocks do not wait on one FMA chain; more rows
-// are independent chains already.
+// Every input row alternates two sets of accumulators between even and odd
+// blocks, so consecutive blocks do not wait on one FMA chain. The sets are kept
+// for 3 and 4 rows too (8 accumulators, 4 quants, the scale and two partial sums
+// still fit AVX2's 16 registers): a row's sums then run in one order however
+// many rows the call has, so a sequence decoded alone or in a batch gets the
+// same bits.
 template <int64_t kType, int kRows>
 SHARDLM_AVX2 void row_avx2(float* acc, const uint8_t* w, const Activations& a, int64_t m0,
                            int64_t k) {
   using namespace cpu::avx2;
-  constexpr int kSets = kRows <= 2 ? 2 : 1;
+  constexpr int kSets = 2;
   const int64_t blocks = k / kBlock;
   __m256 vacc[kSets][kRows];
   float macc[kSets][kRows];
