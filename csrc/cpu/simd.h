@@ -62,7 +62,11 @@ namespace shardlm::cpu::avx2 {
 // float32 75 -> 116; its own file 315 -> 324 (a third of it fits in L3). The
 // int8-activation kernels, which had looked 6 KiB ahead into L2, gain 3-5% from
 // 12 KiB; 8-16 KiB are within noise of each other, 24 KiB and more fall off.
-constexpr int64_t kPrefetchBytes = 12288;
+// A build may set another (-DSHARDLM_PREFETCH_BYTES=...) to time one host's own.
+#ifndef SHARDLM_PREFETCH_BYTES
+#define SHARDLM_PREFETCH_BYTES 12288
+#endif
+constexpr int64_t kPrefetchBytes = SHARDLM_PREFETCH_BYTES;
 
 // Asks for the cache line at p into L2; a hint, so an address past the end of
 // the weights is harmless. Written as the instruction itself: GCC 12 dropped
