@@ -15,9 +15,11 @@ from grpc_status import rpc_status
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
 
+from bench.speculation_prompts import CODE as CODE_EDITS
 from shardlm_server.gateway.api.runtime import Limits
 from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 from shardlm_server.gateway.text.tokenizer import Tokenizer
+from shardlm_server.worker import ops
 from shardlm_server.worker.engine import DecodeItem, Engine, EngineOptions, PrefillItem, StopParams
 from shardlm_server.worker.kv_cache import CacheConfig
 from shardlm_server.worker.speculative import SpeculationConfig
@@ -103,6 +105,34 @@ def test_speculative_greedy_rewrite_equals_plain_decoding_with_drafts_accepted(p
     assert "(values):" in tokenizer.decode(runs["ngram"][0])  # it copies the function
     assert runs["ngram"][1] > 10 and runs["ngram"][2] < 50  # 60 tokens in fewer steps
     assert runs["off"][1:] == (0, 60)
+
+
+@pytest.mark.parametrize("precision", ["exact", "int8"])
+def test_eight_drafts_a_step_decode_what_plain_decoding_does(path, tokenizer, precision):
+    """Steps of up to 9 rows over a context past the attention's first slices (2 threads slice
+    a sequence's keys): every row of a verify step gets the bits a decode step gives it. Before
+    the kernels and the attention slices were made independent of the rows beside them, the
+    int8 run here left plain decoding at its 115th token."""
+    ids = chat_ids(tokenizer, CODE_EDITS[3])  # bench.speculation's binary search rewrite
+    table = list(range(24))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = {}
+        for mode, drafts in (("off", 0), ("ngram", 8)):
+            engine = Engine.load(path, dtype="float32",
+                                 cache_config=CacheConfig(block_size=16, num_blocks=len(table)),
+                                 options=EngineOptions(speculation=SpeculationConfig(mode, drafts),
+                                                       activation_precision=precision))
+            first = engine.prefill([PrefillItem(0, ids, 0, table)])
+            tokens = [first.tokens[0].token.token_id]
+            for step in engine.decode([DecodeItem(0, table, 160)], 160):
+                tokens += [t.token.token_id for t in step.tokens]
+            runs[mode] = tokens
+    finally:
+        torch.set_num_threads(before)
+        ops.set_activation_precision("exact")
+    assert runs["ngram"] == runs["off"]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -62,58 +63,73 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
   return pos + 1 - window_first_key(pos, window);
 }
 
-// Few (sequence, kv head) tasks (decode), or few (query tile, kv head) ones
-// with every sequence's new tokens in one tile (a speculative verify step's
-// handful of rows): rather than leave threads idle, or split the GQA group's
-// heads over tasks (each task then reads every key of its kv head: the cache
-// read group times), the sequences' keys are cut into slices. A task attends
-// all of the sequence's query rows (every head of each of its new tokens) to
-// one slice (whole token rows: one contiguous read per token) into float
-// partials with their log-sum-exp, and merge_row() combines a row's slices
-// (flash-decoding). The cache is read once, by every thread.
+// A row's result depends only on its query, the keys it sees and their
+// positions: never on the other rows, sequences or threads of the call. A
+// speculative verify step computes a sequence's rows on the prefill path and
+// must give each the bits a decode step would give it (greedy output identical
+// with and without drafts), and a sequence must decode the same alone or in a
+// batch. So a row's keys are cut at absolute positions into slices (below),
+// each attended in
+// tiles that start at multiples of kKeyTile (attend_rows), into a float partial
+// with its log-sum-exp, and merge_row() combines a row's slices in order
+// (flash-decoding). A call whose rows all see keys of one slice only has
+// nothing to merge, and one slice merged alone is its partial unchanged, so it
+// takes the direct paths below and gets the same bits.
 //
-// at::parallel_for hands each thread one contiguous run of slices, so the
-// keys are cut into a whole number of equal slices a thread: one for every
-// kKeysPerSliceTask keys a thread, up to kSliceTasksPerThread (each slice
-// starts with a tile whose rows were not asked for ahead, so fewer and longer
-// slices read faster). One sequence of 300 keys on two threads is 2 slices of
-// 150, not 256 + 44 with one thread doing the 256 while the other waits; 1,200
-// keys, 600 + 600 rather than 3 x 256 on one thread and 256 + 176 on the
-// other. Slices shorter than kMinSliceKeys do not pay for their merge: such
-// calls take the unsliced tasks.
-constexpr int64_t kMinSliceKeys = 128;
-constexpr int64_t kKeysPerSliceTask = 2048;
-constexpr int64_t kSliceTasksPerThread = 4;
+// A task attends all of one sequence's rows (every head of each new token:
+// whole token rows, one contiguous read per token, the cache read once) to a
+// run of its consecutive slices, one after the other, asking for the next
+// slice's first tile while it finishes the one before. A sequence's slices
+// are cut into as many runs as there are threads, of about equal numbers of
+// keys, and the threads take runs from a shared counter, longest first, so
+// that runs of unequal length (a context's last slice is partial) and
+// sequences of unequal length spread evenly: one sequence of 4,100 keys on two
+// threads is two runs of 2,048 and 2,052 keys, as flash-decoding's even split
+// would cut it; one of 300 is runs of 128 and 172.
+// Slices are kShortSliceKeys keys up to key kShortKeys, kSliceKeys after:
+// short contexts then still cut into runs for every thread, long ones into few
+// slices (each slice starts with a tile that was not asked for ahead).
+constexpr int64_t kShortSliceKeys = 128;
+constexpr int64_t kShortKeys = 1024;
+constexpr int64_t kSliceKeys = 512;
+constexpr int64_t kShortSlices = kShortKeys / kShortSliceKeys;
+
+inline int64_t slice_of(int64_t key) {
+  return key < kShortKeys ? key / kShortSliceKeys : kShortSlices + (key - kShortKeys) / kSliceKeys;
+}
+inline int64_t slice_first_key(int64_t c) {
+  return c < kShortSlices ? c * kShortSliceKeys : kShortKeys + (c - kShortSlices) * kSliceKeys;
+}
 
 // Query rows of sequence b: its new tokens (query_start_loc; nullptr: one a
-// sequence, decode), and the keys they see together, from the first token's
-// first key to the last token.
+// sequence, decode).
 inline int64_t new_tokens(const int32_t* qsl, int64_t b) {
   return qsl != nullptr ? qsl[b + 1] - qsl[b] : 1;
 }
-inline int64_t keys_of_tokens(int64_t last_pos, int64_t tokens, int64_t window) {
-  return keys_seen(last_pos - tokens + 1, window) + tokens - 1;
-}
 
-// Keys per slice, or 0 where slicing does not pay (`tasks`, the unsliced
-// call's, enough already; one thread; slices that would be shorter than
-// kMinSliceKeys, or a longest sequence that fits in one). seq_lens[b]: the
-// keys in the cache up to and including sequence b's last new token.
-int64_t slice_length(const AttnDims& d, int64_t tasks, const int32_t* qsl,
-                     const int32_t* seq_lens) {
-  const int64_t threads = at::get_num_threads();
-  if (threads < 2 || tasks >= 2 * threads) return 0;
-  int64_t keys = 0;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < d.num_seqs; ++b) {
-    const int64_t n = keys_of_tokens(seq_lens[b] - 1, new_tokens(qsl, b), d.sliding_window);
-    keys += n;
-    longest = std::max(longest, n);
+// Sequence b's keys (its rows' together), first_key .. last_key, and the
+// absolute slices they lie in, first .. last.
+struct SliceSpan {
+  int64_t first_key, last_key, first, last;
+  SliceSpan(const int32_t* qsl, const int32_t* seq_lens, int64_t b, int64_t window)
+      : first_key(std::max<int64_t>(
+            0, window_first_key(seq_lens[b] - new_tokens(qsl, b), window))),
+        last_key(seq_lens[b] - 1),
+        first(slice_of(first_key)),
+        last(slice_of(std::max(last_key, first_key))) {}
+  int64_t count() const { return last - first + 1; }
+  int64_t keys_of(int64_t c) const {  // keys of slice c the rows see
+    return std::max<int64_t>(0, std::min(slice_first_key(c + 1) - 1, last_key) -
+                                    std::max(slice_first_key(c), first_key) + 1);
   }
-  const int64_t per_thread =
-      std::clamp<int64_t>(keys / (threads * kKeysPerSliceTask), 1, kSliceTasksPerThread);
-  const int64_t length = (keys + threads * per_thread - 1) / (threads * per_thread);
-  return length >= kMinSliceKeys && longest > length ? length : 0;
+};
+
+// Whether some sequence's rows see keys of more than one slice.
+bool spans_slices(const AttnDims& d, const int32_t* qsl, const int32_t* seq_lens) {
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    if (SliceSpan(qsl, seq_lens, b, d.sliding_window).count() > 1) return true;
+  }
+  return false;
 }
 
 // out = the softmax-weighted mean of one row over its slices: slice c's mean
@@ -139,76 +155,139 @@ void merge_row(T* out, const float* partial, const float* lse, int64_t slices, i
 }
 
 // Row j of a sliced sequence with `tokens` new tokens: rows go kv head by kv
-// head (then token, then head of the group), so that a head's rows of a tile
-// are one run in attend_rows and its keys are read once for all of them. t:
-// the row's new token (0 .. tokens - 1), h: its query head.
+// head (then token, then head of the group), so that a kv head's rows of a
+// tile are one run in attend_rows and its keys are read once for all of them.
+// t: the row's new token (0 .. tokens - 1), h: its query head.
 struct SlicedRow {
   int64_t t, h;
   SlicedRow(int64_t j, int64_t tokens, int64_t group)
       : t(j / group % tokens), h(j / (tokens * group) * group + j % group) {}
 };
 
-// The sliced call: row j of sequence b is its slices' partial row j.
+// One task of the sliced call: sequence b's slices first .. last (absolute
+// indices), `keys` keys in all, and of its rows those of unit `unit` (all of
+// them, one kv head's or one query head's: attend_sliced's per_unit).
+struct SliceRun {
+  int64_t b, first, last, unit, keys;
+};
+
+// The sliced call: row j of sequence b is its slices' partial rows j, merged.
 template <typename T, typename C>
 void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
-                   const int32_t* qsl, const int32_t* seq_lens, float scale, const AttnDims& d,
-                   int64_t length) {
+                   const int32_t* qsl, const int32_t* seq_lens, float scale,
+                   const AttnDims& d) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t H = d.num_heads;
   const int64_t D = d.head_dim;
   const int64_t window = d.sliding_window;
   const bool simd = cpu::use_avx2();
-  // slice_start[b]: sequence b's first slice (a sequence without keys gets
-  // one, which writes zeros); row_start[c]: slice c's first partial row.
-  // Buffers of the calling thread, named so that the workers read this
-  // thread's copies.
+  const int64_t threads = at::get_num_threads();
+  // slice_start[b]: sequence b's first slice in the partial buffer;
+  // row_start[c]: that slice's first partial row. Buffers of the calling
+  // thread, named so that the workers read this thread's copies.
   thread_local std::vector<int64_t> slice_start_buf;
   thread_local std::vector<int64_t> row_start_buf;
   thread_local std::vector<float> partial_buf;
+  thread_local std::vector<SliceRun> run_buf;
   std::vector<int64_t>& slice_start = slice_start_buf;
   std::vector<int64_t>& row_start = row_start_buf;
+  std::vector<SliceRun>& runs = run_buf;
   slice_start.assign(d.num_seqs + 1, 0);
   row_start.assign(1, 0);
+  runs.clear();
   int64_t most_rows = 0;
+  int64_t work = 0;
+  int64_t total_keys = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t tokens = new_tokens(qsl, b);
-    const int64_t n = keys_of_tokens(seq_lens[b] - 1, tokens, window);
-    const int64_t slices = std::max<int64_t>(1, (n + length - 1) / length);
-    slice_start[b + 1] = slice_start[b] + slices;
-    for (int64_t c = 0; c < slices; ++c) row_start.push_back(row_start.back() + tokens * H);
+    const SliceSpan span(qsl, seq_lens, b, window);
+    slice_start[b + 1] = slice_start[b] + span.count();
+    for (int64_t c = 0; c < span.count(); ++c) row_start.push_back(row_start.back() + tokens * H);
     most_rows = std::max(most_rows, tokens * H);
+    // Runs of about keys / threads keys each, cut at slice boundaries.
+    const int64_t keys = span.last_key - span.first_key + 1;
+    work += std::max<int64_t>(keys, 0) * tokens * H * D;
+    total_keys += std::max<int64_t>(keys, 0);
+    int64_t c = span.first;
+    int64_t done = 0;  // keys of the slices before c
+    for (int64_t r = 0; r < threads && c <= span.last; ++r) {
+      const int64_t end = (r + 1) * keys / threads;  // where run r should end, about
+      int64_t last = c;
+      int64_t run_keys = span.keys_of(c);
+      while (last < span.last &&
+             (r == threads - 1 || done + run_keys + span.keys_of(last + 1) / 2 <= end)) {
+        run_keys += span.keys_of(++last);
+      }
+      runs.push_back({b, c, last, 0, run_keys});
+      done += run_keys;
+      c = last + 1;
+    }
   }
+  // Too few runs, or runs too uneven, to keep every thread busy (a short
+  // context, whose keys fill one slice or two): a run's rows are split over
+  // tasks too, by kv head, or by query head where even those are too few.
+  int64_t longest = 0;
+  for (const SliceRun& run : runs) longest = std::max(longest, run.keys);
+  const int64_t n_runs = static_cast<int64_t>(runs.size());
+  const bool even = n_runs >= 2 * threads ||
+                    (n_runs >= threads && 4 * longest <= 5 * (total_keys / threads));
+  const int64_t per_unit = even                                    ? H
+                           : n_runs * d.num_kv_heads >= 2 * threads ? group
+                                                                    : 1;
+  if (per_unit < H) {
+    const int64_t units = H / per_unit;
+    runs.resize(n_runs * units);
+    for (int64_t i = n_runs - 1; i >= 0; --i) {
+      for (int64_t u = units - 1; u >= 0; --u) {
+        runs[i * units + u] = runs[i];
+        runs[i * units + u].unit = u;
+      }
+    }
+  }
+  std::stable_sort(runs.begin(), runs.end(),
+                   [](const SliceRun& x, const SliceRun& y) { return x.keys > y.keys; });
   const int64_t slices = slice_start[d.num_seqs];
   const int64_t rows_total = row_start[slices];
   std::vector<float>& partial = partial_buf;
   partial.resize(static_cast<size_t>(rows_total * (D + 1) + D));
   float* lse = partial.data() + rows_total * D;
   float* merged = lse + rows_total;  // one row's sum while merging
-  at::parallel_for(0, slices, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  const int64_t n_tasks = static_cast<int64_t>(runs.size());
+  const int64_t workers = work < kMinParallelWork ? 1 : std::min(threads, n_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const Workspace ws(most_rows, D);
     Row<T, float>* rows = thread_rows<T, float>(most_rows);
-    for (int64_t slice = begin; slice < end; ++slice) {
-      const int64_t b =
-          std::upper_bound(slice_start.begin(), slice_start.end(), slice) - slice_start.begin() - 1;
+    for (int64_t i = next++; i < n_tasks; i = next++) {
+      const SliceRun& run = runs[i];
+      const int64_t b = run.b;
       const int64_t tokens = new_tokens(qsl, b);
       const int64_t first_pos = seq_lens[b] - tokens;
-      const int64_t first = window_first_key(first_pos, window) +
-                            (slice - slice_start[b]) * length;
-      const int64_t last = std::min<int64_t>(seq_lens[b] - 1, first + length - 1);
-      const int64_t r0 = row_start[slice];
-      for (int64_t j = 0; j < tokens * H; ++j) {
-        const SlicedRow row(j, tokens, group);
-        const int64_t tok = qsl != nullptr ? qsl[b] + row.t : b;
-        const int64_t pos = first_pos + row.t;
-        rows[j] = {q + tok * d.q_row_stride + row.h * d.q_head_stride,
-                   partial.data() + (r0 + j) * D, std::min(pos, last),
-                   std::max(first, window_first_key(pos, window)), row.h / group, lse + r0 + j};
-      }
+      const SliceSpan span(qsl, seq_lens, b, window);
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, D};
-      // The per-row steps: a verify step's runs (its few tokens x the group's
-      // heads) are too short for the blocked ones to pay for their transposes.
-      attend_rows(rows, tokens * H, kv, scale, ws, simd);
+      const int64_t run_end = std::min(slice_first_key(run.last + 1) - 1, span.last_key);
+      for (int64_t c = run.first; c <= run.last; ++c) {
+        const int64_t lo = slice_first_key(c);
+        const int64_t hi = slice_first_key(c + 1) - 1;
+        const int64_t r0 = row_start[slice_start[b] + c - span.first];
+        int64_t n = 0;
+        for (int64_t j = 0; j < tokens * H; ++j) {
+          const SlicedRow row(j, tokens, group);
+          if (per_unit < H && row.h / per_unit != run.unit) continue;
+          const int64_t tok = qsl != nullptr ? qsl[b] + row.t : b;
+          const int64_t pos = first_pos + row.t;
+          const int64_t first = std::max(lo, window_first_key(pos, window));
+          const int64_t last = std::min(pos, hi);
+          rows[n++] = {q + tok * d.q_row_stride + row.h * d.q_head_stride,
+                       partial.data() + (r0 + j) * D, first <= last ? last : -1, first,
+                       row.h / group, lse + r0 + j};
+        }
+        // The per-row steps: a verify step's runs (its few tokens x the
+        // group's heads) are too short for the blocked ones to pay for their
+        // transposes.
+        attend_rows(rows, n, kv, scale, ws, simd, false, run_end);
+      }
     }
   });
   for (int64_t b = 0; b < d.num_seqs; ++b) {
@@ -227,9 +306,8 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
 template <typename T, typename C>
 void decode_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
                  const int32_t* ctx_lens, float scale, const AttnDims& d) {
-  if (const int64_t length = slice_length(d, d.num_seqs * d.num_kv_heads, nullptr, ctx_lens);
-      length > 0) {
-    attend_sliced(out, q, kc, vc, tables, nullptr, ctx_lens, scale, d, length);
+  if (spans_slices(d, nullptr, ctx_lens)) {
+    attend_sliced(out, q, kc, vc, tables, nullptr, ctx_lens, scale, d);
     return;
   }
   const int64_t group = d.num_heads / d.num_kv_heads;
@@ -291,11 +369,10 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
   // Task = (query tile, kv head): kQueryTile tokens x the group's heads.
   const int64_t tiles = tile_start[d.num_seqs];
   const int64_t tasks = tiles * d.num_kv_heads;
-  // Few tasks of at most a tile of tokens each (a verify step of one or a few
-  // sequences): the keys are sliced instead, as for decode.
-  if (const int64_t length = one_tile_each ? slice_length(d, tasks, qsl, seq_lens) : 0;
-      length > 0) {
-    attend_sliced(out, q, kc, vc, tables, qsl, seq_lens, scale, d, length);
+  // At most a tile of tokens a sequence (a verify step, a short turn after a
+  // cached prefix): each row as a decode step computes it (attend_sliced).
+  if (one_tile_each && spans_slices(d, qsl, seq_lens)) {
+    attend_sliced(out, q, kc, vc, tables, qsl, seq_lens, scale, d);
     return;
   }
   at::parallel_for(0, tasks, attention_grain(tasks, work * d.num_heads * D),
@@ -326,8 +403,10 @@ void prefill_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* t
       const PagedKV<C> kv{kc, vc, tables + b * d.max_blocks_per_seq, d.block_size,
                           d.num_kv_heads * D, D};
       // A full query tile takes the blocked AVX-512 steps; a shorter one (a
-      // verify step's few tokens, a prompt's last tile) the per-row steps.
-      attend_rows(rows, n, kv, scale, ws, simd, nt == kQueryTile);
+      // prompt's last tile) and every row of a call of one tile a sequence (a
+      // verify step, whose rows must be computed as decode computes them) the
+      // per-row steps.
+      attend_rows(rows, n, kv, scale, ws, simd, nt == kQueryTile && !one_tile_each);
     }
   });
 }

@@ -276,9 +276,12 @@ constexpr int64_t kMaxDirectRows = 8;
 // its head's part while it is in L1. `blocked`: runs of at least
 // blocks::kBlockRows rows take attend_tile_blocks where the CPU has AVX-512
 // and D is a multiple of 16 (a full query tile of a prefill; attention.cpp).
+// `ahead_to`: the last key worth asking for ahead (the next slice's, when the
+// caller attends consecutive slices; by default the rows' own last key).
 template <typename T, typename O, typename C>
 void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float scale,
-                 const Workspace& ws, [[maybe_unused]] bool simd, bool blocked = false) {
+                 const Workspace& ws, [[maybe_unused]] bool simd, bool blocked = false,
+                 int64_t ahead_to = -1) {
   const int64_t D = kv.head_dim;
 #if SHARDLM_HAVE_AVX2
   blocked = blocked && simd && cpu::use_avx512() && D % 16 == 0;
@@ -296,8 +299,8 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
     }
   }
   // Keys before every row's window are never read: the tiles start at the
-  // earliest first key (not at a multiple of kKeyTile: any start works, and
-  // this one needs no masking for the row with that key).
+  // multiple of kKeyTile at or before the earliest first key, so a row's tiles
+  // are the same whatever other rows share the call (attention.cpp).
   // Token-row offsets of the tile and of the next one, computed once each:
   // the next tile's, found for its prefetch, are the tile's on the next pass.
   int64_t offsets[2][kKeyTile];
@@ -307,7 +310,7 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
   const C* vc[kKeyTile];
   const float* kf[kKeyTile];  // ... or in the float copy
   const float* vf[kKeyTile];
-  const int64_t k_begin = last >= 0 ? first : 0;
+  const int64_t k_begin = last >= 0 ? first - first % kKeyTile : 0;
   if (k_begin <= last) kv.offsets(k_begin, std::min(kKeyTile, last + 1 - k_begin), off);
   for (int64_t k0 = k_begin; k0 <= last; k0 += kKeyTile, std::swap(off, ahead)) {
     const int64_t nk = std::min(kKeyTile, last + 1 - k0);
@@ -315,10 +318,11 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
     // follow: each kv head's rows of the next tile are asked for while this
     // tile's rows of that head are computed (spread out, not in one burst
     // that would overflow the queue of misses in flight).
-    const bool prefetch = k0 + kKeyTile <= last;
+    const int64_t ahead_last = std::max(last, ahead_to);
+    const bool prefetch = k0 + kKeyTile <= ahead_last;
     int64_t na = 0;
     if (prefetch) {
-      na = std::min(kKeyTile, last + 1 - k0 - kKeyTile);
+      na = std::min(kKeyTile, ahead_last + 1 - k0 - kKeyTile);
       kv.offsets(k0 + kKeyTile, na, ahead);
     }
     for (int64_t r0 = 0, r1 = 0; r0 < n; r0 = r1) {

@@ -182,19 +182,21 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 // rows_avx2 for the groups at w and w + next at once: acc[16 i + l] for input
 // row i and lane l (g's 8 rows, then g + 1's). The quants are masked in place
 // against the pre-scaled input as in the AVX2 kernels, each unpacked vector
-// feeding R FMAs; 4 chains per row (two past 2 rows) keep at least 8 FMAs in
-// flight, what two 512-bit FMA units with a latency of 4 need, with the next
-// block's independent chains beside them (8 chains at one row were 2-3%
-// slower on Zen 4: more sums per block). Up to
-// kPairRows rows take one pass, so rows past 4 do not unpack the weights a
-// second time; the FMAs bound the kernel there, so that saves less than the
-// unpacking costs (SmolLM2's and a 1B model's matrices, 2 threads: 5 rows
-// 8-12% faster than a pass of 4 and one of 1, 6 rows 1-4%, 8 rows 1-2%). A
-// super-block's own factors are loaded with its first block, once for 8.
+// feeding R FMAs. Two chains per row, whatever the number of rows, so a row's
+// result does not depend on the rows beside it (a speculative step's rows get
+// the bits a decode step gives them): at one row the next block's chains,
+// independent of these, fill the FMA units as well as four chains a row did
+// (which rows past 2 could not hold in registers, so 1-2 rows and 3-8 rows
+// summed in different orders until 2026-12-03; SmolLM2 decodes at 241 tok/s
+// either way, 4 alternated rounds on the Intel Xeon VM). Up to kPairRows rows take one pass, so rows
+// past 4 do not unpack the weights a second time (SmolLM2's and a 1B model's
+// matrices, 2 threads: 5 rows 8-12% faster than a pass of 4 and one of 1, 6
+// rows 1-4%, 8 rows 1-2%). A super-block's own factors are loaded with its
+// first block, once for 8.
 template <class L, int R, bool kSub>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const float* xp,
                                 int64_t x_stride, const float* xs, int64_t xs_stride, int64_t k) {
-  constexpr int kChains = R <= 2 ? 4 : 2;
+  constexpr int kChains = 2;
   const int64_t blocks = k / kBlock;
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
@@ -256,7 +258,7 @@ void rows_dot(float* acc, const uint8_t* w, const float* xp, int64_t x_stride, c
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
     switch (rows) {
-      case 1: return group_avx2<L, kSub>(acc, w, xp, xs, k);
+      case 1: return rows_avx2<L, 1, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);
       case 2: return rows_avx2<L, 2, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);
       case 3: return rows_avx2<L, 3, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);
       default: return rows_avx2<L, 4, kSub>(acc, w, xp, x_stride, xs, xs_stride, k);

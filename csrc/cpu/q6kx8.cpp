@@ -109,13 +109,19 @@ inline float input_sum(const Inputs& in, int64_t row_start, int64_t b, int64_t h
 template <class P, bool kSub>
 constexpr float kOffset = kSub ? P::kOffset / kSubnormalBlockScale : static_cast<float>(P::kOffset);
 
-// R input rows against one group; C chains per half and row keep about 8 FMAs
-// in flight. d (and dmin) are the super-block's, loaded with its first block
-// (once for 8 blocks: 4-5% faster than loading them with every block).
+// R input rows (1 or 2) against one group: four chains per row, whatever the
+// number of rows, so a row's result does not depend on the rows beside it (a
+// speculative step's rows get a decode step's bits); a block's halves run one
+// after the other, each half's chains added into the row's sum before the next
+// starts, which keeps two rows' chains in AVX2's 16 registers (rows_dot takes
+// more rows in passes of two). d (and dmin) are the super-block's, loaded with
+// its first block (once for 8 blocks: 4-5% faster than loading them with
+// every block).
 template <class P, int R, bool kSub>
 SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int64_t stride,
                             int64_t k) {
-  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  static_assert(R <= 2, "8 chains a pass at most");
+  constexpr int C = 4;
   __m256 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   __m256 d = _mm256_setzero_ps(), dmin = d;
@@ -124,41 +130,38 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
     if (b % kSuperBlocks == 0) super_factors8<P, kSub>(sp, d, dmin);
     const uint8_t* q = words_of<P>(w, b);
     grouped::prefetch_span(w, stream_begin<P>(w, b), q + P::kBlockBytes, 0);
-    __m256 c[R][2][C];
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        for (int i = 0; i < C; ++i) c[r][h][i] = _mm256_setzero_ps();
+    const HalfFactors256 f = half_factors8<P>(sp, b, d, dmin);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 c[R][C];
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < C; ++i) c[r][i] = _mm256_setzero_ps();
       }
-    }
-#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
-    for (int s = 0; s < 4; ++s) {
-      const grouped::Joined256 words = words_avx2<P>(q, s);
-      const float* x8 = in.x + b * kBlock + 8 * s;
+#pragma GCC unroll 2
+      for (int s = 2 * h; s < 2 * h + 2; ++s) {
+        const grouped::Joined256 words = words_avx2<P>(q, s);
+        const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256 f = quant_avx2<P, kSub>(words, j);
-        for (int r = 0; r < R; ++r) {
-          __m256& chain = c[r][s / 2][j % C];
-          chain = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x8 + r * stride + j), chain);
+        for (int j = 0; j < 8; ++j) {
+          const __m256 v = quant_avx2<P, kSub>(words, j);
+          for (int r = 0; r < R; ++r) {
+            c[r][j % C] =
+                _mm256_fmadd_ps(v, _mm256_broadcast_ss(x8 + r * stride + j), c[r][j % C]);
+          }
         }
       }
-    }
-    const HalfFactors256 f = half_factors8<P>(sp, b, d, dmin);
-    const __m256* scale = f.scale;
-    const __m256* mins = f.mins;
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        __m256 part = c[r][h][0];
-        for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][h][i]);
+      for (int r = 0; r < R; ++r) {
+        __m256 part = c[r][0];
+        for (int i = 1; i < C; ++i) part = _mm256_add_ps(part, c[r][i]);
         if constexpr (P::kMins) {  // the sums of the inputs unscaled: the minimums as they are
-          sum[r] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(input_sum(in, r * stride, b, h)),
-                                    _mm256_fmadd_ps(scale[h], part, sum[r]));
+          sum[r] = _mm256_fnmadd_ps(f.mins[h], _mm256_set1_ps(input_sum(in, r * stride, b, h)),
+                                    _mm256_fmadd_ps(f.scale[h], part, sum[r]));
         } else {
           if constexpr (P::kOffset != 0) {
             part = _mm256_fnmadd_ps(_mm256_set1_ps(kOffset<P, kSub>),
                                     _mm256_set1_ps(input_sum(in, r * stride, b, h)), part);
           }
-          sum[r] = _mm256_fmadd_ps(scale[h], part, sum[r]);
+          sum[r] = _mm256_fmadd_ps(f.scale[h], part, sum[r]);
         }
       }
     }
@@ -168,10 +171,16 @@ SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const Inputs& in, int6
 
 // ---- AVX-512F: the groups at w and w + next side by side, 16 rows a vector ---------
 
+// Four chains per row for every number of rows, so a row's result does not
+// depend on the rows beside it (a speculative step's rows get a decode step's
+// bits). A block's two halves run one after the other, each half's chains
+// added into the row's sum before the next half starts: the sums in the same
+// order as with both halves' chains held to the block's end, in half the
+// registers (4 rows x 4 chains).
 template <class P, int R, bool kSub>
 SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, const Inputs& in,
                                 int64_t stride, int64_t k) {
-  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  constexpr int C = 4;
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = d;
@@ -180,41 +189,37 @@ SHARDLM_AVX512 void pair_avx512(float* acc, const uint8_t* w, int64_t next, cons
     if (b % kSuperBlocks == 0) super_factors_pair<P, kSub>(sp, next, d, dmin);
     const uint8_t* q = words_of<P>(w, b);
     grouped::prefetch_span(w, stream_begin<P>(w, b), q + P::kBlockBytes, next);
-    __m512 c[R][2][C];
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        for (int i = 0; i < C; ++i) c[r][h][i] = _mm512_setzero_ps();
+    const HalfFactors512 f = half_factors_pair<P>(sp, next, b, d, dmin);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m512 c[R][C];
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < C; ++i) c[r][i] = _mm512_setzero_ps();
       }
-    }
-#pragma GCC unroll 4  // s / 2 picks the chains: constant, so they stay in registers
-    for (int s = 0; s < 4; ++s) {
-      const grouped::Joined512 words = words_avx512<P>(q, s, next);
-      const float* x8 = in.x + b * kBlock + 8 * s;
+#pragma GCC unroll 2
+      for (int s = 2 * h; s < 2 * h + 2; ++s) {
+        const grouped::Joined512 words = words_avx512<P>(q, s, next);
+        const float* x8 = in.x + b * kBlock + 8 * s;
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512 f = quant_avx512<P, kSub>(words, j);
-        for (int r = 0; r < R; ++r) {
-          __m512& chain = c[r][s / 2][j % C];
-          chain = _mm512_fmadd_ps(f, _mm512_set1_ps(x8[r * stride + j]), chain);
+        for (int j = 0; j < 8; ++j) {
+          const __m512 v = quant_avx512<P, kSub>(words, j);
+          for (int r = 0; r < R; ++r) {
+            c[r][j % C] = _mm512_fmadd_ps(v, _mm512_set1_ps(x8[r * stride + j]), c[r][j % C]);
+          }
         }
       }
-    }
-    const HalfFactors512 f = half_factors_pair<P>(sp, next, b, d, dmin);
-    const __m512* scale = f.scale;
-    const __m512* mins = f.mins;
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        __m512 part = c[r][h][0];
-        for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][h][i]);
+      for (int r = 0; r < R; ++r) {
+        __m512 part = c[r][0];
+        for (int i = 1; i < C; ++i) part = _mm512_add_ps(part, c[r][i]);
         if constexpr (P::kMins) {
-          sum[r] = _mm512_fnmadd_ps(mins[h], _mm512_set1_ps(input_sum(in, r * stride, b, h)),
-                                    _mm512_fmadd_ps(scale[h], part, sum[r]));
+          sum[r] = _mm512_fnmadd_ps(f.mins[h], _mm512_set1_ps(input_sum(in, r * stride, b, h)),
+                                    _mm512_fmadd_ps(f.scale[h], part, sum[r]));
         } else {
           if constexpr (P::kOffset != 0) {
             part = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset<P, kSub>),
                                     _mm512_set1_ps(input_sum(in, r * stride, b, h)), part);
           }
-          sum[r] = _mm512_fmadd_ps(scale[h], part, sum[r]);
+          sum[r] = _mm512_fmadd_ps(f.scale[h], part, sum[r]);
         }
       }
     }
@@ -254,12 +259,15 @@ void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, in
               int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
-    switch (rows) {
-      case 1: return rows_avx2<P, 1, kSub>(acc, w, in, stride, k);
-      case 2: return rows_avx2<P, 2, kSub>(acc, w, in, stride, k);
-      case 3: return rows_avx2<P, 3, kSub>(acc, w, in, stride, k);
-      default: return rows_avx2<P, 4, kSub>(acc, w, in, stride, k);
+    for (int64_t r = 0; r < rows; r += 2) {  // passes of two rows (and one)
+      const Inputs part{in.x + r * stride, in.sums + r * stride / kHalf, in.subnormal};
+      if (rows - r >= 2) {
+        rows_avx2<P, 2, kSub>(acc + kGroupRows * r, w, part, stride, k);
+      } else {
+        rows_avx2<P, 1, kSub>(acc + kGroupRows * r, w, part, stride, k);
+      }
     }
+    return;
   }
 #endif
   (void)avx2;
