@@ -28,6 +28,7 @@
 
 #include "../dispatch.h"
 #include "../ops.h"
+#include "attention_slices.h"
 #include "attention_tiles.h"
 #include "cpu_utils.h"
 
@@ -63,114 +64,6 @@ inline int64_t keys_seen(int64_t pos, int64_t window) {
   return pos + 1 - window_first_key(pos, window);
 }
 
-// A row's result depends only on its query, the keys it sees and their
-// positions: never on the other rows, sequences or threads of the call. A
-// speculative verify step computes a sequence's rows on the prefill path and
-// must give each the bits a decode step would give it (greedy output identical
-// with and without drafts), and a sequence must decode the same alone or in a
-// batch. So a row's keys are cut at absolute positions into slices (below),
-// each attended in
-// tiles that start at multiples of kKeyTile (attend_rows), into a float partial
-// with its log-sum-exp, and merge_row() combines a row's slices in order
-// (flash-decoding). A call whose rows all see keys of one slice only has
-// nothing to merge, and one slice merged alone is its partial unchanged, so it
-// takes the direct paths below and gets the same bits.
-//
-// A task attends all of one sequence's rows (every head of each new token:
-// whole token rows, one contiguous read per token, the cache read once) to a
-// run of its consecutive slices, one after the other, asking for the next
-// slice's first tile while it finishes the one before. A sequence's slices
-// are cut into as many runs as there are threads, of about equal numbers of
-// keys, and the threads take runs from a shared counter, longest first, so
-// that runs of unequal length (a context's last slice is partial) and
-// sequences of unequal length spread evenly: one sequence of 4,100 keys on two
-// threads is two runs of 2,048 and 2,052 keys, as flash-decoding's even split
-// would cut it; one of 300 is runs of 128 and 172.
-// Slices are kShortSliceKeys keys up to key kShortKeys, kSliceKeys after:
-// short contexts then still cut into runs for every thread, long ones into few
-// slices (each slice starts with a tile that was not asked for ahead).
-constexpr int64_t kShortSliceKeys = 128;
-constexpr int64_t kShortKeys = 1024;
-constexpr int64_t kSliceKeys = 512;
-constexpr int64_t kShortSlices = kShortKeys / kShortSliceKeys;
-
-inline int64_t slice_of(int64_t key) {
-  return key < kShortKeys ? key / kShortSliceKeys : kShortSlices + (key - kShortKeys) / kSliceKeys;
-}
-inline int64_t slice_first_key(int64_t c) {
-  return c < kShortSlices ? c * kShortSliceKeys : kShortKeys + (c - kShortSlices) * kSliceKeys;
-}
-
-// Query rows of sequence b: its new tokens (query_start_loc; nullptr: one a
-// sequence, decode).
-inline int64_t new_tokens(const int32_t* qsl, int64_t b) {
-  return qsl != nullptr ? qsl[b + 1] - qsl[b] : 1;
-}
-
-// Sequence b's keys (its rows' together), first_key .. last_key, and the
-// absolute slices they lie in, first .. last.
-struct SliceSpan {
-  int64_t first_key, last_key, first, last;
-  SliceSpan(const int32_t* qsl, const int32_t* seq_lens, int64_t b, int64_t window)
-      : first_key(std::max<int64_t>(
-            0, window_first_key(seq_lens[b] - new_tokens(qsl, b), window))),
-        last_key(seq_lens[b] - 1),
-        first(slice_of(first_key)),
-        last(slice_of(std::max(last_key, first_key))) {}
-  int64_t count() const { return last - first + 1; }
-  int64_t keys_of(int64_t c) const {  // keys of slice c the rows see
-    return std::max<int64_t>(0, std::min(slice_first_key(c + 1) - 1, last_key) -
-                                    std::max(slice_first_key(c), first_key) + 1);
-  }
-};
-
-// Whether some sequence's rows see keys of more than one slice.
-bool spans_slices(const AttnDims& d, const int32_t* qsl, const int32_t* seq_lens) {
-  for (int64_t b = 0; b < d.num_seqs; ++b) {
-    if (SliceSpan(qsl, seq_lens, b, d.sliding_window).count() > 1) return true;
-  }
-  return false;
-}
-
-// out = the softmax-weighted mean of one row over its slices: slice c's mean
-// (partial + c * stride * D) weighted by its share exp(lse[c * stride]) of the
-// total.
-template <typename T>
-void merge_row(T* out, const float* partial, const float* lse, int64_t slices, int64_t stride,
-               int64_t D, float* acc) {
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < slices; ++c) top = std::max(top, lse[c * stride]);
-  std::fill(acc, acc + D, 0.f);
-  float total = 0.f;
-  if (top > -std::numeric_limits<float>::infinity()) {
-    for (int64_t c = 0; c < slices; ++c) {
-      const float w = std::exp(lse[c * stride] - top);
-      const float* p = partial + c * stride * D;
-      for (int64_t i = 0; i < D; ++i) acc[i] += w * p[i];
-      total += w;
-    }
-  }
-  const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys -> zeros
-  for (int64_t i = 0; i < D; ++i) out[i] = from_f<T>(acc[i] * inv);
-}
-
-// Row j of a sliced sequence with `tokens` new tokens: rows go kv head by kv
-// head (then token, then head of the group), so that a kv head's rows of a
-// tile are one run in attend_rows and its keys are read once for all of them.
-// t: the row's new token (0 .. tokens - 1), h: its query head.
-struct SlicedRow {
-  int64_t t, h;
-  SlicedRow(int64_t j, int64_t tokens, int64_t group)
-      : t(j / group % tokens), h(j / (tokens * group) * group + j % group) {}
-};
-
-// One task of the sliced call: sequence b's slices first .. last (absolute
-// indices), `keys` keys in all, and of its rows those of unit `unit` (all of
-// them, one kv head's or one query head's: attend_sliced's per_unit).
-struct SliceRun {
-  int64_t b, first, last, unit, keys;
-};
-
 // The sliced call: row j of sequence b is its slices' partial rows j, merged.
 template <typename T, typename C>
 void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* tables,
@@ -182,70 +75,18 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
   const int64_t window = d.sliding_window;
   const bool simd = cpu::use_avx2();
   const int64_t threads = at::get_num_threads();
-  // slice_start[b]: sequence b's first slice in the partial buffer;
-  // row_start[c]: that slice's first partial row. Buffers of the calling
-  // thread, named so that the workers read this thread's copies.
-  thread_local std::vector<int64_t> slice_start_buf;
-  thread_local std::vector<int64_t> row_start_buf;
+  // The calling thread's plan and partials, named so that the workers read
+  // this thread's copies.
+  thread_local SlicePlan plan_buf;
   thread_local std::vector<float> partial_buf;
-  thread_local std::vector<SliceRun> run_buf;
-  std::vector<int64_t>& slice_start = slice_start_buf;
-  std::vector<int64_t>& row_start = row_start_buf;
-  std::vector<SliceRun>& runs = run_buf;
-  slice_start.assign(d.num_seqs + 1, 0);
-  row_start.assign(1, 0);
-  runs.clear();
-  int64_t most_rows = 0;
-  int64_t work = 0;
-  int64_t total_keys = 0;
-  for (int64_t b = 0; b < d.num_seqs; ++b) {
-    const int64_t tokens = new_tokens(qsl, b);
-    const SliceSpan span(qsl, seq_lens, b, window);
-    slice_start[b + 1] = slice_start[b] + span.count();
-    for (int64_t c = 0; c < span.count(); ++c) row_start.push_back(row_start.back() + tokens * H);
-    most_rows = std::max(most_rows, tokens * H);
-    // Runs of about keys / threads keys each, cut at slice boundaries.
-    const int64_t keys = span.last_key - span.first_key + 1;
-    work += std::max<int64_t>(keys, 0) * tokens * H * D;
-    total_keys += std::max<int64_t>(keys, 0);
-    int64_t c = span.first;
-    int64_t done = 0;  // keys of the slices before c
-    for (int64_t r = 0; r < threads && c <= span.last; ++r) {
-      const int64_t end = (r + 1) * keys / threads;  // where run r should end, about
-      int64_t last = c;
-      int64_t run_keys = span.keys_of(c);
-      while (last < span.last &&
-             (r == threads - 1 || done + run_keys + span.keys_of(last + 1) / 2 <= end)) {
-        run_keys += span.keys_of(++last);
-      }
-      runs.push_back({b, c, last, 0, run_keys});
-      done += run_keys;
-      c = last + 1;
-    }
-  }
-  // Too few runs, or runs too uneven, to keep every thread busy (a short
-  // context, whose keys fill one slice or two): a run's rows are split over
-  // tasks too, by kv head, or by query head where even those are too few.
-  int64_t longest = 0;
-  for (const SliceRun& run : runs) longest = std::max(longest, run.keys);
-  const int64_t n_runs = static_cast<int64_t>(runs.size());
-  const bool even = n_runs >= 2 * threads ||
-                    (n_runs >= threads && 4 * longest <= 5 * (total_keys / threads));
-  const int64_t per_unit = even                                    ? H
-                           : n_runs * d.num_kv_heads >= 2 * threads ? group
-                                                                    : 1;
-  if (per_unit < H) {
-    const int64_t units = H / per_unit;
-    runs.resize(n_runs * units);
-    for (int64_t i = n_runs - 1; i >= 0; --i) {
-      for (int64_t u = units - 1; u >= 0; --u) {
-        runs[i * units + u] = runs[i];
-        runs[i * units + u].unit = u;
-      }
-    }
-  }
-  std::stable_sort(runs.begin(), runs.end(),
-                   [](const SliceRun& x, const SliceRun& y) { return x.keys > y.keys; });
+  SlicePlan& plan = plan_buf;
+  plan_slices(plan, d, qsl, seq_lens, threads);
+  const std::vector<int64_t>& slice_start = plan.slice_start;
+  const std::vector<int64_t>& row_start = plan.row_start;
+  const std::vector<SliceRun>& runs = plan.runs;
+  const int64_t per_unit = plan.per_unit;
+  const int64_t most_rows = plan.most_rows;
+  const int64_t work = plan.work;
   const int64_t slices = slice_start[d.num_seqs];
   const int64_t rows_total = row_start[slices];
   std::vector<float>& partial = partial_buf;
