@@ -67,52 +67,12 @@ void group_scalar(float* acc, const uint8_t* w, const float* x, const float* xs,
 }
 
 #if SHARDLM_HAVE_AVX2
-// One group-block: d * sum(q x) into `sum`, m * sum(x) into `offsets`; four
-// chains of FMAs, so consecutive quants do not wait on one accumulator.
-template <class L, bool kSub>
-SHARDLM_AVX2 inline void block_avx2(__m256& sum, __m256& offsets, const uint8_t* w, int64_t b,
-                                    const float* xb, float xsum) {
-  prefetch_block<L>(w, b);
-  const uint8_t* qw = L::quants(w, b);
-  const __m256i h = highs_avx2<L>(w, b);
-  __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                 _mm256_setzero_ps()};
-  for (int s = 0; s < 4; ++s) {
-    const Words256 q = words_avx2<L>(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 32 * s)), h, s);
-    const float* x8 = xb + 8 * s;
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      c[j % 4] = _mm256_fmadd_ps(quant_float_avx2<L, kSub>(q, j),
-                                 _mm256_broadcast_ss(x8 + j), c[j % 4]);
-    }
-  }
-  __m256 d, m;
-  scales_avx2<L>(w, b, d, m);
-  if constexpr (kSub) d = _mm256_mul_ps(d, _mm256_set1_ps(kSubnormalBlockScale));
-  sum = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
-                        sum);
-  offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), offsets);
-}
-
-// Two chains of blocks, so consecutive blocks do not wait on one accumulator.
-template <class L, bool kSub>
-SHARDLM_AVX2 void group_avx2(float* acc, const uint8_t* w, const float* xp, const float* xs,
-                             int64_t k) {
-  const int64_t blocks = k / kBlock;
-  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0, off0 = sum0, off1 = sum0;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    block_avx2<L, kSub>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
-    block_avx2<L, kSub>(sum1, off1, w, b + 1, xp + (b + 1) * kBlock, xs[b + 1]);
-  }
-  if (b < blocks) block_avx2<L, kSub>(sum0, off0, w, b, xp + b * kBlock, xs[b]);
-  _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(sum0, sum1), _mm256_add_ps(off0, off1)));
-}
-
 // R input rows against one group: each unpacked vector of quants feeds R FMAs,
 // so the unpacking is paid once per R rows (decode batches). Two chains per
-// row (even and odd quants) keep 2R FMAs in flight.
+// row (even and odd quants), one row as many, so a row's result does not
+// depend on the rows beside it (until 2026-12-03 one row took a kernel of its
+// own, with four chains and two sums of alternate blocks; on the Intel VM
+// capped at AVX2, SmolLM2's matrices ran as fast either way).
 template <class L, int R, bool kSub>
 SHARDLM_AVX2 void rows_avx2(float* acc, const uint8_t* w, const float* xp, int64_t x_stride,
                             const float* xs, int64_t xs_stride, int64_t k) {
