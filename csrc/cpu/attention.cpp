@@ -90,9 +90,8 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
   const int64_t slices = slice_start[d.num_seqs];
   const int64_t rows_total = row_start[slices];
   std::vector<float>& partial = partial_buf;
-  partial.resize(static_cast<size_t>(rows_total * (D + 1) + D));
+  partial.resize(static_cast<size_t>(rows_total * (D + 1)));
   float* lse = partial.data() + rows_total * D;
-  float* merged = lse + rows_total;  // one row's sum while merging
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(runs.size());
   const int64_t workers = work < kMinParallelWork ? 1 : std::min(threads, n_tasks);
@@ -131,17 +130,25 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
       }
     }
   });
-  for (int64_t b = 0; b < d.num_seqs; ++b) {
-    const int64_t tokens = new_tokens(qsl, b);
-    const int64_t s0 = slice_start[b];
-    const int64_t stride = tokens * H;  // rows a slice of b
-    for (int64_t j = 0; j < stride; ++j) {
-      const SlicedRow row(j, tokens, group);
-      const int64_t tok = qsl != nullptr ? qsl[b] + row.t : b;
-      merge_row(out + (tok * H + row.h) * D, partial.data() + (row_start[s0] + j) * D,
-                lse + row_start[s0] + j, slice_start[b + 1] - s0, stride, D, merged);
+  // The merge reads every partial once: split over the threads by sequence
+  // when there is enough of it (a batch), on this thread otherwise.
+  const int64_t merge_work = rows_total * D;
+  at::parallel_for(0, d.num_seqs, merge_work < kMinParallelWork ? d.num_seqs : 1,
+                   [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> merged;  // one row's sum while merging
+    merged.resize(static_cast<size_t>(D));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tokens = new_tokens(qsl, b);
+      const int64_t s0 = slice_start[b];
+      const int64_t stride = tokens * H;  // rows a slice of b
+      for (int64_t j = 0; j < stride; ++j) {
+        const SlicedRow row(j, tokens, group);
+        const int64_t tok = qsl != nullptr ? qsl[b] + row.t : b;
+        merge_row(out + (tok * H + row.h) * D, partial.data() + (row_start[s0] + j) * D,
+                  lse + row_start[s0] + j, slice_start[b + 1] - s0, stride, D, merged.data());
+      }
     }
-  }
+  });
 }
 
 template <typename T, typename C>
