@@ -34,14 +34,17 @@ namespace shardlm::cpu::attn {
 // cut into a run for each thread, of about equal numbers of keys, and the
 // threads take runs from a shared counter, longest first, so that runs and
 // sequences of unequal length spread evenly: one sequence of 4,100 keys on two
-// threads is runs of 2,048 and 2,052 keys, one of 300 runs of 128 and 172.
-// Where the runs are too few or too uneven for the threads (a short context),
-// a run's rows are split over tasks too, by kv head or by query head.
+// threads is runs of 2,048 and 2,052 keys, one of 600 runs of 256 and 344.
+// Where the runs are too few or too uneven for the threads (a short context:
+// 300 keys are runs of 256 and 44), a run's rows are split over tasks too, by
+// kv head or by query head.
 //
 // Slices are kShortSliceKeys keys up to key kShortKeys, kSliceKeys after:
 // short contexts still cut into a run for every thread, long ones into few
-// slices (each slice starts with a tile that was not asked for ahead).
-constexpr int64_t kShortSliceKeys = 128;
+// slices (each slice's partial costs its rows' setup and a share of the
+// merge). 128-key short slices spread one short sequence more evenly but cost
+// a batch of 8 sequences at 600 keys 10-15% of its attention (2026-12-03).
+constexpr int64_t kShortSliceKeys = 256;
 constexpr int64_t kShortKeys = 1024;
 constexpr int64_t kSliceKeys = 512;
 constexpr int64_t kShortSlices = kShortKeys / kShortSliceKeys;
