@@ -80,7 +80,8 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
   thread_local SlicePlan plan_buf;
   thread_local std::vector<float> partial_buf;
   SlicePlan& plan = plan_buf;
-  plan_slices(plan, d, qsl, seq_lens, threads);
+  plan_slices(plan, d, qsl, seq_lens, threads,
+              kKeyTile * d.num_kv_heads * D * static_cast<int64_t>(2 * sizeof(C)));
   const std::vector<int64_t>& slice_start = plan.slice_start;
   const std::vector<int64_t>& row_start = plan.row_start;
   const std::vector<SliceRun>& runs = plan.runs;
@@ -95,11 +96,10 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(runs.size());
   const int64_t workers = work < kMinParallelWork ? 1 : std::min(threads, n_tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     const Workspace ws(most_rows, D);
     Row<T, float>* rows = thread_rows<T, float>(most_rows);
-    for (int64_t i = next++; i < n_tasks; i = next++) {
-      const SliceRun& run = runs[i];
+    const auto attend_run = [&](const SliceRun& run) {
       const int64_t b = run.b;
       const int64_t tokens = new_tokens(qsl, b);
       const int64_t first_pos = seq_lens[b] - tokens;
@@ -128,6 +128,15 @@ void attend_sliced(T* out, const T* q, const C* kc, const C* vc, const int32_t* 
         // transposes.
         attend_rows(rows, n, kv, scale, ws, simd, false, run_end);
       }
+    };
+    if (plan.in_order) {
+      for (int64_t w = w0; w < w1; ++w) {
+        for (int64_t i = w * n_tasks / workers; i < (w + 1) * n_tasks / workers; ++i) {
+          attend_run(runs[i]);
+        }
+      }
+    } else {
+      for (int64_t i = next++; i < n_tasks; i = next++) attend_run(runs[i]);
     }
   });
   // The merge reads every partial once: split over the threads by sequence

@@ -131,15 +131,22 @@ struct SlicePlan {
   // slice_start[b]: sequence b's first slice in the partial buffer;
   // row_start[c]: that slice's first partial row.
   std::vector<int64_t> slice_start, row_start;
-  std::vector<SliceRun> runs;  // the tasks, longest first
+  std::vector<SliceRun> runs;  // the tasks
+  bool in_order = false;       // runs in contiguous shares a thread (else from a counter)
   int64_t per_unit = 0;        // rows of a new token a task takes: every head, a group's or one
   int64_t most_rows = 0;       // a task's rows at most
   int64_t work = 0;            // rows x keys x head_dim, about
 };
 
-// Fills `plan` (reused: its vectors only grow) for `threads` threads.
+// A tile's keys and values of every kv head past this many bytes do not stay
+// in L1 while its rows are scored and accumulated (a float32 tile of SmolLM2's
+// 3 kv heads is 48 KiB).
+constexpr int64_t kL1TileBytes = 32 << 10;
+
+// Fills `plan` (reused: its vectors only grow) for `threads` threads;
+// `tile_bytes`: a tile's keys and values of every kv head.
 inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
-                        const int32_t* seq_lens, int64_t threads) {
+                        const int32_t* seq_lens, int64_t threads, int64_t tile_bytes) {
   const int64_t group = d.num_heads / d.num_kv_heads;
   const int64_t H = d.num_heads;
   const int64_t D = d.head_dim;
@@ -150,6 +157,13 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
   plan.most_rows = 0;
   plan.work = 0;
   int64_t total_keys = 0;
+  // A batch of at least a sequence a thread whose tiles of every head would
+  // not stay in L1: each sequence's slices are one run, its rows split by kv
+  // head, as the unsliced calls split a batch (a batch of 8 at 600 keys, float32
+  // cache, lost 11-14% of its attention with every head in a task). Otherwise
+  // a run for each thread, every head of the sequence in it.
+  const bool batch = d.num_seqs >= threads && tile_bytes > kL1TileBytes;
+  const int64_t runs_per_seq = batch ? 1 : threads;
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t tokens = new_tokens(qsl, b);
     const SliceSpan span(qsl, seq_lens, b, d.sliding_window);
@@ -158,18 +172,18 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
       plan.row_start.push_back(plan.row_start.back() + tokens * H);
     }
     plan.most_rows = std::max(plan.most_rows, tokens * H);
-    // Runs of about keys / threads keys each, cut at slice boundaries.
+    // Runs of about keys / runs_per_seq keys each, cut at slice boundaries.
     const int64_t keys = std::max<int64_t>(span.last_key - span.first_key + 1, 0);
     plan.work += keys * tokens * H * D;
     total_keys += keys;
     int64_t c = span.first;
     int64_t done = 0;  // keys of the slices before c
-    for (int64_t r = 0; r < threads && c <= span.last; ++r) {
-      const int64_t end = (r + 1) * keys / threads;  // where run r should end, about
+    for (int64_t r = 0; r < runs_per_seq && c <= span.last; ++r) {
+      const int64_t end = (r + 1) * keys / runs_per_seq;  // where run r should end, about
       int64_t last = c;
       int64_t run_keys = span.keys_of(c);
-      while (last < span.last &&
-             (r == threads - 1 || done + run_keys + span.keys_of(last + 1) / 2 <= end)) {
+      while (last < span.last && (r == runs_per_seq - 1 ||
+                                  done + run_keys + span.keys_of(last + 1) / 2 <= end)) {
         run_keys += span.keys_of(++last);
       }
       runs.push_back({b, c, last, 0, run_keys});
@@ -183,11 +197,11 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
   int64_t longest = 0;
   for (const SliceRun& run : runs) longest = std::max(longest, run.keys);
   const int64_t n_runs = static_cast<int64_t>(runs.size());
-  const bool even = n_runs >= 2 * threads ||
-                    (n_runs >= threads && 4 * longest <= 5 * (total_keys / threads));
-  plan.per_unit = even                                    ? H
-                  : n_runs * d.num_kv_heads >= 2 * threads ? group
-                                                           : 1;
+  const bool even = !batch && (n_runs >= 2 * threads ||
+                               (n_runs >= threads && 4 * longest <= 5 * (total_keys / threads)));
+  plan.per_unit = even                                             ? H
+                  : batch || n_runs * d.num_kv_heads >= 2 * threads ? group
+                                                                    : 1;
   if (plan.per_unit < H) {
     const int64_t units = H / plan.per_unit;
     runs.resize(n_runs * units);
@@ -201,8 +215,15 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
       plan.most_rows = std::max(plan.most_rows, new_tokens(qsl, b) * plan.per_unit);
     }
   }
-  std::stable_sort(runs.begin(), runs.end(),
-                   [](const SliceRun& x, const SliceRun& y) { return x.keys > y.keys; });
+  // A batch's tasks stay in order, in contiguous shares for the threads: a
+  // thread then attends every kv head of its sequences, whose token rows' lines
+  // the hardware fetched with the first head's. Otherwise longest first, taken
+  // from a shared counter.
+  plan.in_order = batch;
+  if (!batch) {
+    std::stable_sort(runs.begin(), runs.end(),
+                     [](const SliceRun& x, const SliceRun& y) { return x.keys > y.keys; });
+  }
 }
 
 }  // namespace shardlm::cpu::attn
