@@ -91,14 +91,17 @@ def test_a_verify_row_gets_the_bits_of_a_decode_step(threads, n_threads, heads, 
                 assert torch.equal(decode[0], verify[r]), f"context {context}, row {r} of {rows}"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_a_sequence_attends_the_same_alone_or_in_a_batch(threads, n_threads, heads):
+def test_a_sequence_attends_the_same_alone_or_in_a_batch(threads, n_threads, heads, cache_dtype):
+    """A batch splits its work by kv head or by runs of slices (attention_slices.h), a lone
+    sequence by runs and heads: the same bits either way."""
     threads(n_threads)
     h, kv_heads, d = heads
     contexts = [2600, 37, 900, 1030]
     per_seq = math.ceil(max(contexts) / BLOCK)
-    k, v = _cache(per_seq * len(contexts), kv_heads, d, torch.float16)
+    k, v = _cache(per_seq * len(contexts), kv_heads, d, cache_dtype)
     tables = torch.randperm(per_seq * len(contexts), dtype=torch.int32).view(len(contexts), per_seq)
     q = torch.randn(len(contexts), h, d)
     batch = _decode(q, k, v, tables, torch.tensor(contexts, dtype=torch.int32), d ** -0.5, 0)
