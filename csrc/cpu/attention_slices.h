@@ -154,9 +154,9 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
   plan.slice_start.assign(d.num_seqs + 1, 0);
   plan.row_start.assign(1, 0);
   runs.clear();
-  plan.most_rows = 0;
   plan.work = 0;
   int64_t total_keys = 0;
+  int64_t most_tokens = 0;
   // A batch of at least a sequence a thread whose tiles of every head would
   // not stay in L1: each sequence's slices are one run, its rows split by kv
   // head, as the unsliced calls split a batch (a batch of 8 at 600 keys, float32
@@ -171,7 +171,7 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
     for (int64_t c = 0; c < span.count(); ++c) {
       plan.row_start.push_back(plan.row_start.back() + tokens * H);
     }
-    plan.most_rows = std::max(plan.most_rows, tokens * H);
+    most_tokens = std::max(most_tokens, tokens);
     // Runs of about keys / runs_per_seq keys each, cut at slice boundaries.
     const int64_t keys = std::max<int64_t>(span.last_key - span.first_key + 1, 0);
     plan.work += keys * tokens * H * D;
@@ -211,10 +211,8 @@ inline void plan_slices(SlicePlan& plan, const AttnDims& d, const int32_t* qsl,
         runs[i * units + u].unit = u;
       }
     }
-    for (int64_t b = 0; b < d.num_seqs; ++b) {
-      plan.most_rows = std::max(plan.most_rows, new_tokens(qsl, b) * plan.per_unit);
-    }
   }
+  plan.most_rows = most_tokens * plan.per_unit;
   // A batch's tasks stay in order, in contiguous shares for the threads: a
   // thread then attends every kv head of its sequences, whose token rows' lines
   // the hardware fetched with the first head's. Otherwise longest first, taken

@@ -254,13 +254,18 @@ SHARDLM_AVX2 void unpack_panel_avx2(float* panel, const uint8_t* w, int64_t k, i
 }
 #endif
 
+// Input rows `m0` on, as rows_dot (its passes) and pair_dot read them.
+Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
+  return {in.x + m0 * k, in.sums + m0 * k / kHalf, in.subnormal};
+}
+
 template <class P, bool kSub>
 void rows_dot(float* acc, const uint8_t* w, const Inputs& in, int64_t stride, int64_t rows,
               int64_t k, bool avx2) {
 #if SHARDLM_HAVE_AVX2
   if (avx2) {
     for (int64_t r = 0; r < rows; r += 2) {  // passes of two rows (and one)
-      const Inputs part{in.x + r * stride, in.sums + r * stride / kHalf, in.subnormal};
+      const Inputs part = rows_from(in, r, stride);
       if (rows - r >= 2) {
         rows_avx2<P, 2, kSub>(acc + kGroupRows * r, w, part, stride, k);
       } else {
@@ -289,11 +294,6 @@ void pair_dot(float* acc, const uint8_t* w, int64_t next, const Inputs& in, int6
   }
 }
 #endif
-
-// Input rows `m0` on, as rows_dot and pair_dot read them.
-Inputs rows_from(const Inputs& in, int64_t m0, int64_t k) {
-  return {in.x + m0 * k, in.sums + m0 * k / kHalf, in.subnormal};
-}
 
 template <class P, bool kSub, typename T>
 void gemv_with(T* out, const uint8_t* w, const Inputs& in, const T* bias, int64_t m, int64_t n,
