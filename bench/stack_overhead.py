@@ -4,14 +4,17 @@ process, on the same file, prompts and lengths, in alternated rounds.
     python -m bench.stack_overhead                    # the default model, 1 and 32 streams
     python -m bench.stack_overhead --model FILE.gguf --rounds 5 --streams 1,32 --json out.json
 
-Each round runs, for every stream count N, both sides back to back (the order flipped every
-round): the engine in a child process (`Engine.prefill` of N token-id prompts, then one decode
-call until every sequence has its tokens, as `bench.engine_bench` times it) and the full stack (N
-concurrent streaming Generate clients over gRPC, `bench.stack_bench`'s client). Both figures are
-total tokens/s: every generated token over the wall time from the first prompt to the last token,
-so both include the prefill. Speculation is off on both sides (bench.speculation measures it).
+Each round runs, for every stream count N, three sides back to back (each first, middle and last
+in turn): the engine in a child process (`Engine.prefill` of N token-id prompts, then one decode
+call until every sequence has its tokens, as `bench.engine_bench` times it); a worker process
+alone, driven over its gRPC API from this process as the gateway drives it (a Prefill, then
+Decode calls of the gateway's default --max-decode-steps), which splits the stack's cost into the
+worker's side of its link and the rest; and the full stack (N concurrent streaming Generate
+clients over gRPC, `bench.stack_bench`'s client). Every figure is total tokens/s: every generated
+token over the wall time from the first prompt to the last token, so all include the prefill.
+Speculation is off on every side (bench.speculation measures it).
 
-The engine lives in its own process, idle (blocked on a pipe) while the stack runs, so neither
+The engine and the lone worker live in their own processes, idle (blocked on a pipe) while the stack runs, so neither
 side's threads spin beside the other's. While the stack runs, the CPU time of the gateway and of
 the worker process is read from /proc and printed per generated token: on a CPU host every
 millisecond the gateway spends per token is taken from the compute threads' cores.
@@ -27,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench.report import write_json
@@ -111,6 +115,75 @@ class EngineProcess:
         self.proc.wait(60)
 
 
+# ----------------------------------------------------------------------------- the worker side
+class WorkerProcess:
+    """`python -m shardlm_server.worker` alone, driven over its gRPC API as the gateway drives it
+    (Prefill of the batch, then Decode calls of the gateway's default --max-decode-steps) by a
+    Python client in this process: the engine plus the worker's side of the gRPC link, without
+    the gateway, its batch loop or the client's stream."""
+
+    def __init__(self, model: Path, dtype: str, max_batch: int, new_tokens: int) -> None:
+        import grpc
+        from shardlm.common.v1 import common_pb2
+        from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+        from shardlm_server.gateway.config import default
+        from shardlm_server.gateway.workers.processes import CPU_SPIN_COUNT
+
+        self.pb, self.common = worker_pb2, common_pb2
+        self.steps_per_call = int(default("max_decode_steps"))
+        self.new_tokens = new_tokens
+        # The gateway's environment for the workers it starts (gateway/workers/processes.py).
+        env = dict(os.environ, PYTHONUNBUFFERED="1", GOMP_SPINCOUNT=str(CPU_SPIN_COUNT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shardlm_server.worker", "--port", "0"], cwd=REPO,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"the worker did not start ({self.proc.wait()})")
+        self.channel = grpc.insecure_channel(line.split()[1])
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self.per_seq = -(-(PROMPT_TOKENS + new_tokens + 2) // 16)
+        dtype_enum = getattr(common_pb2, f"DTYPE_{dtype.upper()}")
+        for _ in self.stub.Load(worker_pb2.LoadRequest(
+                model_path=str(model), dtype=dtype_enum, device="cpu", rank=0, world_size=1,
+                kv_cache=common_pb2.KvCacheConfig(num_blocks=max_batch * self.per_seq,
+                                                  block_size=16),
+                engine=worker_pb2.EngineOptions(speculation="off"))):
+            pass
+
+    def run(self, batch: list[list[int]]) -> dict:
+        """One timed run: every sequence's tokens/s over the wall time (prefill included), and
+        the worker process's CPU ms per token."""
+        pb, stop = self.pb, self.common.StopConditions(max_new_tokens=self.new_tokens,
+                                                       ignore_eos=True)
+        tables = [list(range(i * self.per_seq, (i + 1) * self.per_seq)) for i in range(len(batch))]
+        self.stub.ResetCache(pb.ResetCacheRequest(all=True))
+        before = cpu_seconds(self.proc.pid)
+        start = time.perf_counter()
+        self.stub.Prefill(pb.PrefillRequest(sequences=[
+            pb.PrefillSequence(sequence_id=i, token_ids=p, block_table=tables[i], sample=True,
+                               stop=stop) for i, p in enumerate(batch)]))
+        left = self.new_tokens - 1
+        while left > 0:
+            steps = min(left, self.steps_per_call)
+            for _ in self.stub.Decode(pb.DecodeRequest(num_steps=steps, sequences=[
+                    pb.DecodeSequence(sequence_id=i, block_table=tables[i], max_steps=steps,
+                                      stop=stop) for i in range(len(batch))])):
+                pass
+            left -= steps
+        seconds = time.perf_counter() - start
+        tokens = len(batch) * self.new_tokens
+        return {"tokens_per_s": tokens / seconds,
+                "cpu_ms_per_token": 1000 * (cpu_seconds(self.proc.pid) - before) / tokens}
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
 # ----------------------------------------------------------------------------- the stack side
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of a process (all its threads, live ones)."""
@@ -133,25 +206,34 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(engine: EngineProcess, server: Server, stream_counts: list[int], rounds: int,
-            new_tokens: int) -> list[dict]:
+SIDES = ("engine", "worker", "stack")
+
+
+def measure(engine: EngineProcess, worker: WorkerProcess, server: Server,
+            stream_counts: list[int], rounds: int, new_tokens: int) -> list[dict]:
     batch = prompts(max(stream_counts), engine.vocab)
-    runs: dict[int, dict[str, list]] = {n: {"engine": [], "stack": []} for n in stream_counts}
+    runs: dict[int, dict[str, list]] = {n: {side: [] for side in SIDES} for n in stream_counts}
     for r in range(rounds):
         for n in stream_counts:
-            order = ("engine", "stack") if r % 2 == 0 else ("stack", "engine")
-            for side in order:
+            # Each side first, middle and last in turn.
+            for side in SIDES[r % 3:] + SIDES[:r % 3]:
                 if side == "engine":
                     runs[n]["engine"].append(engine.run(n))
+                elif side == "worker":
+                    runs[n]["worker"].append(worker.run(batch[:n]))
                 else:
                     runs[n]["stack"].append(stack_round(server, batch[:n], new_tokens))
-            print(f"round {r + 1}: {n:>3} streams  engine {runs[n]['engine'][-1]['tokens_per_s']:7.1f}  "
-                  f"stack {runs[n]['stack'][-1]['tokens_per_s']:7.1f} tok/s", flush=True)
+            print(f"round {r + 1}: {n:>3} streams  " + "  ".join(
+                f"{side} {runs[n][side][-1]['tokens_per_s']:7.1f}" for side in SIDES) + " tok/s",
+                flush=True)
     rows = []
     for n in stream_counts:
-        eng, stack = runs[n]["engine"], runs[n]["stack"]
+        eng, alone, stack = runs[n]["engine"], runs[n]["worker"], runs[n]["stack"]
         rows.append({
             "streams": n, "engine": spread([e["tokens_per_s"] for e in eng]),
+            "worker": spread([w["tokens_per_s"] for w in alone]),
+            "worker_ratio": spread([w["tokens_per_s"] / e["tokens_per_s"]
+                                    for w, e in zip(alone, eng, strict=True)]),
             "stack": spread([s["tokens_per_s"] for s in stack]),
             "ratio": spread([s["tokens_per_s"] / e["tokens_per_s"]
                              for s, e in zip(stack, eng, strict=True)]),
@@ -167,14 +249,15 @@ def measure(engine: EngineProcess, server: Server, stream_counts: list[int], rou
 def format_rows(rows: list[dict]) -> str:
     def rate(s: dict) -> str:
         return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
-    lines = ["| streams | engine in process, tok/s | full stack, tok/s | stack / engine | "
-             "TTFT p50, ms | CPU ms/token: engine | gateway | worker |",
-             "|---|---|---|---|---|---|---|---|"]
+    def share(s: dict) -> str:
+        return f"**{s['median']:.0%}** [{s['min']:.0%}-{s['max']:.0%}]"
+    lines = ["| streams | engine in process, tok/s | worker over gRPC / engine | full stack, tok/s | "
+             "stack / engine | TTFT p50, ms | CPU ms/token: engine | gateway | worker |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        ratio = row["ratio"]
         lines.append(
-            f"| {row['streams']} | {rate(row['engine'])} | {rate(row['stack'])} | "
-            f"**{ratio['median']:.0%}** [{ratio['min']:.0%}-{ratio['max']:.0%}] | "
+            f"| {row['streams']} | {rate(row['engine'])} | {share(row['worker_ratio'])} | "
+            f"{rate(row['stack'])} | {share(row['ratio'])} | "
             f"{row['ttft_p50_ms']:.0f} | {row['engine_cpu_ms_per_token']:.2f} | "
             f"{row['gateway_cpu_ms_per_token']:.2f} | "
             f"{row['worker_cpu_ms_per_token']:.2f} |")
@@ -211,16 +294,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     # A KV cache with room for every stream's prompt and tokens, twice over.
     kv_mb = max(256, most * (PROMPT_TOKENS + args.new_tokens) * 2 * 96 // 1024)
     engine = EngineProcess(args.model, args.dtype, most, args.new_tokens)
+    worker = None
     try:
+        worker = WorkerProcess(args.model, args.dtype, most, args.new_tokens)
         with Server(args.model, dtype=args.dtype, kv_cache_mb=kv_mb, start_timeout_s=600.0,
                     extra=("--speculation", "off")) as server:
             warm = prompts(most, engine.vocab)
             for _ in range(2):  # the first requests after a load run slower
                 run_round(server.address, warm[:1], 64)
             run_round(server.address, warm, 8)
-            report["rows"] = measure(engine, server, stream_counts, args.rounds, args.new_tokens)
+            report["rows"] = measure(engine, worker, server, stream_counts, args.rounds,
+                                     args.new_tokens)
     finally:
         engine.close()
+        if worker is not None:
+            worker.close()
     print(format_rows(report["rows"]))
     write_json(args.json, report)
     return report
