@@ -254,7 +254,7 @@ void attend_tile_blocks(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k
       // As in attend_tile: hi > lo makes m_new finite, so exp gives no NaN.
       const float m_new = std::max(ws.m[r], Avx2::max(s + lo, hi - lo));
       alpha[i] = m_new == ws.m[r] ? 1.f : std::exp(ws.m[r] - m_new);
-      const float sum = Avx2::exp(s, kKeyTile, m_new);
+      const float sum = blocks::exp_scores(s, m_new);
       ws.l[r] = ws.l[r] * alpha[i] + sum;
       ws.m[r] = m_new;
     }
