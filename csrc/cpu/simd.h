@@ -225,6 +225,35 @@ SHARDLM_AVX512 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// ---- e^x ------------------------------------------------------------------------
+
+// avx2::exp8 in 16 lanes: each lane goes through exactly exp8's operations,
+// so it gives exp8's bits.
+SHARDLM_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.72283935546875f);
+  const __m512 lo = _mm512_set1_ps(-104.0f);
+  __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  xc = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  xc = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), xc);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, xc, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, xc, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, xc, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, xc, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, xc, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(xc, xc), _mm512_add_ps(xc, _mm512_set1_ps(1.f)));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i n1 = _mm512_srai_epi32(ni, 1);
+  const __m512i n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23)));
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23)));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(INFINITY));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);  // NaN stays NaN
+}
+
 // ---- reductions ------------------------------------------------------------------
 
 // The low 8 lanes plus the high 8 (a whole-register shuffle: GCC's
