@@ -14,8 +14,8 @@ clients over gRPC, `bench.stack_bench`'s client). Every figure is total tokens/s
 token over the wall time from the first prompt to the last token, so all include the prefill.
 Speculation is off on every side (bench.speculation measures it).
 
-The engine and the lone worker live in their own processes, idle (blocked on a pipe) while the stack runs, so neither
-side's threads spin beside the other's. While the stack runs, the CPU time of the gateway and of
+The engine and the lone worker live in their own processes, idle (blocked on a pipe, or waiting
+for a call) while another side runs, so no side's threads spin beside another's. While the stack runs, the CPU time of the gateway and of
 the worker process is read from /proc and printed per generated token: on a CPU host every
 millisecond the gateway spends per token is taken from the compute threads' cores.
 """
@@ -125,6 +125,7 @@ class WorkerProcess:
     def __init__(self, model: Path, dtype: str, max_batch: int, new_tokens: int) -> None:
         import grpc
         from shardlm.common.v1 import common_pb2
+        from shardlm.constants import DEFAULT_BLOCK_SIZE, dtype_enum_name
         from shardlm.worker.v1 import worker_pb2, worker_pb2_grpc
 
         from shardlm_server.gateway.config import default
@@ -144,12 +145,11 @@ class WorkerProcess:
             raise RuntimeError(f"the worker did not start ({self.proc.wait()})")
         self.channel = grpc.insecure_channel(line.split()[1])
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
-        self.per_seq = -(-(PROMPT_TOKENS + new_tokens + 2) // 16)
-        dtype_enum = getattr(common_pb2, f"DTYPE_{dtype.upper()}")
+        self.per_seq = -(-(PROMPT_TOKENS + new_tokens + 2) // DEFAULT_BLOCK_SIZE)
         for _ in self.stub.Load(worker_pb2.LoadRequest(
-                model_path=str(model), dtype=dtype_enum, device="cpu", rank=0, world_size=1,
-                kv_cache=common_pb2.KvCacheConfig(num_blocks=max_batch * self.per_seq,
-                                                  block_size=16),
+                model_path=str(model), dtype=common_pb2.Dtype.Value(dtype_enum_name(dtype)),
+                device="cpu", rank=0, world_size=1,
+                kv_cache=common_pb2.KvCacheConfig(num_blocks=max_batch * self.per_seq),
                 engine=worker_pb2.EngineOptions(speculation="off"))):
             pass
 

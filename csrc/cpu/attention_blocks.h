@@ -93,11 +93,6 @@ SHARDLM_AVX512 void accumulate(float* acc, const float* alpha, const float* p,
   for (; c < D; c += 16) accumulate_cols<R, 1>(acc, alpha, p, v, nk, D, c);
 }
 
-// Lanes 8 .. 15 (a whole-register shuffle, as avx512::fold8).
-SHARDLM_AVX512 inline __m256 upper8(__m512 v) {
-  return _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-}
-
 // s[j] = e^(s[j] - m) for a tile's kKeys scores, and their sum: the bits of
 // exp_avx2 (attention_avx2.h) in half the instructions, its four 8-lane
 // quarters added in its order.
@@ -108,9 +103,9 @@ SHARDLM_AVX512 inline float exp_scores(float* s, float m) {
   const __m512 p1 = cpu::avx512::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16), mv));
   _mm512_storeu_ps(s, p0);
   _mm512_storeu_ps(s + 16, p1);
-  const __m256 sum = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(p0), upper8(p0)), _mm512_castps512_ps256(p1)),
-      upper8(p1));
+  using cpu::avx512::upper8;
+  const __m256 first = _mm256_add_ps(_mm512_castps512_ps256(p0), upper8(p0));
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(first, _mm512_castps512_ps256(p1)), upper8(p1));
   return cpu::avx2::hsum(sum);
 }
 

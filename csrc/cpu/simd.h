@@ -256,11 +256,15 @@ SHARDLM_AVX512 inline __m512 exp16(__m512 x) {
 
 // ---- reductions ------------------------------------------------------------------
 
-// The low 8 lanes plus the high 8 (a whole-register shuffle: GCC's
-// _mm512_extract* read an undefined operand and warn).
+// Lanes 8 .. 15 (a whole-register shuffle: GCC's _mm512_extract* read an
+// undefined operand and warn).
+SHARDLM_AVX512 inline __m256 upper8(__m512 v) {
+  return _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+}
+
+// The low 8 lanes plus the high 8.
 SHARDLM_AVX512 inline __m256 fold8(__m512 v) {
-  return _mm512_castps512_ps256(
-      _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))));
+  return _mm256_add_ps(_mm512_castps512_ps256(v), upper8(v));
 }
 
 // {sum(a), sum(b), sum(c), sum(d)}
