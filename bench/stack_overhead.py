@@ -3,6 +3,7 @@ process, on the same file, prompts and lengths, in alternated rounds.
 
     python -m bench.stack_overhead                    # the default model, 1 and 32 streams
     python -m bench.stack_overhead --model FILE.gguf --rounds 5 --streams 1,32 --json out.json
+    python -m bench.stack_overhead --stream-interval-ms 0,20   # a stack for each, alternated
 
 Each round runs, for every stream count N, three sides back to back (each first, middle and last
 in turn): the engine in a child process (`Engine.prefill` of N token-id prompts, then one decode
@@ -12,7 +13,9 @@ Decode calls of the gateway's default --max-decode-steps), which splits the stac
 worker's side of its link and the rest; and the full stack (N concurrent streaming Generate
 clients over gRPC, `bench.stack_bench`'s client). Every figure is total tokens/s: every generated
 token over the wall time from the first prompt to the last token, so all include the prefill.
-Speculation is off on every side (bench.speculation measures it).
+Speculation is off on every side (bench.speculation measures it). With several
+--stream-interval-ms values, a stack (and a run of the lone worker) for each joins the rounds,
+so the intervals are compared against the same engine runs.
 
 The engine and the lone worker live in their own processes, idle (blocked on a pipe, or waiting
 for a call) while another side runs, so no side's threads spin beside another's. While the stack runs, the CPU time of the gateway and of
@@ -153,7 +156,7 @@ class WorkerProcess:
                 engine=worker_pb2.EngineOptions(speculation="off"))):
             pass
 
-    def run(self, batch: list[list[int]]) -> dict:
+    def run(self, batch: list[list[int]], stream_interval_ms: int) -> dict:
         """One timed run: every sequence's tokens/s over the wall time (prefill included), and
         the worker process's CPU ms per token."""
         pb, stop = self.pb, self.common.StopConditions(max_new_tokens=self.new_tokens,
@@ -168,7 +171,8 @@ class WorkerProcess:
         left = self.new_tokens - 1
         while left > 0:
             steps = min(left, self.steps_per_call)
-            for _ in self.stub.Decode(pb.DecodeRequest(num_steps=steps, sequences=[
+            for _ in self.stub.Decode(pb.DecodeRequest(
+                    num_steps=steps, stream_interval_ms=stream_interval_ms, sequences=[
                     pb.DecodeSequence(sequence_id=i, block_table=tables[i], max_steps=steps,
                                       stop=stop) for i in range(len(batch))])):
                 pass
@@ -206,43 +210,48 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-SIDES = ("engine", "worker", "stack")
-
-
-def measure(engine: EngineProcess, worker: WorkerProcess, server: Server,
+def measure(engine: EngineProcess, worker: WorkerProcess, servers: dict[int, Server],
             stream_counts: list[int], rounds: int, new_tokens: int) -> list[dict]:
+    """`servers`: a stack for each --stream-interval-ms compared; the lone worker runs at each
+    interval too."""
     batch = prompts(max(stream_counts), engine.vocab)
-    runs: dict[int, dict[str, list]] = {n: {side: [] for side in SIDES} for n in stream_counts}
+    sides = [("engine", 0)] + [(kind, ms) for ms in servers for kind in ("worker", "stack")]
+    runs: dict[int, dict[tuple, list]] = {n: {side: [] for side in sides} for n in stream_counts}
     for r in range(rounds):
         for n in stream_counts:
-            # Each side first, middle and last in turn.
-            for side in SIDES[r % 3:] + SIDES[:r % 3]:
-                if side == "engine":
-                    runs[n]["engine"].append(engine.run(n))
-                elif side == "worker":
-                    runs[n]["worker"].append(worker.run(batch[:n]))
+            first = r % len(sides)  # each side first, then later, in turn
+            for side in sides[first:] + sides[:first]:
+                kind, ms = side
+                if kind == "engine":
+                    runs[n][side].append(engine.run(n))
+                elif kind == "worker":
+                    runs[n][side].append(worker.run(batch[:n], ms))
                 else:
-                    runs[n]["stack"].append(stack_round(server, batch[:n], new_tokens))
+                    runs[n][side].append(stack_round(servers[ms], batch[:n], new_tokens))
             print(f"round {r + 1}: {n:>3} streams  " + "  ".join(
-                f"{side} {runs[n][side][-1]['tokens_per_s']:7.1f}" for side in SIDES) + " tok/s",
-                flush=True)
+                f"{kind}{f'@{ms}ms' if kind != 'engine' and len(servers) > 1 else ''} "
+                f"{runs[n][(kind, ms)][-1]['tokens_per_s']:7.1f}" for kind, ms in sides)
+                + " tok/s", flush=True)
     rows = []
     for n in stream_counts:
-        eng, alone, stack = runs[n]["engine"], runs[n]["worker"], runs[n]["stack"]
-        rows.append({
-            "streams": n, "engine": spread([e["tokens_per_s"] for e in eng]),
-            "worker": spread([w["tokens_per_s"] for w in alone]),
-            "worker_ratio": spread([w["tokens_per_s"] / e["tokens_per_s"]
-                                    for w, e in zip(alone, eng, strict=True)]),
-            "stack": spread([s["tokens_per_s"] for s in stack]),
-            "ratio": spread([s["tokens_per_s"] / e["tokens_per_s"]
-                             for s, e in zip(stack, eng, strict=True)]),
-            "engine_cpu_ms_per_token": statistics.median(e["cpu_ms_per_token"] for e in eng),
-            "ttft_p50_ms": statistics.median(s["ttft_p50_ms"] for s in stack),
-            "gateway_cpu_ms_per_token": statistics.median(
-                s["gateway_cpu_ms_per_token"] for s in stack),
-            "worker_cpu_ms_per_token": statistics.median(
-                s["worker_cpu_ms_per_token"] for s in stack)})
+        eng = runs[n][("engine", 0)]
+        for ms in servers:
+            alone, stack = runs[n][("worker", ms)], runs[n][("stack", ms)]
+            rows.append({
+                "streams": n, "stream_interval_ms": ms,
+                "engine": spread([e["tokens_per_s"] for e in eng]),
+                "worker": spread([w["tokens_per_s"] for w in alone]),
+                "worker_ratio": spread([w["tokens_per_s"] / e["tokens_per_s"]
+                                        for w, e in zip(alone, eng, strict=True)]),
+                "stack": spread([s["tokens_per_s"] for s in stack]),
+                "ratio": spread([s["tokens_per_s"] / e["tokens_per_s"]
+                                 for s, e in zip(stack, eng, strict=True)]),
+                "engine_cpu_ms_per_token": statistics.median(e["cpu_ms_per_token"] for e in eng),
+                "ttft_p50_ms": statistics.median(s["ttft_p50_ms"] for s in stack),
+                "gateway_cpu_ms_per_token": statistics.median(
+                    s["gateway_cpu_ms_per_token"] for s in stack),
+                "worker_cpu_ms_per_token": statistics.median(
+                    s["worker_cpu_ms_per_token"] for s in stack)})
     return rows
 
 
@@ -251,12 +260,14 @@ def format_rows(rows: list[dict]) -> str:
         return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
     def share(s: dict) -> str:
         return f"**{s['median']:.0%}** [{s['min']:.0%}-{s['max']:.0%}]"
-    lines = ["| streams | engine in process, tok/s | worker over gRPC / engine | full stack, tok/s | "
-             "stack / engine | TTFT p50, ms | CPU ms/token: engine | gateway | worker |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| streams | stream interval, ms | engine in process, tok/s | "
+             "worker over gRPC / engine | full stack, tok/s | stack / engine | TTFT p50, ms | "
+             "CPU ms/token: engine | gateway | worker |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
-            f"| {row['streams']} | {rate(row['engine'])} | {share(row['worker_ratio'])} | "
+            f"| {row['streams']} | {row['stream_interval_ms']} | {rate(row['engine'])} | "
+            f"{share(row['worker_ratio'])} | "
             f"{rate(row['stack'])} | {share(row['ratio'])} | "
             f"{row['ttft_p50_ms']:.0f} | {row['engine_cpu_ms_per_token']:.2f} | "
             f"{row['gateway_cpu_ms_per_token']:.2f} | "
@@ -265,6 +276,8 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
+    from shardlm_server.gateway.config import default
+
     p = argparse.ArgumentParser(prog="python -m bench.stack_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="GGUF file or folder (default: the default model)")
@@ -272,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--streams", default="1,32", help="stream counts (engine batch sizes)")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per stream")
+    p.add_argument("--stream-interval-ms", default=str(default("stream_interval_ms")),
+                   help="the stacks' --stream-interval-ms, comma-separated: a stack for each, "
+                        "alternated with the rest (the lone worker runs at each too)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--engine-host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-batch", type=int, default=32, help=argparse.SUPPRESS)
@@ -283,32 +299,40 @@ def main(argv: list[str] | None = None) -> dict | None:
         engine_host(args.model, args.dtype, args.max_batch, args.new_tokens)
         return None
     stream_counts = [int(s) for s in args.streams.split(",") if s]
+    intervals = [int(s) for s in args.stream_interval_ms.split(",") if s]
     report: dict = {"benchmark": "bench.stack_overhead",
                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     "model": str(args.model), "dtype": args.dtype,
                     "machine": platform.machine(), "processor": platform.processor(),
                     "cpus": os.cpu_count(),
                     "config": {"streams": stream_counts, "rounds": args.rounds,
+                               "stream_intervals_ms": intervals,
                                "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_TOKENS}}
     most = max(stream_counts)
     # A KV cache with room for every stream's prompt and tokens, twice over.
     kv_mb = max(256, most * (PROMPT_TOKENS + args.new_tokens) * 2 * 96 // 1024)
     engine = EngineProcess(args.model, args.dtype, most, args.new_tokens)
     worker = None
+    servers: dict[int, Server] = {}
     try:
         worker = WorkerProcess(args.model, args.dtype, most, args.new_tokens)
-        with Server(args.model, dtype=args.dtype, kv_cache_mb=kv_mb, start_timeout_s=600.0,
-                    extra=("--speculation", "off")) as server:
-            warm = prompts(most, engine.vocab)
+        for ms in intervals:
+            servers[ms] = Server(args.model, dtype=args.dtype, kv_cache_mb=kv_mb,
+                                 start_timeout_s=600.0,
+                                 extra=("--speculation", "off", "--stream-interval-ms", str(ms)))
+        warm = prompts(most, engine.vocab)
+        for server in servers.values():
             for _ in range(2):  # the first requests after a load run slower
                 run_round(server.address, warm[:1], 64)
             run_round(server.address, warm, 8)
-            report["rows"] = measure(engine, worker, server, stream_counts, args.rounds,
-                                     args.new_tokens)
+        report["rows"] = measure(engine, worker, servers, stream_counts, args.rounds,
+                                 args.new_tokens)
     finally:
         engine.close()
         if worker is not None:
             worker.close()
+        for server in servers.values():
+            server.stop()
     print(format_rows(report["rows"]))
     write_json(args.json, report)
     return report

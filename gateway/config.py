@@ -206,6 +206,11 @@ class ServeConfig:
         250.0, "aim worker decode calls at about this long, taking fewer steps when steps are "
         "slow: a prompt that arrives during a call waits for its end, and each call costs a "
         "round trip", "limits", minimum=1.0, metavar="MS")
+    stream_interval_ms: int = setting(
+        0, "let a worker hold a decode step's tokens until this many milliseconds have passed "
+        "since its previous message, then send them with the steps after it: fewer, larger "
+        "messages when steps are fast (a token waits at most one step past the interval); 0 "
+        "sends every step as it is computed", "limits", minimum=0, maximum=10_000, metavar="MS")
     step_timeout: float = setting(
         120.0, "seconds one worker step may take before the worker counts as failed", "limits",
         minimum=0.001)
@@ -256,7 +261,7 @@ class ServeConfig:
             max_waiting=self.max_waiting, max_running=self.max_running,
             prefill_token_budget=self.prefill_token_budget,
             max_decode_steps=self.max_decode_steps, decode_call_s=self.decode_call_ms / 1000,
-            step_timeout_s=self.step_timeout,
+            stream_interval_ms=self.stream_interval_ms, step_timeout_s=self.step_timeout,
             constraint_compile_timeout_s=self.constraint_compile_timeout,
             max_constraint_bytes=self.max_constraint_bytes,
             prefix_cache=self.prefix_cache, prefix_cache_scope=self.prefix_cache_scope,
@@ -318,6 +323,7 @@ class Limits:
     prefill_token_budget: int = default("prefill_token_budget")
     max_decode_steps: int = default("max_decode_steps")
     decode_call_s: float = default("decode_call_ms") / 1000
+    stream_interval_ms: int = default("stream_interval_ms")
     step_timeout_s: float = default("step_timeout")
     constraint_compile_timeout_s: float = default("constraint_compile_timeout")
     max_constraint_bytes: int = default("max_constraint_bytes")

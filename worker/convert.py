@@ -5,6 +5,9 @@ Kept apart so the engine stays free of gRPC and the servicer stays thin.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 from shardlm.common.v1 import common_pb2
 from shardlm.constants import (
@@ -192,3 +195,34 @@ def taps_to_proto(taps: dict[str, torch.Tensor]) -> list[common_pb2.DebugTensor]
                                data=value.float().contiguous().numpy().astype("<f4").tobytes())
         for name, value in taps.items()
     ]
+
+
+def decode_responses(outputs: Iterable[StepOutput], *, samples: bool, interval_ms: int,
+                     taps: bool = False, clock: Callable[[], float] = time.monotonic,
+                     ) -> Iterator[worker_pb2.DecodeResponse]:
+    """A Decode call's messages from its steps' outputs. `samples`: this rank samples (its
+    messages carry the tokens; other ranks' carry only the step). A step's output waits for the
+    steps after it until `interval_ms` have passed since the call's previous message (or its
+    start), then goes out with them in one message; the last step's goes out with it at the
+    latest. So on a host whose steps take a few milliseconds, every message, each one woken
+    thread on both ends of the link, carries a few tokens, and a token waits at most one step
+    past the interval. With taps, or an interval of 0, every step is a message of its own."""
+    interval_s = 0.0 if taps else interval_ms / 1000
+    last = clock()
+    held: worker_pb2.DecodeResponse | None = None
+    for step, output in enumerate(outputs):
+        if held is None:
+            held = worker_pb2.DecodeResponse()
+        held.step = step
+        if samples:
+            held.tokens.extend(tokens_to_proto(output))
+            held.taps.extend(taps_to_proto(output.taps))
+            held.drafts.extend(drafts_to_proto(output))
+            if output.mask_seconds > 0:
+                held.constraint_mask_seconds.append(output.mask_seconds)
+        now = clock()
+        if now - last >= interval_s:
+            yield held
+            held, last = None, now
+    if held is not None:
+        yield held

@@ -218,15 +218,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             # other ranks run them too, and the collectives must pair up.
             steps = self._engine_thread.stream(
                 lambda: engine.decode(items, request.num_steps, taps))
-            for step, output in enumerate(steps):
-                if engine.comm.rank != 0:
-                    yield worker_pb2.DecodeResponse(step=step)
-                else:
-                    yield worker_pb2.DecodeResponse(
-                        step=step, tokens=convert.tokens_to_proto(output),
-                        taps=convert.taps_to_proto(output.taps),
-                        constraint_mask_seconds=output.mask_seconds,
-                        drafts=convert.drafts_to_proto(output))
+            yield from convert.decode_responses(
+                steps, samples=engine.comm.rank == 0, interval_ms=request.stream_interval_ms,
+                taps=bool(taps))
 
     def ResetCache(self, request, context) -> worker_pb2.ResetCacheResponse:
         with self._lock:

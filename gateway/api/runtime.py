@@ -224,7 +224,8 @@ class Runtime:
             self.pool, kv, sessions, self.metrics,
             prefill_token_budget=self.limits.prefill_token_budget,
             max_decode_steps=self.limits.max_decode_steps,
-            decode_call_s=self.limits.decode_call_s, max_waiting=self.limits.max_waiting,
+            decode_call_s=self.limits.decode_call_s,
+            stream_interval_ms=self.limits.stream_interval_ms, max_waiting=self.limits.max_waiting,
             max_running=max_running, on_worker_failure=self._worker_failed)
         scheduler.start()
         kv.update_gauges()

@@ -67,6 +67,7 @@ class BatchLoop:
         prefill_token_budget: int = _DEFAULTS.prefill_token_budget,
         max_decode_steps: int = _DEFAULTS.max_decode_steps,
         decode_call_s: float = _DEFAULTS.decode_call_s,
+        stream_interval_ms: int = _DEFAULTS.stream_interval_ms,
         busy_decode_steps: int = BUSY_DECODE_STEPS,
         max_waiting: int = _DEFAULTS.max_waiting,
         max_running: int = _DEFAULTS.max_running,
@@ -80,6 +81,7 @@ class BatchLoop:
         self.prefill_token_budget = prefill_token_budget
         self.pacer = DecodePacer(max_decode_steps=max_decode_steps, decode_call_s=decode_call_s,
                                  busy_decode_steps=busy_decode_steps)
+        self.stream_interval_ms = stream_interval_ms
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.on_worker_failure = on_worker_failure
@@ -329,15 +331,16 @@ class BatchLoop:
         if not plan:
             return
         by_id = {s.seq_id: s for s in self._running if s.seq_id in plan}
-        request = decode_request(num_steps, plan, by_id, self.kv)
+        request = decode_request(num_steps, plan, by_id, self.kv, self.stream_interval_ms)
         for seq in by_id.values():
             seq.sampling_changed = seq.constraint_changed = False  # sent with this call
         self.metrics.decode_batch_size.observe(len(plan))
         started, steps = time.monotonic(), 0
         try:
             async for step in self.pool.decode(request):
-                steps += 1
-                self._observe_masks(step.constraint_mask_seconds)
+                steps = step.step + 1  # a message may carry several steps
+                for seconds in step.constraint_mask_seconds:
+                    self._observe_masks(seconds)
                 self._count_drafts(step.drafts, by_id)
                 self.stats.generated(len(step.tokens))
                 for token in step.tokens:

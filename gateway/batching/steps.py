@@ -36,9 +36,11 @@ def prefill_request(batch: list[PrefillChunk], kv: KvManager) -> worker_pb2.Pref
 
 
 def decode_request(num_steps: int, plan: dict[int, int], sequences: dict[int, SequenceState],
-                   kv: KvManager) -> worker_pb2.DecodeRequest:
+                   kv: KvManager, stream_interval_ms: int = 0) -> worker_pb2.DecodeRequest:
     """`num_steps` steps; `plan`: each sequence id's tokens in them at most. A sequence whose
-    sampling or constraint changed since its last step carries the new ones."""
+    sampling or constraint changed since its last step carries the new ones.
+    `stream_interval_ms`: how long the workers may hold a step's tokens to send them with the
+    next steps' (DecodeRequest.stream_interval_ms)."""
     def changes(seq: SequenceState) -> dict:
         changed = {}
         if seq.sampling_changed:
@@ -47,8 +49,9 @@ def decode_request(num_steps: int, plan: dict[int, int], sequences: dict[int, Se
             changed["constraint"] = seq.worker_constraint()
         return changed
 
-    return worker_pb2.DecodeRequest(num_steps=num_steps, sequences=[
-        worker_pb2.DecodeSequence(
-            sequence_id=seq_id, block_table=kv.table(seq_id), max_steps=steps,
-            stop=sequences[seq_id].worker_stop(), **changes(sequences[seq_id]))
-        for seq_id, steps in plan.items()])
+    return worker_pb2.DecodeRequest(
+        num_steps=num_steps, stream_interval_ms=stream_interval_ms, sequences=[
+            worker_pb2.DecodeSequence(
+                sequence_id=seq_id, block_table=kv.table(seq_id), max_steps=steps,
+                stop=sequences[seq_id].worker_stop(), **changes(sequences[seq_id]))
+            for seq_id, steps in plan.items()])

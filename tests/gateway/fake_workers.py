@@ -128,6 +128,9 @@ class FakeWorkerPool:
             plan.append((item.sequence_id, seq, tokens))
             item_tables[item.sequence_id] = list(item.block_table)
         made = dict.fromkeys(item_tables, 0)
+        # A stream interval makes a real worker send a few steps to a message; here every
+        # step of the call goes in one, the most the interval can hold back.
+        held = worker_pb2.DecodeResponse()
         for step in range(request.num_steps):
             reply = worker_pb2.DecodeResponse(step=step)
             for sid, seq, tokens in plan:
@@ -144,9 +147,14 @@ class FakeWorkerPool:
                     reply.tokens.append(token)
                     made[sid] += 1
             if not reply.tokens:
-                return
+                break
             await asyncio.sleep(self.step_delay_s)
-            yield reply
+            if request.stream_interval_ms:
+                held.MergeFrom(reply)
+            else:
+                yield reply
+        if request.stream_interval_ms and held.tokens:
+            yield held
 
     async def reset(self, request: worker_pb2.ResetCacheRequest) -> worker_pb2.ResetCacheResponse:
         for sid in request.sequence_ids:

@@ -116,6 +116,28 @@ def test_stream_stops_each_sequence_and_reset_frees_blocks(groups, llama_dir):
     assert (info.live_sequences, info.used_blocks, info.rank) == (0, 0, 1)
 
 
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(groups, llama_dir):
+    """Every rank holds its steps' messages for the interval; rank 0's tokens are the same,
+    step after step, as with one message a step."""
+    group = groups(2)
+    group.load(str(llama_dir), dtype=common_pb2.DTYPE_FLOAT32, kv_cache=KV)
+    stop = common_pb2.StopConditions(max_new_tokens=20, ignore_eos=True)
+    runs = []
+    for interval_ms in (0, 10_000):
+        for h in group.handles:
+            h.stub.ResetCache(worker_pb2.ResetCacheRequest(all=True))
+        prefill(group, worker_pb2.PrefillRequest(sequences=[
+            worker_pb2.PrefillSequence(sequence_id=i, token_ids=PROMPTS[i], block_table=table(i),
+                                       stop=stop, sample=True) for i in range(2)]))
+        runs.append(decode(group, worker_pb2.DecodeRequest(
+            sequences=[worker_pb2.DecodeSequence(sequence_id=i, block_table=table(i))
+                       for i in range(2)], num_steps=6, stream_interval_ms=interval_ms)))
+    each_step, held = runs
+    assert [m.step for m in each_step] == list(range(6)) and [m.step for m in held] == [5]
+    assert [(t.sequence_id, t.token_id) for m in each_step for t in m.tokens] == \
+        [(t.sequence_id, t.token_id) for t in held[0].tokens]
+
+
 def test_bad_requests_get_statuses(groups, qwen2_dir):
     group = groups(1)
     stub = group.handles[0].stub

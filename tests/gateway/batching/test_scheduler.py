@@ -414,3 +414,18 @@ def test_the_scheduler_paces_its_decode_calls_with_its_settings():
     h = Harness(max_decode_steps=32, decode_call_s=0.1, busy_decode_steps=3)  # not the defaults
     pacer = h.scheduler.pacer
     assert (pacer.max_decode_steps, pacer.decode_call_s, pacer.busy_decode_steps) == (32, 0.1, 3)
+
+
+def test_steps_sent_several_to_a_message_stream_the_same_tokens_and_pace_by_step():
+    """With a stream interval the workers send several steps in one message (the fake one: a
+    whole call's); the tokens and finish are those of one message a step, and the pacer still
+    times a step, not a message."""
+    async def test(h):
+        h.pool.step_delay_s = 0.01
+        seq = h.generate(PROMPT, limits(12))
+        assert await drain(seq) == (greedy(PROMPT, 12), LENGTH)
+        assert {d.stream_interval_ms for d in h.pool.decodes} == {7}
+        assert len(h.pool.decodes) >= 2  # calls of 2 and 9 steps, each one message
+        assert h.scheduler.pacer.step_s < 0.02  # ~0.01 a step; a message is 0.02-0.09
+    h = run(test, stream_interval_ms=7)
+    assert h.scheduler.stream_interval_ms == 7

@@ -638,10 +638,18 @@ class DecodeRequest(google.protobuf.message.Message):
     SEQUENCES_FIELD_NUMBER: builtins.int
     NUM_STEPS_FIELD_NUMBER: builtins.int
     DEBUG_TAPS_FIELD_NUMBER: builtins.int
+    STREAM_INTERVAL_MS_FIELD_NUMBER: builtins.int
     num_steps: builtins.int
     """Number of decode steps to run. Each step feeds every active sequence its
     last token and samples one more. The call ends after num_steps steps or
     when no sequence is active.
+    """
+    stream_interval_ms: builtins.int
+    """Milliseconds a step's message may wait for the steps after it: a step's
+    tokens are sent with those of the following steps until this long has
+    passed since the call's previous message (and with the call's last step
+    at the latest), so fast steps go out a few to a message. 0 sends every
+    step on its own. Ignored while debug_taps are captured (taps are per step).
     """
     @property
     def sequences(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DecodeSequence]:
@@ -659,35 +667,33 @@ class DecodeRequest(google.protobuf.message.Message):
         sequences: collections.abc.Iterable[global___DecodeSequence] | None = ...,
         num_steps: builtins.int = ...,
         debug_taps: collections.abc.Iterable[builtins.str] | None = ...,
+        stream_interval_ms: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["debug_taps", b"debug_taps", "num_steps", b"num_steps", "sequences", b"sequences"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["debug_taps", b"debug_taps", "num_steps", b"num_steps", "sequences", b"sequences", "stream_interval_ms", b"stream_interval_ms"]) -> None: ...
 
 global___DecodeRequest = DecodeRequest
 
 @typing.final
 class DecodeResponse(google.protobuf.message.Message):
-    """The result of one decode step."""
+    """The result of one decode step, or of several consecutive ones under
+    DecodeRequest.stream_interval_ms.
+    """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     STEP_FIELD_NUMBER: builtins.int
     TOKENS_FIELD_NUMBER: builtins.int
     TAPS_FIELD_NUMBER: builtins.int
-    CONSTRAINT_MASK_SECONDS_FIELD_NUMBER: builtins.int
     DRAFTS_FIELD_NUMBER: builtins.int
+    CONSTRAINT_MASK_SECONDS_FIELD_NUMBER: builtins.int
     step: builtins.int
-    """Step index within the call, from 0."""
-    constraint_mask_seconds: builtins.float
-    """Seconds the sampling rank spent making and applying constrained sequences'
-    token masks in this step (making them overlaps the forward pass; 0 when no
-    sequence is constrained).
-    """
+    """Step index within the call, from 0 (of the last step it carries)."""
     @property
     def tokens(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SequenceToken]:
         """Rank 0: the tokens of each sequence active in this step, in request order:
         one, or with speculative decoding its accepted drafts and the token after
-        them, in order (at most the sequence's max_steps in the call). Other ranks:
-        empty.
+        them, in order (at most the sequence's max_steps in the call); a message
+        of several steps holds them step after step. Other ranks: empty.
         """
 
     @property
@@ -698,7 +704,16 @@ class DecodeResponse(google.protobuf.message.Message):
 
     @property
     def drafts(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DraftTokens]:
-        """Rank 0: what each sequence that verified drafts in this step did with them."""
+        """Rank 0: what each sequence that verified drafts in this step did with them
+        (in a message of several steps, step after step).
+        """
+
+    @property
+    def constraint_mask_seconds(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]:
+        """Seconds the sampling rank spent making and applying constrained sequences'
+        token masks, one entry per step of this message that had constrained
+        sequences (making them overlaps the forward pass; empty when none had).
+        """
 
     def __init__(
         self,
@@ -706,8 +721,8 @@ class DecodeResponse(google.protobuf.message.Message):
         step: builtins.int = ...,
         tokens: collections.abc.Iterable[global___SequenceToken] | None = ...,
         taps: collections.abc.Iterable[shardlm.common.v1.common_pb2.DebugTensor] | None = ...,
-        constraint_mask_seconds: builtins.float = ...,
         drafts: collections.abc.Iterable[global___DraftTokens] | None = ...,
+        constraint_mask_seconds: collections.abc.Iterable[builtins.float] | None = ...,
     ) -> None: ...
     def ClearField(self, field_name: typing.Literal["constraint_mask_seconds", b"constraint_mask_seconds", "drafts", b"drafts", "step", b"step", "taps", b"taps", "tokens", b"tokens"]) -> None: ...
 
