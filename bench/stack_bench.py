@@ -64,6 +64,16 @@ def percentile(values: list[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
+def token_arrival(stream: dict, index: int) -> float:
+    """When the stream's `index`-th token (from 1) arrived."""
+    seen = 0
+    for t, k in stream["arrivals"]:
+        seen += k
+        if seen >= index:
+            return t
+    raise ValueError(f"the stream has fewer than {index} tokens")
+
+
 def summarize(n: int, streams: list[dict]) -> dict:
     ttft = [s["arrivals"][0][0] - s["start"] for s in streams if s["arrivals"]]
     gaps = [b[0] - a[0] for s in streams for a, b in zip(s["arrivals"], s["arrivals"][1:], strict=False)]
@@ -76,6 +86,11 @@ def summarize(n: int, streams: list[dict]) -> dict:
         if len(a) > 1 and a[-1][0] > a[0][0]:
             decode_rates.append((sum(k for _t, k in a) - a[0][1]) / (a[-1][0] - a[0][0]))
     server = [s["server"] for s in streams if s["server"]]
+    # How long a client waits for each of its tokens, from its request: a token the server
+    # holds back to send with later ones counts as late as it arrives.
+    waits = [t - s["start"] for s in streams for t, k in s["arrivals"] for _ in range(k)]
+    sixteenth = [token_arrival(s, 16) - s["start"] for s in streams
+                 if sum(k for _t, k in s["arrivals"]) >= 16]
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
@@ -85,6 +100,8 @@ def summarize(n: int, streams: list[dict]) -> dict:
         "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p99_ms": 1000 * percentile(ttft, 99),
         "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
         "tokens_per_chunk": tokens / max(chunks, 1),
+        "token_wait_mean_ms": 1000 * mean(waits),
+        "token_16_p50_ms": 1000 * percentile(sixteenth, 50),
         "stream_decode_tokens_per_s": mean(decode_rates),
         "server_ttft_mean_ms": 1000 * mean([s["ttft_s"] for s in server]),
         "server_stream_tokens_per_s_mean": mean([s["tokens_per_s"] for s in server]),

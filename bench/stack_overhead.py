@@ -156,7 +156,7 @@ class WorkerProcess:
                 engine=worker_pb2.EngineOptions(speculation="off"))):
             pass
 
-    def run(self, batch: list[list[int]], stream_interval_ms: int) -> dict:
+    def run(self, batch: list[list[int]], stream_interval_ms: int | None) -> dict:
         """One timed run: every sequence's tokens/s over the wall time (prefill included), and
         the worker process's CPU ms per token."""
         pb, stop = self.pb, self.common.StopConditions(max_new_tokens=self.new_tokens,
@@ -202,6 +202,8 @@ def stack_round(server: Server, batch: list[list[int]], new_tokens: int) -> dict
     after = [cpu_seconds(server.pid), sum(cpu_seconds(w) for w in workers)]
     per_token = [1000 * (a - b) / row["tokens"] for a, b in zip(after, before, strict=True)]
     return {"tokens_per_s": row["tokens_per_s"], "ttft_p50_ms": row["ttft_p50_ms"],
+            "token_wait_mean_ms": row["token_wait_mean_ms"],
+            "token_16_p50_ms": row["token_16_p50_ms"],
             "gateway_cpu_ms_per_token": per_token[0], "worker_cpu_ms_per_token": per_token[1]}
 
 
@@ -210,10 +212,10 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(engine: EngineProcess, worker: WorkerProcess, servers: dict[int, Server],
+def measure(engine: EngineProcess, worker: WorkerProcess, servers: dict[int | None, Server],
             stream_counts: list[int], rounds: int, new_tokens: int) -> list[dict]:
-    """`servers`: a stack for each --stream-interval-ms compared; the lone worker runs at each
-    interval too."""
+    """`servers`: a stack for each --stream-interval-ms compared (None: the serve default); the
+    lone worker runs at each interval too."""
     batch = prompts(max(stream_counts), engine.vocab)
     sides = [("engine", 0)] + [(kind, ms) for ms in servers for kind in ("worker", "stack")]
     runs: dict[int, dict[tuple, list]] = {n: {side: [] for side in sides} for n in stream_counts}
@@ -229,7 +231,7 @@ def measure(engine: EngineProcess, worker: WorkerProcess, servers: dict[int, Ser
                 else:
                     runs[n][side].append(stack_round(servers[ms], batch[:n], new_tokens))
             print(f"round {r + 1}: {n:>3} streams  " + "  ".join(
-                f"{kind}{f'@{ms}ms' if kind != 'engine' and len(servers) > 1 else ''} "
+                f"{kind}{f'@{interval_name(ms)}' if kind != 'engine' and len(servers) > 1 else ''} "
                 f"{runs[n][(kind, ms)][-1]['tokens_per_s']:7.1f}" for kind, ms in sides)
                 + " tok/s", flush=True)
     rows = []
@@ -248,6 +250,8 @@ def measure(engine: EngineProcess, worker: WorkerProcess, servers: dict[int, Ser
                                  for s, e in zip(stack, eng, strict=True)]),
                 "engine_cpu_ms_per_token": statistics.median(e["cpu_ms_per_token"] for e in eng),
                 "ttft_p50_ms": statistics.median(s["ttft_p50_ms"] for s in stack),
+                "token_16_p50_ms": statistics.median(s["token_16_p50_ms"] for s in stack),
+                "token_wait_mean_ms": statistics.median(s["token_wait_mean_ms"] for s in stack),
                 "gateway_cpu_ms_per_token": statistics.median(
                     s["gateway_cpu_ms_per_token"] for s in stack),
                 "worker_cpu_ms_per_token": statistics.median(
@@ -255,29 +259,34 @@ def measure(engine: EngineProcess, worker: WorkerProcess, servers: dict[int, Ser
     return rows
 
 
+def interval_name(ms: int | None) -> str:
+    return "default" if ms is None else f"{ms}ms"
+
+
 def format_rows(rows: list[dict]) -> str:
     def rate(s: dict) -> str:
         return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
     def share(s: dict) -> str:
         return f"**{s['median']:.0%}** [{s['min']:.0%}-{s['max']:.0%}]"
-    lines = ["| streams | stream interval, ms | engine in process, tok/s | "
+    lines = ["| streams | stream interval | engine in process, tok/s | "
              "worker over gRPC / engine | full stack, tok/s | stack / engine | TTFT p50, ms | "
-             "CPU ms/token: engine | gateway | worker |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "16th token, ms | mean wait for a token, ms | CPU ms/token: engine | gateway | "
+             "worker |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
-            f"| {row['streams']} | {row['stream_interval_ms']} | {rate(row['engine'])} | "
+            f"| {row['streams']} | {interval_name(row['stream_interval_ms'])} | "
+            f"{rate(row['engine'])} | "
             f"{share(row['worker_ratio'])} | "
             f"{rate(row['stack'])} | {share(row['ratio'])} | "
-            f"{row['ttft_p50_ms']:.0f} | {row['engine_cpu_ms_per_token']:.2f} | "
+            f"{row['ttft_p50_ms']:.0f} | {row['token_16_p50_ms']:.0f} | "
+            f"{row['token_wait_mean_ms']:.0f} | {row['engine_cpu_ms_per_token']:.2f} | "
             f"{row['gateway_cpu_ms_per_token']:.2f} | "
             f"{row['worker_cpu_ms_per_token']:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from shardlm_server.gateway.config import default
-
     p = argparse.ArgumentParser(prog="python -m bench.stack_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="GGUF file or folder (default: the default model)")
@@ -285,9 +294,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--streams", default="1,32", help="stream counts (engine batch sizes)")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per stream")
-    p.add_argument("--stream-interval-ms", default=str(default("stream_interval_ms")),
-                   help="the stacks' --stream-interval-ms, comma-separated: a stack for each, "
-                        "alternated with the rest (the lone worker runs at each too)")
+    p.add_argument("--stream-interval-ms", default="default",
+                   help="the stacks' --stream-interval-ms, comma-separated, 'default' for the "
+                        "serve default: a stack for each, alternated with the rest (the lone "
+                        "worker runs at each too)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--engine-host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-batch", type=int, default=32, help=argparse.SUPPRESS)
@@ -299,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         engine_host(args.model, args.dtype, args.max_batch, args.new_tokens)
         return None
     stream_counts = [int(s) for s in args.streams.split(",") if s]
-    intervals = [int(s) for s in args.stream_interval_ms.split(",") if s]
+    intervals = [None if s == "default" else int(s) for s in args.stream_interval_ms.split(",")
+                 if s]
     report: dict = {"benchmark": "bench.stack_overhead",
                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     "model": str(args.model), "dtype": args.dtype,
@@ -313,13 +324,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     kv_mb = max(256, most * (PROMPT_TOKENS + args.new_tokens) * 2 * 96 // 1024)
     engine = EngineProcess(args.model, args.dtype, most, args.new_tokens)
     worker = None
-    servers: dict[int, Server] = {}
+    servers: dict[int | None, Server] = {}
     try:
         worker = WorkerProcess(args.model, args.dtype, most, args.new_tokens)
         for ms in intervals:
+            flag = () if ms is None else ("--stream-interval-ms", str(ms))
             servers[ms] = Server(args.model, dtype=args.dtype, kv_cache_mb=kv_mb,
-                                 start_timeout_s=600.0,
-                                 extra=("--speculation", "off", "--stream-interval-ms", str(ms)))
+                                 start_timeout_s=600.0, extra=("--speculation", "off", *flag))
         warm = prompts(most, engine.vocab)
         for server in servers.values():
             for _ in range(2):  # the first requests after a load run slower

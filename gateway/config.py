@@ -22,6 +22,7 @@ from shardlm.constants import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMM_TIMEOUT_S,
     DEFAULT_CPU_MEMORY_FRACTION,
+    DEFAULT_CPU_STREAM_INTERVAL_MS,
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
     DEFAULT_GATEWAY_PORT,
@@ -206,11 +207,13 @@ class ServeConfig:
         250.0, "aim worker decode calls at about this long, taking fewer steps when steps are "
         "slow: a prompt that arrives during a call waits for its end, and each call costs a "
         "round trip", "limits", minimum=1.0, metavar="MS")
-    stream_interval_ms: int = setting(
-        0, "let a worker hold a decode step's tokens until this many milliseconds have passed "
+    stream_interval_ms: int | None = setting(
+        None, "let a worker hold a decode step's tokens until this many milliseconds have passed "
         "since its previous message, then send them with the steps after it: fewer, larger "
         "messages when steps are fast (a token waits at most one step past the interval); 0 "
-        "sends every step as it is computed", "limits", minimum=0, maximum=10_000, metavar="MS")
+        f"sends every step as it is computed; unset: {DEFAULT_CPU_STREAM_INTERVAL_MS} on CPU "
+        "workers, whose cores the messages take from the compute, 0 on GPU workers", "limits",
+        minimum=0, maximum=10_000, metavar="MS")
     step_timeout: float = setting(
         120.0, "seconds one worker step may take before the worker counts as failed", "limits",
         minimum=0.001)
@@ -323,7 +326,7 @@ class Limits:
     prefill_token_budget: int = default("prefill_token_budget")
     max_decode_steps: int = default("max_decode_steps")
     decode_call_s: float = default("decode_call_ms") / 1000
-    stream_interval_ms: int = default("stream_interval_ms")
+    stream_interval_ms: int | None = default("stream_interval_ms")
     step_timeout_s: float = default("step_timeout")
     constraint_compile_timeout_s: float = default("constraint_compile_timeout")
     max_constraint_bytes: int = default("max_constraint_bytes")

@@ -12,6 +12,7 @@ import torch
 from shardlm.common.v1 import common_pb2
 from shardlm.constants import (
     ACTIVATION_PRECISIONS,
+    DEFAULT_CPU_STREAM_INTERVAL_MS,
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_CUDA_GRAPH_MAX_CONTEXT,
     DTYPE_NAMES,
@@ -195,6 +196,13 @@ def taps_to_proto(taps: dict[str, torch.Tensor]) -> list[common_pb2.DebugTensor]
                                data=value.float().contiguous().numpy().astype("<f4").tobytes())
         for name, value in taps.items()
     ]
+
+
+def stream_interval_ms(request: worker_pb2.DecodeRequest, device: torch.device) -> int:
+    """The call's stream interval: the request's, or unset the default for this device."""
+    if request.HasField("stream_interval_ms"):
+        return request.stream_interval_ms
+    return DEFAULT_CPU_STREAM_INTERVAL_MS if device.type == "cpu" else 0
 
 
 def decode_responses(outputs: Iterable[StepOutput], *, samples: bool, interval_ms: int,

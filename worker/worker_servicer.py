@@ -219,8 +219,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             steps = self._engine_thread.stream(
                 lambda: engine.decode(items, request.num_steps, taps))
             yield from convert.decode_responses(
-                steps, samples=engine.comm.rank == 0, interval_ms=request.stream_interval_ms,
-                taps=bool(taps))
+                steps, samples=engine.comm.rank == 0, taps=bool(taps),
+                interval_ms=convert.stream_interval_ms(request, self._device))
 
     def ResetCache(self, request, context) -> worker_pb2.ResetCacheResponse:
         with self._lock:

@@ -67,7 +67,7 @@ class BatchLoop:
         prefill_token_budget: int = _DEFAULTS.prefill_token_budget,
         max_decode_steps: int = _DEFAULTS.max_decode_steps,
         decode_call_s: float = _DEFAULTS.decode_call_s,
-        stream_interval_ms: int = _DEFAULTS.stream_interval_ms,
+        stream_interval_ms: int | None = _DEFAULTS.stream_interval_ms,
         busy_decode_steps: int = BUSY_DECODE_STEPS,
         max_waiting: int = _DEFAULTS.max_waiting,
         max_running: int = _DEFAULTS.max_running,

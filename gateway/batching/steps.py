@@ -36,11 +36,12 @@ def prefill_request(batch: list[PrefillChunk], kv: KvManager) -> worker_pb2.Pref
 
 
 def decode_request(num_steps: int, plan: dict[int, int], sequences: dict[int, SequenceState],
-                   kv: KvManager, stream_interval_ms: int = 0) -> worker_pb2.DecodeRequest:
+                   kv: KvManager, stream_interval_ms: int | None = None,
+                   ) -> worker_pb2.DecodeRequest:
     """`num_steps` steps; `plan`: each sequence id's tokens in them at most. A sequence whose
     sampling or constraint changed since its last step carries the new ones.
     `stream_interval_ms`: how long the workers may hold a step's tokens to send them with the
-    next steps' (DecodeRequest.stream_interval_ms)."""
+    next steps' (DecodeRequest.stream_interval_ms; None leaves it to the workers)."""
     def changes(seq: SequenceState) -> dict:
         changed = {}
         if seq.sampling_changed:

@@ -195,7 +195,7 @@ def test_session_survives_a_cancelled_decode_and_a_reset_ends_its_stream(live, l
     prompt = [1, 70, 71, 72, 73]
     # Everything is greedy, so the session's whole future is this one sequence.
     whole = collect(stub.Generate(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=prompt), **greedy(60))))[0]
+        token_ids=gateway_pb2.TokenIds(token_ids=prompt), **greedy(200))))[0]
     first = stub.Prefill(gateway_pb2.PrefillRequest(
         token_ids=gateway_pb2.TokenIds(token_ids=prompt)))
     stream = stub.Decode(gateway_pb2.DecodeRequest(
@@ -203,14 +203,15 @@ def test_session_survives_a_cancelled_decode_and_a_reset_ends_its_stream(live, l
         stop=common_pb2.StopConditions(max_new_tokens=300, ignore_eos=True)))
     seen = list(next(stream).token_ids) + list(next(stream).token_ids)
     stream.cancel()
-    assert [first.first_token.token_id] + seen == whole[:3]
+    # (a chunk may carry several tokens: CPU workers send a few fast steps to a message)
+    assert [first.first_token.token_id] + seen == whole[:1 + len(seen)]
     time.sleep(0.3)  # the scheduler parks the session before the next step
     # The session keeps what the server sent before it saw the cancel (a client may not have
     # read all of it): the next Decode continues the same sequence from exactly that point.
     more = collect(stub.Decode(gateway_pb2.DecodeRequest(
         session_id=first.session_id,
         stop=common_pb2.StopConditions(max_new_tokens=5, ignore_eos=True))))[0]
-    starts = [j for j in range(3, len(whole) - 4) if whole[j:j + 5] == more]
+    starts = [j for j in range(1 + len(seen), len(whole) - 4) if whole[j:j + 5] == more]
     assert starts, (more, whole)
     stream = stub.Decode(gateway_pb2.DecodeRequest(
         session_id=first.session_id,

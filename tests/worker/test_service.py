@@ -100,7 +100,7 @@ def test_stream_stops_each_sequence_and_reset_frees_blocks(groups, llama_dir):
     assert [t.sequence_id for t in reply.tokens] == [0, 1]
     steps = decode(group, worker_pb2.DecodeRequest(sequences=[
         worker_pb2.DecodeSequence(sequence_id=i, block_table=table(i)) for i in range(2)],
-        num_steps=10))
+        num_steps=10, stream_interval_ms=0))  # a message a step
     per_seq = {0: 0, 1: 0}
     for step in steps:
         for t in step.tokens:
@@ -123,7 +123,7 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(groups, llama
     group.load(str(llama_dir), dtype=common_pb2.DTYPE_FLOAT32, kv_cache=KV)
     stop = common_pb2.StopConditions(max_new_tokens=20, ignore_eos=True)
     runs = []
-    for interval_ms in (0, 10_000):
+    for interval_ms in (0, 10_000, None):  # None: a CPU worker's default, 20 ms
         for h in group.handles:
             h.stub.ResetCache(worker_pb2.ResetCacheRequest(all=True))
         prefill(group, worker_pb2.PrefillRequest(sequences=[
@@ -132,10 +132,12 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(groups, llama
         runs.append(decode(group, worker_pb2.DecodeRequest(
             sequences=[worker_pb2.DecodeSequence(sequence_id=i, block_table=table(i))
                        for i in range(2)], num_steps=6, stream_interval_ms=interval_ms)))
-    each_step, held = runs
+    each_step, held, by_default = runs
     assert [m.step for m in each_step] == list(range(6)) and [m.step for m in held] == [5]
-    assert [(t.sequence_id, t.token_id) for m in each_step for t in m.tokens] == \
-        [(t.sequence_id, t.token_id) for t in held[0].tokens]
+    tokens = [(t.sequence_id, t.token_id) for m in each_step for t in m.tokens]
+    assert tokens == [(t.sequence_id, t.token_id) for t in held[0].tokens]
+    assert tokens == [(t.sequence_id, t.token_id) for m in by_default for t in m.tokens]
+    assert len(by_default) < 6 and by_default[-1].step == 5  # a tiny model's steps: < 20 ms
 
 
 def test_bad_requests_get_statuses(groups, qwen2_dir):

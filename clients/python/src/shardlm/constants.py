@@ -48,6 +48,11 @@ ACTIVATION_PRECISIONS = ("exact", "int8", "int16")
 # verifies prompt-lookup drafts, "off" decodes one token per step, "auto" (the default, and what
 # an empty EngineOptions field means) is ngram on CPU and off on CUDA, where it is not measured.
 SPECULATION_MODES = ("auto", "ngram", "off")
+# How long a CPU worker may hold a decode step's tokens to send them with the next steps' in one
+# message, when the gateway's --stream-interval-ms is unset (DecodeRequest.stream_interval_ms).
+# On a CPU host the gateway's and the worker's gRPC threads take their time from the compute
+# threads' cores, so fewer messages decode faster; a GPU worker, not measured, sends every step.
+DEFAULT_CPU_STREAM_INTERVAL_MS = 20
 # Drafts one sequence verifies in a step at most, when the planner chooses (a fixed count is
 # EngineOptions.speculative_tokens).
 DEFAULT_MAX_DRAFT_TOKENS = 8

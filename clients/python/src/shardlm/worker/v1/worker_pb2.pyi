@@ -649,7 +649,9 @@ class DecodeRequest(google.protobuf.message.Message):
     tokens are sent with those of the following steps until this long has
     passed since the call's previous message (and with the call's last step
     at the latest), so fast steps go out a few to a message. 0 sends every
-    step on its own. Ignored while debug_taps are captured (taps are per step).
+    step on its own; unset, the worker's default for its device (20 on CPU,
+    where messages take their CPU time from the compute threads; 0 on CUDA).
+    Ignored while debug_taps are captured (taps are per step).
     """
     @property
     def sequences(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DecodeSequence]:
@@ -667,9 +669,11 @@ class DecodeRequest(google.protobuf.message.Message):
         sequences: collections.abc.Iterable[global___DecodeSequence] | None = ...,
         num_steps: builtins.int = ...,
         debug_taps: collections.abc.Iterable[builtins.str] | None = ...,
-        stream_interval_ms: builtins.int = ...,
+        stream_interval_ms: builtins.int | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["debug_taps", b"debug_taps", "num_steps", b"num_steps", "sequences", b"sequences", "stream_interval_ms", b"stream_interval_ms"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_stream_interval_ms", b"_stream_interval_ms", "stream_interval_ms", b"stream_interval_ms"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_stream_interval_ms", b"_stream_interval_ms", "debug_taps", b"debug_taps", "num_steps", b"num_steps", "sequences", b"sequences", "stream_interval_ms", b"stream_interval_ms"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["_stream_interval_ms", b"_stream_interval_ms"]) -> typing.Literal["stream_interval_ms"] | None: ...
 
 global___DecodeRequest = DecodeRequest
 
