@@ -212,9 +212,9 @@ def decode_responses(outputs: Iterable[StepOutput], *, samples: bool, interval_m
     messages carry the tokens; other ranks' carry only the step). A step's output waits for the
     steps after it until `interval_ms` have passed since the call's previous message (or its
     start), then goes out with them in one message; the last step's goes out with it at the
-    latest. So on a host whose steps take a few milliseconds, every message, each one woken
-    thread on both ends of the link, carries a few tokens, and a token waits at most one step
-    past the interval. With taps, or an interval of 0, every step is a message of its own."""
+    latest. So where steps take a few milliseconds each message carries a few tokens and wakes
+    the threads on both ends of the link once for all of them, and a token waits at most one
+    step past the interval. With taps, or an interval of 0, every step is a message of its own."""
     interval_s = 0.0 if taps else interval_ms / 1000
     last = clock()
     held: worker_pb2.DecodeResponse | None = None
