@@ -14,9 +14,11 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from shardlm.common.v1 import common_pb2
 from shardlm.gateway.v1 import gateway_pb2
+from shardlm.worker.v1 import worker_pb2
 
 from bench.speculation_prompts import CODE as CODE_EDITS
 from shardlm_server.gateway.api.runtime import Limits
+from shardlm_server.gateway.config import LoadOptions
 from shardlm_server.gateway.serve.default_model import DefaultModelMissing, default_model_path
 from shardlm_server.gateway.text.tokenizer import Tokenizer
 from shardlm_server.worker import ops
@@ -137,7 +139,10 @@ def test_eight_drafts_a_step_decode_what_plain_decoding_does(path, tokenizer, pr
 
 @pytest.fixture(scope="module")
 def live(path):
-    gateway = LiveGateway(1, Limits(session_idle_timeout_s=600))
+    # Four drafts a step wherever a proposal has them: the planner's own choice follows the
+    # step timings of a busy test host, and the usage test below needs drafts verified.
+    gateway = LiveGateway(1, Limits(session_idle_timeout_s=600), load_options=LoadOptions(
+        engine=worker_pb2.EngineOptions(speculation="ngram", speculative_tokens=4)))
     events = list(gateway.stub.Load(gateway_pb2.LoadRequest(
         model_path=str(path), dtype=common_pb2.DTYPE_FLOAT32,
         kv_cache=common_pb2.KvCacheConfig(block_size=16, num_blocks=64))))

@@ -38,6 +38,10 @@ DECAY = 0.85
 # that size have been timed.
 PRIOR_ROW_COST = 0.25
 COST_SMOOTHING = 0.2  # weight of a new timing in the running average of its row count
+# Steps in a row with a likely draft (rate >= PRIOR_RATE) and no verification, after which the
+# planner verifies that draft anyway: verify costs are timed only when such a step runs, so one
+# slow timing (a step preempted on a busy host) would otherwise keep drafting off for good.
+REVISIT_STEPS = 32
 
 
 class NgramDrafter:
@@ -173,6 +177,7 @@ class DraftPlanner:
         self.fixed = fixed
         self.max_per_sequence = fixed or max_per_sequence
         self.costs = StepCosts()
+        self._unverified = 0  # steps in a row that had a likely draft and verified none
 
     def plan(self, rates: list[float], available: list[int], plain_rows: int = 0) -> list[int]:
         """Drafts per sequence, given each one's acceptance rate and proposal length, against a
@@ -192,6 +197,12 @@ class DraftPlanner:
             rate = expected / self.costs.estimate(rows + count, verify=True)
             if rate > best_rate:
                 best_rate, best_count = rate, count
+        if best_count == 0 and gains and gains[0][0] >= PRIOR_RATE:
+            self._unverified += 1
+            if self._unverified >= REVISIT_STEPS:
+                best_count = 1  # re-time a verify step (REVISIT_STEPS)
+        if best_count:
+            self._unverified = 0
         drafts = [0] * len(rates)
         for _gain, i in gains[:best_count]:  # a sequence's gains fall with j: a prefix of each
             drafts[i] += 1

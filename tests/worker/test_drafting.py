@@ -9,6 +9,7 @@ import random
 from shardlm_server.worker.drafting import (
     NGRAM_MAX,
     NGRAM_MIN,
+    REVISIT_STEPS,
     Acceptance,
     DraftPlanner,
     NgramDrafter,
@@ -106,6 +107,23 @@ def test_a_large_batch_is_not_verified_on_the_strength_of_a_lone_sequences_timin
     planner.costs.observe(32, 0.080, verify=False)
     assert planner.costs.estimate(33, verify=True) >= planner.costs.estimate(33, verify=False)
     assert planner.plan([0.5] * 32, [4] * 32) == [0] * 32
+
+
+def test_one_slow_verify_timing_does_not_keep_drafting_off_for_good():
+    """A verify step timed on a busy moment looks too dear to repeat; every REVISIT_STEPS steps
+    with a likely draft the planner verifies one anyway, and a normal timing turns drafting
+    back on."""
+    planner = DraftPlanner()
+    planner.costs.observe(1, 0.006, verify=False)
+    planner.costs.observe(2, 0.030, verify=True)  # preempted: five plain steps' worth
+    plans = [planner.plan([0.9], [8]) for _ in range(REVISIT_STEPS)]
+    assert plans[:-1] == [[0]] * (REVISIT_STEPS - 1) and plans[-1] == [1]
+    for _ in range(10):  # the revisits' timings pull the average back to what a step costs
+        planner.costs.observe(2, 0.0062, verify=True)
+    assert planner.plan([0.9], [8])[0] > 0
+    unlikely = DraftPlanner()  # a draft that would fail is not verified to re-time anything
+    unlikely.costs.observe(2, 0.030, verify=True)
+    assert all(unlikely.plan([0.2], [8]) == [0] for _ in range(2 * REVISIT_STEPS))
 
 
 def test_a_fixed_count_drafts_whatever_the_proposal_holds():
