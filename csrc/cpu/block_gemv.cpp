@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_utils.h"
+#include "q8_0_scaled.h"
 #include "quant_blocks.h"
 
 namespace shardlm::cpu::block_gemv {
@@ -212,9 +213,9 @@ SHARDLM_AVX512 void row_avx512(float* acc, const uint8_t* w, const Activations& 
   }
 }
 
-// Q8_0 against one input row (decode): four weight rows at a time share each block's input
-// loads and loop, and skip the offset term (Q8_0 has none). SmolLM2's rows are 18 blocks, so
-// the per-row setup and reduction are a real share of a row. Each row's sums run in the order
+// Q8_0 against one input row (decode), for the matrices that keep this file's order
+// (q8_0_scaled.h takes the others): four weight rows at a time share each block's input
+// loads and loop, and skip the offset term (Q8_0 has none). Each row's sums run in the order
 // of row_avx512 (two sets, even and odd blocks), so a row's result does not depend on how many
 // input rows the call has.
 // Block b of one Q8_0 row against x's block b, added to acc. The accumulators of
@@ -279,6 +280,11 @@ void row_dot(float* acc, const uint8_t* w, const Activations& a, int64_t m0, int
              int64_t k) {
 #if SHARDLM_HAVE_AVX2
   if (cpu::use_avx512()) {
+    if constexpr (kType == kQ8_0) {
+      if (q8_0::scaled_order(k / kBlock * block_bytes(kQ8_0))) {
+        return q8_0::rows_avx512(acc, w, a.x + m0 * k, k, rows, k);
+      }
+    }
     switch (rows) {
       case 1: return row_avx512<kType, 1>(acc, w, a, m0, k);
       case 2: return row_avx512<kType, 2>(acc, w, a, m0, k);
@@ -313,9 +319,15 @@ void gemv_typed(T* out, const uint8_t* w, const Activations& a, const T* bias, i
 #if SHARDLM_HAVE_AVX2
     if constexpr (kType == kQ8_0) {
       if (m == 1 && cpu::use_avx512()) {
-        for (; begin + 4 <= end; begin += 4) {
-          q8_0_rows4_avx512(acc, w + begin * row_bytes, row_bytes, a.x, k);
-          for (int r = 0; r < 4; ++r) {
+        const bool scaled = q8_0::scaled_order(row_bytes);
+        const int64_t pass = scaled ? q8_0::kPassRows : 4;
+        for (; begin + pass <= end; begin += pass) {
+          if (scaled) {
+            q8_0::weights_avx512(acc, w + begin * row_bytes, row_bytes, a.x, k);
+          } else {
+            q8_0_rows4_avx512(acc, w + begin * row_bytes, row_bytes, a.x, k);
+          }
+          for (int64_t r = 0; r < pass; ++r) {
             const float b = bias != nullptr ? to_f(bias[begin + r]) : 0.f;
             out[begin + r] = from_f<T>(acc[r] + b);
           }

@@ -72,14 +72,17 @@ def test_quant_linear_matches_reference(qtype, m, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(37, 576), (130, 1536)])
-def test_q8_0_rows_do_not_depend_on_the_batch(n, k):
-    """One input row takes four weight rows at a time (AVX-512); with up to 4 rows a call takes
-    each weight row alone. A row's sums run in the same order either way, so decoding a
-    sequence alone or beside others gives the same bits."""
+@pytest.mark.parametrize("m", [2, 3, 5, 8, 9, 15])
+def test_q8_0_rows_do_not_depend_on_the_batch(n, k, m):
+    """On AVX-512, 37 x 576 takes the scaled order (csrc/cpu/q8_0_scaled.h: eight weight rows a
+    pass for one input row) and 130 x 1536 the unscaled one (four), the rest one by one; more
+    input rows take each weight row alone, up to 8 a pass (9 and 15: a second pass). A row's sums
+    run in its matrix's one order either way, so decoding a sequence alone, beside others or in a
+    step verifying its drafts gives the same bits."""
     w = ggml_weight(n, k, "Q8_0", seed=n)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
     together = ops.quant_linear(x, w)
-    for i in range(3):
+    for i in range(m):
         assert torch.equal(ops.quant_linear(x[i:i + 1], w), together[i:i + 1])
 
 
