@@ -96,24 +96,34 @@ SHARDLM_AVX2 inline Block block_f16c(const uint8_t* p) {
   return {d, 0.f, p + 2};  // kQ8_0
 }
 
-// Adds block b's products with input rows m0.. to vacc / macc.
-template <int64_t kType, int kRows>
-SHARDLM_AVX2 inline void block_avx2(__m256* vacc, float* macc, const uint8_t* w,
-                                    const Activations& a, int64_t m0, int64_t b, int64_t k) {
-  using namespace cpu::avx2;
-  const Block blk = block_f16c<kType>(w + b * block_bytes(kType));
+// One block unpacked for every input row of a pass (block_row_avx2).
+struct BlockAvx2 {
   __m256 q[4];
-  quants_avx2<kType>(blk.qs, q);
-  const __m256 d = _mm256_set1_ps(blk.d);
-  [[maybe_unused]] const int64_t blocks = k / kBlock;
-  const float* xbase = kType == kQ8_0 ? a.x : a.nibble_x;
-  for (int r = 0; r < kRows; ++r) {
-    const float* x = xbase + (m0 + r) * k + b * kBlock;
-    const __m256 t01 = _mm256_fmadd_ps(q[1], load8(x + 8), _mm256_mul_ps(q[0], load8(x)));
-    const __m256 t23 = _mm256_fmadd_ps(q[3], load8(x + 24), _mm256_mul_ps(q[2], load8(x + 16)));
-    vacc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(t01, t23), vacc[r]);
-    if constexpr (kType != kQ8_0) macc[r] += blk.m * a.xs[(m0 + r) * blocks + b];  // Q8_0: m = 0
-  }
+  __m256 d;
+  float m;
+};
+
+template <int64_t kType>
+SHARDLM_AVX2 inline BlockAvx2 unpack_block_avx2(const uint8_t* w, int64_t b) {
+  const Block blk = block_f16c<kType>(w + b * block_bytes(kType));
+  BlockAvx2 out;
+  quants_avx2<kType>(blk.qs, out.q);
+  out.d = _mm256_set1_ps(blk.d);
+  out.m = blk.m;
+  return out;
+}
+
+// Adds the block's products with one input row's block x (and, but for Q8_0,
+// whose m is 0, the offset times the row's block sum xs) to vacc / macc.
+template <int64_t kType>
+SHARDLM_AVX2 inline void block_row_avx2(const BlockAvx2& blk, const float* x, float xs,
+                                        __m256& vacc, float& macc) {
+  using namespace cpu::avx2;
+  const __m256 t01 = _mm256_fmadd_ps(blk.q[1], load8(x + 8), _mm256_mul_ps(blk.q[0], load8(x)));
+  const __m256 t23 =
+      _mm256_fmadd_ps(blk.q[3], load8(x + 24), _mm256_mul_ps(blk.q[2], load8(x + 16)));
+  vacc = _mm256_fmadd_ps(blk.d, _mm256_add_ps(t01, t23), vacc);
+  if constexpr (kType != kQ8_0) macc += blk.m * xs;
 }
 
 // Every input row alternates two sets of accumulators between even and odd
@@ -121,37 +131,44 @@ SHARDLM_AVX2 inline void block_avx2(__m256* vacc, float* macc, const uint8_t* w,
 // for 3 and 4 rows too (8 accumulators, 4 quants, the scale and two partial sums
 // still fit AVX2's 16 registers): a row's sums then run in one order however
 // many rows the call has, so a sequence decoded alone or in a batch gets the
-// same bits.
+// same bits. The accumulators are named values, not arrays: GCC 12 kept arrays
+// of two rows or more on the stack and stored every one of them on every block.
 template <int64_t kType, int kRows>
 SHARDLM_AVX2 void row_avx2(float* acc, const uint8_t* w, const Activations& a, int64_t m0,
                            int64_t k) {
-  using namespace cpu::avx2;
-  constexpr int kSets = 2;
+  static_assert(kRows >= 1 && kRows <= 4);
   const int64_t blocks = k / kBlock;
-  __m256 vacc[kSets][kRows];
-  float macc[kSets][kRows];
-  for (int s = 0; s < kSets; ++s) {
-    for (int r = 0; r < kRows; ++r) {
-      vacc[s][r] = _mm256_setzero_ps();
-      macc[s][r] = 0.f;
-    }
+  const float* xbase = (kType == kQ8_0 ? a.x : a.nibble_x) + m0 * k;
+  const float* xs = kType == kQ8_0 ? nullptr : a.xs + m0 * blocks;
+  __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;  // even blocks
+  __m256 o0 = e0, o1 = e0, o2 = e0, o3 = e0;                    // odd blocks
+  float me0 = 0.f, me1 = 0.f, me2 = 0.f, me3 = 0.f, mo0 = 0.f, mo1 = 0.f, mo2 = 0.f, mo3 = 0.f;
+  // Block b into the set (v*, m*) for every row.
+#define SHARDLM_BLOCK_ROWS(v, m, b)                                                          \
+  {                                                                                          \
+    const BlockAvx2 blk = unpack_block_avx2<kType>(w, b);                                    \
+    const float* xb = xbase + (b) * kBlock;                                                  \
+    block_row_avx2<kType>(blk, xb, xs ? xs[b] : 0.f, v##0, m##0);                            \
+    if constexpr (kRows > 1) block_row_avx2<kType>(blk, xb + k, xs ? xs[blocks + (b)] : 0.f, \
+                                                   v##1, m##1);                              \
+    if constexpr (kRows > 2) block_row_avx2<kType>(blk, xb + 2 * k,                          \
+                                                   xs ? xs[2 * blocks + (b)] : 0.f, v##2, m##2); \
+    if constexpr (kRows > 3) block_row_avx2<kType>(blk, xb + 3 * k,                          \
+                                                   xs ? xs[3 * blocks + (b)] : 0.f, v##3, m##3); \
   }
   int64_t b = 0;
   const int64_t bytes = block_bytes(kType);
-  for (; b + kSets <= blocks; b += kSets) {
-    cpu::avx2::prefetch_ahead(w + b * bytes);  // kSets blocks: about a line
-    for (int s = 0; s < kSets; ++s) block_avx2<kType, kRows>(vacc[s], macc[s], w, a, m0, b + s, k);
+  for (; b + 2 <= blocks; b += 2) {
+    cpu::avx2::prefetch_ahead(w + b * bytes);  // two blocks: about a line
+    SHARDLM_BLOCK_ROWS(e, me, b)
+    SHARDLM_BLOCK_ROWS(o, mo, b + 1)
   }
-  for (; b < blocks; ++b) block_avx2<kType, kRows>(vacc[0], macc[0], w, a, m0, b, k);
-  for (int r = 0; r < kRows; ++r) {
-    __m256 v = vacc[0][r];
-    float m = macc[0][r];
-    for (int s = 1; s < kSets; ++s) {
-      v = _mm256_add_ps(v, vacc[s][r]);
-      m += macc[s][r];
-    }
-    acc[r] = hsum(v) + m;
-  }
+  if (b < blocks) SHARDLM_BLOCK_ROWS(e, me, b)
+#undef SHARDLM_BLOCK_ROWS
+  const __m256 v[4] = {_mm256_add_ps(e0, o0), _mm256_add_ps(e1, o1), _mm256_add_ps(e2, o2),
+                       _mm256_add_ps(e3, o3)};
+  const float m[4] = {me0 + mo0, me1 + mo1, me2 + mo2, me3 + mo3};
+  for (int r = 0; r < kRows; ++r) acc[r] = cpu::avx2::hsum(v[r]) + m[r];
 }
 
 // ---- AVX-512F: a block is two vectors of 16 quants -----------------------------------

@@ -71,19 +71,25 @@ def test_quant_linear_matches_reference(qtype, m, n, k):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("simd", ["avx512", "avx2"])
 @pytest.mark.parametrize("n,k", [(37, 576), (130, 1536)])
 @pytest.mark.parametrize("m", [2, 3, 5, 8, 9, 15])
-def test_q8_0_rows_do_not_depend_on_the_batch(n, k, m):
+def test_q8_0_rows_do_not_depend_on_the_batch(n, k, m, simd):
     """On AVX-512, 37 x 576 takes the scaled order (csrc/cpu/q8_0_scaled.h: eight weight rows a
     pass for one input row) and 130 x 1536 the unscaled one (four), the rest one by one; more
     input rows take each weight row alone, up to 8 a pass (9 and 15: a second pass). A row's sums
     run in its matrix's one order either way, so decoding a sequence alone, beside others or in a
-    step verifying its drafts gives the same bits."""
+    step verifying its drafts gives the same bits. AVX2 (a CPU without AVX-512, or the cap) takes
+    up to 4 input rows a pass, every row in the one-row order."""
     w = ggml_weight(n, k, "Q8_0", seed=n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
-    together = ops.quant_linear(x, w)
-    for i in range(m):
-        assert torch.equal(ops.quant_linear(x[i:i + 1], w), together[i:i + 1])
+    ops.set_cpu_simd(simd)
+    try:
+        together = ops.quant_linear(x, w)
+        for i in range(m):
+            assert torch.equal(ops.quant_linear(x[i:i + 1], w), together[i:i + 1])
+    finally:
+        ops.set_cpu_simd(True)
 
 
 @pytest.mark.parametrize("m", [16, 17, 40, 130, 300, 1100])
