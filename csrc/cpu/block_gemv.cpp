@@ -337,14 +337,14 @@ void gemv_typed(T* out, const uint8_t* w, const Activations& a, const T* bias, i
     if constexpr (kType == kQ8_0) {
       if (m == 1 && cpu::use_avx512()) {
         const bool scaled = q8_0::scaled_order(row_bytes);
-        const int64_t pass = scaled ? q8_0::kPassRows : 4;
-        for (; begin + pass <= end; begin += pass) {
+        const int64_t weight_rows = scaled ? q8_0::kPassRows : 4;
+        for (; begin + weight_rows <= end; begin += weight_rows) {
           if (scaled) {
             q8_0::weights_avx512(acc, w + begin * row_bytes, row_bytes, a.x, k);
           } else {
             q8_0_rows4_avx512(acc, w + begin * row_bytes, row_bytes, a.x, k);
           }
-          for (int64_t r = 0; r < pass; ++r) {
+          for (int64_t r = 0; r < weight_rows; ++r) {
             const float b = bias != nullptr ? to_f(bias[begin + r]) : 0.f;
             out[begin + r] = from_f<T>(acc[r] + b);
           }
