@@ -162,9 +162,14 @@ def main() -> int:
     if args.model is None:
         from shardlm_server.gateway.serve.default_model import default_model_path
         args.model = default_model_path()
-    rows = sorted({int(r) for r in args.rows.split(",")})
+    try:
+        rows = sorted({int(r) for r in args.rows.split(",")})
+    except ValueError:
+        parser.error(f"--rows takes comma-separated row counts, got {args.rows!r}")
     if not rows or rows[0] < 1:
         parser.error("--rows takes positive row counts")
+    if min(args.rounds, args.repeats, args.context) < 1:
+        parser.error("--rounds, --repeats and --context take positive counts")
     result = measure(args.model, rows, args.context, args.rounds, args.repeats)
     print_result(result)
     if args.json:
