@@ -11,7 +11,10 @@ off, sampling included) is timed beside it. Each round times every row count (me
 `--repeats` passes), rounds alternate the order. Printed: the median pass per row count with its
 spread over the rounds, the cost of each row past the first (the slope from 2 rows on), and
 the FMA bound of a row, 2 x the linear layers' parameters over the FMA peak measured in the
-same run: a row's arithmetic at the peak. The draft planner (worker/drafting.py) verifies a draft
+same run: a row's arithmetic at the peak. Each pass is also split into the weight kernels,
+the attention and the rest (torch.profiler self-time shares of a few profiled passes, applied
+to the unprofiled median, as bench.model_bench splits a decode step), with a slope for each,
+so a row's cost can be read by where it goes. The draft planner (worker/drafting.py) verifies a draft
 only where its expected tokens pay for its row, so this slope is what decides how many drafts
 a step verifies at batch 1.
 """
@@ -27,7 +30,8 @@ from pathlib import Path
 import torch
 
 from bench import roofline
-from bench.model_bench import linear_flops_per_token
+from bench.model_bench import ATTENTION_OPS, WEIGHT_OPS, linear_flops_per_token
+from bench.quiet_profiler import quiet_profiler
 from shardlm_server.worker.batch import build_packed_batch
 from shardlm_server.worker.engine import (
     DecodeItem,
@@ -41,6 +45,7 @@ from shardlm_server.worker.speculative import SpeculationConfig
 
 BLOCK_SIZE = 16
 PLAIN_STEPS = 16  # plain decode steps a plain timing averages
+PROFILED_PASSES = 5  # passes a row count's split into weights / attention / rest profiles
 
 
 def _engine(model: Path, context: int, rows: int) -> Engine:
@@ -67,20 +72,44 @@ class VerifyPasses:
         self.engine.prefill([PrefillItem(0, self.prompt, 0, self.table,
                                          stop=StopParams(max_new_tokens=PLAIN_STEPS + 1))])
 
-    def verify_seconds(self, rows: int, repeats: int) -> float:
-        """Median seconds of one packed pass of `rows` new tokens after the context (their K/V
-        lands past the sequence's length, where a refused draft's would)."""
+    def _pass(self, rows: int):
+        """A packed pass of `rows` new tokens after the context (their K/V lands past the
+        sequence's length, where a refused draft's would), warmed once."""
         ids = [(7 * i + 11) % self.engine.cfg.vocab_size for i in range(rows)]
         batch = build_packed_batch([(ids, len(self.prompt))], [self.table], BLOCK_SIZE,
                                    self.engine.device, every_row=True)
         model, layers = self.engine.model, self.engine.cache.layers
-        model.forward(batch.input_ids, batch.meta, layers)  # warm: scratch sized for `rows`
+
+        def run() -> None:
+            model.forward(batch.input_ids, batch.meta, layers)
+
+        run()  # scratch sized for `rows`
+        return run
+
+    def verify_seconds(self, rows: int, repeats: int) -> float:
+        """Median seconds of one pass of `rows` rows."""
+        run = self._pass(rows)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            model.forward(batch.input_ids, batch.meta, layers)
+            run()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
+
+    def shares(self, rows: int) -> dict[str, float]:
+        """The weight kernels', the attention's and the rest's shares of a pass of `rows`
+        rows: profiler self times over PROFILED_PASSES passes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        run = self._pass(rows)
+        with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(PROFILED_PASSES):
+                run()
+        self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        total = sum(self_us.values()) or 1.0
+        weights = sum(v for k, v in self_us.items() if k in WEIGHT_OPS) / total
+        attention = sum(v for k, v in self_us.items() if k in ATTENTION_OPS) / total
+        return {"weights": weights, "attention": attention, "other": 1 - weights - attention}
 
     def plain_seconds(self) -> float:
         """Seconds per plain decode step (sampling included) over PLAIN_STEPS steps."""
@@ -117,6 +146,9 @@ def measure(model: Path, rows: list[int], context: int, rounds: int, repeats: in
             times[r].append(passes.verify_seconds(r, repeats))
         plain.append(passes.plain_seconds())
     medians = [statistics.median(times[r]) for r in rows]
+    parts = {r: passes.shares(r) for r in rows}
+    split = {kind: [m * parts[r][kind] for r, m in zip(rows, medians, strict=True)]
+             for kind in ("weights", "attention", "other")}
     peak = roofline.fma_peak_flops()
     flops = linear_flops_per_token(engine)
     per_row = slope(rows, medians)
@@ -128,6 +160,9 @@ def measure(model: Path, rows: list[int], context: int, rounds: int, repeats: in
         "verify_ms": {str(r): 1000 * m for r, m in zip(rows, medians, strict=True)},
         "verify_ms_spread": {str(r): [1000 * min(times[r]), 1000 * max(times[r])] for r in rows},
         "per_row_ms": 1000 * per_row,
+        "split_ms": {kind: {str(r): 1000 * v for r, v in zip(rows, values, strict=True)}
+                     for kind, values in split.items()},
+        "per_row_split_ms": {kind: 1000 * slope(rows, values) for kind, values in split.items()},
         "fma_peak_gflop_s": peak / 1e9,
         "linear_flops_per_row": flops,
         "fma_bound_per_row_ms": 1000 * flops / peak,
@@ -138,11 +173,16 @@ def measure(model: Path, rows: list[int], context: int, rounds: int, repeats: in
 def print_result(result: dict) -> None:
     print(f"plain decode step: {result['plain_step_ms']:.2f} ms "
           f"[{result['plain_step_ms_spread'][0]:.2f}-{result['plain_step_ms_spread'][1]:.2f}]")
-    print("| rows | verify pass ms | spread |")
-    print("|---|---|---|")
+    split = result["split_ms"]
+    print("| rows | verify pass ms | spread | weight kernels | attention | rest |")
+    print("|---|---|---|---|---|---|")
     for r, ms in result["verify_ms"].items():
         lo, hi = result["verify_ms_spread"][r]
-        print(f"| {r} | {ms:.2f} | {lo:.2f}-{hi:.2f} |")
+        print(f"| {r} | {ms:.2f} | {lo:.2f}-{hi:.2f} | {split['weights'][r]:.2f} | "
+              f"{split['attention'][r]:.2f} | {split['other'][r]:.2f} |")
+    per = result["per_row_split_ms"]
+    print(f"a row past the first by kind: weight kernels {per['weights']:.2f} ms, attention "
+          f"{per['attention']:.2f} ms, rest {per['other']:.2f} ms")
     share = result["pct_of_fma_peak"]
     print(f"each row past the first: {result['per_row_ms']:.2f} ms; its arithmetic at the FMA "
           f"peak ({result['fma_peak_gflop_s']:.0f} GFLOP/s): {result['fma_bound_per_row_ms']:.2f} "

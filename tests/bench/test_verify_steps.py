@@ -23,6 +23,10 @@ def test_measure_times_every_row_count(tmp_path, capsys):
     assert all(ms > 0 for ms in result["verify_ms"].values())
     assert result["plain_step_ms"] > 0
     assert result["fma_peak_gflop_s"] > 0 and result["linear_flops_per_row"] > 0
+    for r, ms in result["verify_ms"].items():  # the split adds up to the pass
+        assert sum(result["split_ms"][kind][r] for kind in ("weights", "attention", "other")) \
+            == pytest.approx(ms)
+    assert result["split_ms"]["weights"]["1"] > 0
     assert result["fma_bound_per_row_ms"] == pytest.approx(
         result["linear_flops_per_row"] / (result["fma_peak_gflop_s"] * 1e9) * 1000)
     print_result(result)
