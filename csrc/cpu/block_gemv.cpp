@@ -114,16 +114,16 @@ SHARDLM_AVX2 inline BlockAvx2 unpack_block_avx2(const uint8_t* w, int64_t b) {
 }
 
 // Adds the block's products with one input row's block x (and, but for Q8_0,
-// whose m is 0, the offset times the row's block sum xs) to vacc / macc.
+// whose m is 0, the offset times that block's input sum xs[i]) to vacc / macc.
 template <int64_t kType>
-SHARDLM_AVX2 inline void block_row_avx2(const BlockAvx2& blk, const float* x, float xs,
-                                        __m256& vacc, float& macc) {
+SHARDLM_AVX2 inline void block_row_avx2(const BlockAvx2& blk, const float* x, const float* xs,
+                                        int64_t i, __m256& vacc, float& macc) {
   using namespace cpu::avx2;
   const __m256 t01 = _mm256_fmadd_ps(blk.q[1], load8(x + 8), _mm256_mul_ps(blk.q[0], load8(x)));
   const __m256 t23 =
       _mm256_fmadd_ps(blk.q[3], load8(x + 24), _mm256_mul_ps(blk.q[2], load8(x + 16)));
   vacc = _mm256_fmadd_ps(blk.d, _mm256_add_ps(t01, t23), vacc);
-  if constexpr (kType != kQ8_0) macc += blk.m * xs;
+  if constexpr (kType != kQ8_0) macc += blk.m * xs[i];
 }
 
 // Every input row alternates two sets of accumulators between even and odd
@@ -148,13 +148,14 @@ SHARDLM_AVX2 void row_avx2(float* acc, const uint8_t* w, const Activations& a, i
   {                                                                                          \
     const BlockAvx2 blk = unpack_block_avx2<kType>(w, b);                                    \
     const float* xb = xbase + (b) * kBlock;                                                  \
-    block_row_avx2<kType>(blk, xb, xs ? xs[b] : 0.f, v##0, m##0);                            \
-    if constexpr (kRows > 1) block_row_avx2<kType>(blk, xb + k, xs ? xs[blocks + (b)] : 0.f, \
-                                                   v##1, m##1);                              \
-    if constexpr (kRows > 2) block_row_avx2<kType>(blk, xb + 2 * k,                          \
-                                                   xs ? xs[2 * blocks + (b)] : 0.f, v##2, m##2); \
-    if constexpr (kRows > 3) block_row_avx2<kType>(blk, xb + 3 * k,                          \
-                                                   xs ? xs[3 * blocks + (b)] : 0.f, v##3, m##3); \
+    block_row_avx2<kType>(blk, xb, xs, b, v##0, m##0);                                       \
+    if constexpr (kRows > 1) block_row_avx2<kType>(blk, xb + k, xs, blocks + (b), v##1, m##1); \
+    if constexpr (kRows > 2) {                                                               \
+      block_row_avx2<kType>(blk, xb + 2 * k, xs, 2 * blocks + (b), v##2, m##2);              \
+    }                                                                                        \
+    if constexpr (kRows > 3) {                                                               \
+      block_row_avx2<kType>(blk, xb + 3 * k, xs, 3 * blocks + (b), v##3, m##3);              \
+    }                                                                                        \
   }
   int64_t b = 0;
   const int64_t bytes = block_bytes(kType);
@@ -291,17 +292,16 @@ SHARDLM_AVX512 void q8_0_rows4_avx512(float acc[4], const uint8_t* w, int64_t ro
 }
 #endif
 
-// acc[0..rows) for input rows m0.. on the path this process takes.
+// acc[0..rows) for input rows m0.. on the path this process takes; `scaled`: the matrix
+// takes q8_0_scaled.h's order (decided once per call, gemv_typed).
 template <int64_t kType>
 void row_dot(float* acc, const uint8_t* w, const Activations& a, int64_t m0, int64_t rows,
-             int64_t k) {
+             int64_t k, bool scaled) {
 #if SHARDLM_HAVE_AVX2
+  if constexpr (kType == kQ8_0) {
+    if (scaled) return q8_0::rows_avx512(acc, w, a.x + m0 * k, k, rows, k);
+  }
   if (cpu::use_avx512()) {
-    if constexpr (kType == kQ8_0) {
-      if (q8_0::scaled_order(k / kBlock * block_bytes(kQ8_0))) {
-        return q8_0::rows_avx512(acc, w, a.x + m0 * k, k, rows, k);
-      }
-    }
     switch (rows) {
       case 1: return row_avx512<kType, 1>(acc, w, a, m0, k);
       case 2: return row_avx512<kType, 2>(acc, w, a, m0, k);
@@ -321,6 +321,8 @@ void row_dot(float* acc, const uint8_t* w, const Activations& a, int64_t m0, int
       default: return row_avx2<kType, 4>(acc, w, a, m0, k);
     }
   }
+#else
+  (void)scaled;
 #endif
   row_scalar<kType>(acc, w, a, m0, rows, k);
 }
@@ -331,12 +333,12 @@ void gemv_typed(T* out, const uint8_t* w, const Activations& a, const T* bias, i
   const int64_t row_bytes = k / kBlock * block_bytes(kType);
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
   const int64_t pass = cpu::use_avx512() ? kRowGroupAvx512 : kRowGroup;
+  const bool scaled = kType == kQ8_0 && q8_0::scaled_order(row_bytes);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float acc[kRowGroupAvx512];
 #if SHARDLM_HAVE_AVX2
     if constexpr (kType == kQ8_0) {
       if (m == 1 && cpu::use_avx512()) {
-        const bool scaled = q8_0::scaled_order(row_bytes);
         const int64_t weight_rows = scaled ? q8_0::kPassRows : 4;
         for (; begin + weight_rows <= end; begin += weight_rows) {
           if (scaled) {
@@ -356,7 +358,7 @@ void gemv_typed(T* out, const uint8_t* w, const Activations& a, const T* bias, i
       const float b = bias != nullptr ? to_f(bias[j]) : 0.f;
       for (int64_t m0 = 0; m0 < m; m0 += pass) {
         const int64_t rows = std::min(pass, m - m0);
-        row_dot<kType>(acc, w + j * row_bytes, a, m0, rows, k);
+        row_dot<kType>(acc, w + j * row_bytes, a, m0, rows, k, scaled);
         for (int64_t r = 0; r < rows; ++r) out[(m0 + r) * n + j] = from_f<T>(acc[r] + b);
       }
     }
