@@ -3,7 +3,9 @@
 // (first > 0 under a sliding window), run by attend_rows() flash-attention
 // style over tiles of kKeyTile keys shared by all rows, with an online
 // (running max / sum) softmax per row. The per-tile steps have a portable
-// version (below) and an AVX2 one (attention_avx2.h), picked once per call;
+// version (below) and an AVX2 one, picked once per call; the AVX2 one takes
+// the rows a block at a time (attention_rows.h; the row-by-row steps of
+// attention_avx2.h remain for head sizes that are not a multiple of 8), and
 // full query tiles of a prefill take blocked AVX-512 steps (attention_blocks.h).
 //
 // Queries and outputs are of type T, the cache of type C, which may differ
@@ -23,6 +25,7 @@
 
 #include "attention_avx2.h"
 #include "attention_blocks.h"
+#include "attention_rows.h"
 #include "cpu_utils.h"
 
 namespace shardlm::cpu::attn {
@@ -222,6 +225,40 @@ void attend_tile(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int6
 }
 
 #if SHARDLM_HAVE_AVX2
+// attend_tile with the AVX2 steps, a block of rows at a time (attention_rows.h):
+// consecutive rows that see the same keys of the tile (a GQA group's heads of
+// one token) share each key and value load. D a multiple of 8.
+template <typename T, typename O, typename S, typename Each>
+void attend_tile_rows(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int64_t nk,
+                      const S* const* kr, const S* const* vr, int64_t D, const Workspace& ws,
+                      const Each& each_row) {
+  const bool wide = rows::wide_registers();
+  const int64_t most = wide ? rows::kWideRows : rows::kNarrowRows;
+  const int64_t shares = 2 * (r1 - r0);
+  const auto seen = [&](int64_t r, int64_t& lo) {
+    lo = std::max<int64_t>(0, rows[r].first - k0);
+    return std::min(nk, rows[r].pos - k0 + 1) - lo;
+  };
+  for (int64_t r = r0, e = r0; r < r1; r = e) {
+    int64_t lo = 0;
+    const int64_t visible = seen(r, lo);
+    int64_t lo_e = 0;
+    for (e = r + 1; e < r1 && e - r < most && seen(e, lo_e) == visible && lo_e == lo; ++e) {
+    }
+    // The block's share of the prefetches: two parts a row, as attend_tile
+    // asks for them, from part s0 of `shares` on.
+    const int64_t s0 = 2 * (r - r0);
+    if (visible <= 0) {
+      for (int64_t i = s0; i < 2 * (e - r0); ++i) each_row(i, shares);
+      continue;
+    }
+    const auto piece = [&](int64_t i) { each_row(s0 + i, shares); };
+    const rows::Block block{ws.q + r * D, ws.acc + r * D, ws.m + r, ws.l + r,
+                            ws.sb + (r - r0) * kKeyTile, kKeyTile, D};
+    rows::tile_of(e - r, wide, block, kr + lo, vr + lo, visible, piece);
+  }
+}
+
 static_assert(blocks::kKeys == kKeyTile);
 
 // attend_tile over blocks of rows (attention_blocks.h), AVX-512, float key and
@@ -347,12 +384,20 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
         continue;
       }
       if (simd && (std::is_same_v<C, float> || r1 - r0 <= kMaxDirectRows)) {
-        attend_tile<Avx2>(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
+        if (D % 8 == 0) {
+          attend_tile_rows(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
+        } else {
+          attend_tile<Avx2>(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
+        }
         continue;
       }
       if (simd) {
         convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
-        attend_tile<Avx2>(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+        if (D % 8 == 0) {
+          attend_tile_rows(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+        } else {
+          attend_tile<Avx2>(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+        }
         continue;
       }
 #endif

@@ -59,19 +59,32 @@ def _decode(q, k, v, table, context, scale, window):
 
 
 # (heads, kv heads, head dim): SmolLM2's 9 / 3 (fewer kv heads than two a thread: sliced calls),
-# a Llama-1B-like 32 / 8, one kv head.
-HEADS = [(9, 3, 64), (32, 8, 64), (4, 1, 32)]
+# a Llama-1B-like 32 / 8, a Qwen2.5-0.5B-like 14 / 2 (groups of 7: blocks of rows of 4 and 3
+# with AVX-512, of 2 and 1 with AVX2, csrc/cpu/attention_rows.h), one kv head.
+HEADS = [(9, 3, 64), (32, 8, 64), (14, 2, 64), (4, 1, 32)]
 # Contexts inside the first slice, across the short slices, and past them into the long ones.
 CONTEXTS = [40, 300, 1030, 2600]
 
 
+@pytest.fixture
+def simd_level():
+    """Caps the CPU ops' SIMD level for one test, then lifts the cap."""
+    yield ops.set_cpu_simd
+    ops.set_cpu_simd(True)
+
+
+@pytest.mark.parametrize("simd", ["avx512", "avx2"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [0, 700])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_a_verify_row_gets_the_bits_of_a_decode_step(threads, n_threads, heads, window,
-                                                     cache_dtype):
+def test_a_verify_row_gets_the_bits_of_a_decode_step(threads, simd_level, n_threads, heads,
+                                                     window, cache_dtype, simd):
+    """A verify call's rows of a kv head go through the tile steps in blocks of rows that see
+    the same keys (a token's group of heads, or several tokens' where a tile is whole for all):
+    each row's bits are those of its decode step, whose block is its group alone."""
     threads(n_threads)
+    simd_level(simd)
     h, kv_heads, d = heads
     scale = d ** -0.5
     for context in CONTEXTS:
