@@ -26,8 +26,6 @@
 #include "simd.h"
 
 #if SHARDLM_HAVE_AVX2
-#define SHARDLM_AVX512_VL __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
-
 namespace shardlm::cpu::attn::rows {
 
 namespace avx2 = cpu::avx2;
@@ -44,8 +42,8 @@ constexpr int keys_a_pass() {
   return NR == 1 || (kWide && NR == 2) ? 8 : 4;
 }
 
-// A block of NR rows of the same keys: q, acc rows D apart; m, l, alpha one a
-// row; s kKeyTile floats a row (scores, then probabilities).
+// A block of NR rows of the same keys: q, acc rows D apart; m, l one a row
+// (running max and sum); s s_stride floats a row (scores, then probabilities).
 struct Block {
   const float* q;
   float* acc;
@@ -57,7 +55,7 @@ struct Block {
 };
 
 // Spreads n calls of piece(i) over `steps` ticks, about evenly, without a
-// division: tick() fires the calls due by then, pieces first .. first + n - 1.
+// division: tick() makes the calls due by then, i counting on from `next`.
 struct Spread {
   int64_t steps, n, next, credit = 0;
   template <typename Piece>

@@ -36,6 +36,9 @@
 #define SHARDLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 // AVX-512F (cpu::use_avx512()); every AVX-512F CPU also has AVX2, FMA and F16C.
 #define SHARDLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+// AVX-512F with VL: 256-bit code given 32 vector registers instead of 16
+// (the attention's blocks of rows, attention_rows.h).
+#define SHARDLM_AVX512_VL __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 // AVX-512 with VNNI and BW (cpu::use_avx512_vnni()): the int8 dot products.
 #define SHARDLM_AVX512_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
