@@ -54,11 +54,24 @@ struct Block {
   int64_t D;
 };
 
+// The caller's piece(i) of tile(): a plain function and its context, so
+// that the blocks are compiled once a row count and cache type, not once for
+// every caller's lambda (150 copies, 575 KB of code, before).
+struct Piece {
+  void (*call)(const void* ctx, int64_t i);
+  const void* ctx;
+  void operator()(int64_t i) const { call(ctx, i); }
+  // The Piece that calls f (which must outlive it).
+  template <typename F>
+  static Piece of(const F& f) {
+    return {[](const void* c, int64_t i) { (*static_cast<const F*>(c))(i); }, &f};
+  }
+};
+
 // Spreads n calls of piece(i) over `steps` ticks, about evenly, without a
 // division: tick() makes the calls due by then, i counting on from `next`.
 struct Spread {
   int64_t steps, n, next, credit = 0;
-  template <typename Piece>
   SHARDLM_AVX2 __attribute__((always_inline)) void tick(const Piece& piece) {
     for (credit += n; credit >= steps; credit -= steps) piece(next++);
   }
@@ -66,7 +79,7 @@ struct Spread {
 
 // s[r][j] = q_r . k[j] for j < nk. A tile's last keys past a multiple of 4
 // are scored beside copies of its last key, and only theirs are kept.
-template <int NR, int K, typename S, typename Piece>
+template <int NR, int K, typename S>
 SHARDLM_AVX2 __attribute__((always_inline)) inline void scores(const Block& b,
                                                                const S* const* k, int64_t nk,
                                                                const Piece& piece) {
@@ -106,7 +119,7 @@ SHARDLM_AVX2 __attribute__((always_inline)) inline void scores(const Block& b,
 // Columns [c, c + 8 * C8) of every row's accumulator: acc = alpha * acc, then
 // acc += p[j] * v[j] for each key in order, each value chunk loaded once for
 // the block.
-template <int NR, int C8, typename S, typename Piece>
+template <int NR, int C8, typename S>
 SHARDLM_AVX2 __attribute__((always_inline)) inline void accumulate_cols(
     const Block& b, const float* alpha, const S* const* v, int64_t nk, int64_t c,
     const Piece& piece) {
@@ -149,7 +162,7 @@ constexpr int chunks_a_pass() {
 // scores and after them) they made SmolLM2's decode attention at 1,000 keys,
 // from memory, 20% slower (2026-12-07): most likely more misses asked for at
 // once than a core keeps in flight.
-template <int NR, bool kWide, typename S, typename Piece>
+template <int NR, bool kWide, typename S>
 SHARDLM_AVX2 __attribute__((always_inline)) inline void tile(const Block& b, const S* const* k,
                                                              const S* const* v, int64_t nk,
                                                              const Piece& piece) {
@@ -171,20 +184,20 @@ SHARDLM_AVX2 __attribute__((always_inline)) inline void tile(const Block& b, con
   for (; c < b.D; c += 8) accumulate_cols<NR, 1>(b, alpha, v, nk, c, piece);
 }
 
-template <int NR, typename S, typename Piece>
+template <int NR, typename S>
 SHARDLM_AVX2 void tile_narrow(const Block& b, const S* const* k, const S* const* v, int64_t nk,
                               const Piece& piece) {
   tile<NR, false>(b, k, v, nk, piece);
 }
 
-template <int NR, typename S, typename Piece>
+template <int NR, typename S>
 SHARDLM_AVX512_VL void tile_wide(const Block& b, const S* const* k, const S* const* v,
                                  int64_t nk, const Piece& piece) {
   tile<NR, true>(b, k, v, nk, piece);
 }
 
 // tile() for a block of n rows (1 .. kWideRows, or kNarrowRows without wide).
-template <typename S, typename Piece>
+template <typename S>
 void tile_of(int64_t n, bool wide, const Block& b, const S* const* k, const S* const* v,
              int64_t nk, const Piece& piece) {
   if (wide) {

@@ -252,10 +252,10 @@ void attend_tile_rows(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0,
       for (int64_t i = s0; i < 2 * (e - r0); ++i) each_row(i, shares);
       continue;
     }
-    const auto piece = [&](int64_t i) { each_row(s0 + i, shares); };
+    const auto ask = [&](int64_t i) { each_row(s0 + i, shares); };
     const rows::Block block{ws.q + r * D, ws.acc + r * D, ws.m + r, ws.l + r,
                             ws.sb + (r - r0) * kKeyTile, kKeyTile, D};
-    rows::tile_of(e - r, wide, block, kr + lo, vr + lo, visible, piece);
+    rows::tile_of(e - r, wide, block, kr + lo, vr + lo, visible, rows::Piece::of(ask));
   }
 }
 
