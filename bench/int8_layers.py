@@ -74,17 +74,24 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timing per turn")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     a = p.parse_args()
+    layouts = a.layouts.split(",")
+    unknown = [name for name in layouts if name not in SOURCES]
+    if unknown:
+        p.error(f"unknown layout {', '.join(unknown)}; one of {', '.join(sorted(SOURCES))}")
+    try:
+        n, k = (int(v) for v in a.shape.split(","))
+        rows = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        p.error("--shape takes N,K and --rows a comma-separated list, in whole numbers")
     torch.set_num_threads(a.threads)
     ops.set_cpu_simd(True if a.simd == "widest" else a.simd)
     ops.set_cpu_vnni(not a.no_vnni)
     ops.set_cpu_amx(not a.no_amx)
-    n, k = (int(v) for v in a.shape.split(","))
-    rows = [int(r) for r in a.rows.split(",")]
     vnni = (", VNNI off" if a.no_vnni else "") + (", AMX off" if a.no_amx else "")
     print(f"{n} x {k}, {a.threads} threads, SIMD {a.simd}{vnni}: GOP/s exact / int8 (int8 / exact)")
     print("| layout | " + " | ".join(f"M = {m}" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
-    for layout in a.layouts.split(","):
+    for layout in layouts:
         weight = layer(layout, n, k)
         cells = []
         for m in rows:
