@@ -1,9 +1,9 @@
 // The AVX2 per-row steps of the CPU paged attention's tiles (attention_tiles.h:
 // attend_tile with Ops = Avx2): scores of one query row against a tile's
 // keys, the tile's largest score, the exponentials and their sum, and the
-// accumulation of the weighted values. The tiles take them row by row only
-// for head sizes that are not a multiple of 8; the others go through
-// attention_rows.h's blocks, which also use max_avx2 and exp_avx2.
+// accumulation of the weighted values. The tiles take them row by row on CPUs
+// without AVX-512VL and for head sizes that are not a multiple of 8; the
+// others go through attention_rows.h's blocks, which use max_avx2 and exp_avx2.
 #pragma once
 
 #include <algorithm>

@@ -14,9 +14,10 @@
 // their 16 FMAs need 8 (2026-12-07, SmolLM2's 9 heads over 3 kv heads, every
 // size of context, the cache in L2 or L3): each FMA read its operand from L1,
 // the key and value rows once per head of the group. A block shares each load
-// among its rows, so the FMAs, not the loads, set the pace. AVX-512 CPUs
-// compile the blocks with AVX-512VL, whose 32 vector registers hold the
-// accumulators of up to 4 rows (kWideRows); AVX2 ones hold 2.
+// among its rows, so the FMAs, not the loads, set the pace. The blocks are
+// compiled with AVX-512VL, whose 32 vector registers hold the accumulators of
+// up to 4 rows (kMaxRows), and taken where the CPU has it: with AVX2's 16
+// registers, blocks of 2 rows were 4-15% slower than row by row (2026-12-07).
 #pragma once
 
 #include <algorithm>
@@ -30,16 +31,14 @@ namespace shardlm::cpu::attn::rows {
 
 namespace avx2 = cpu::avx2;
 
-// Rows a block at most: with 32 registers (AVX-512VL), and with AVX2's 16.
-constexpr int kWideRows = 4;
-constexpr int kNarrowRows = 2;
+// Rows a block at most.
+constexpr int kMaxRows = 4;
 // Keys scored a pass (a multiple of 4: hsum4 turns 4 chains into 4 scores):
-// 8 for one row (or two, with 32 registers), whose 4 keys alone would leave
-// the FMA units waiting on too few chains; 4 for more rows, whose chains then
-// fill the registers.
-template <int NR, bool kWide>
+// 8 for one or two rows, whose 4 keys alone would leave the FMA units waiting
+// on too few chains; 4 for more rows, whose chains then fill the registers.
+template <int NR>
 constexpr int keys_a_pass() {
-  return NR == 1 || (kWide && NR == 2) ? 8 : 4;
+  return NR <= 2 ? 8 : 4;
 }
 
 // A block of NR rows of the same keys: q, acc rows D apart; m, l one a row
@@ -54,24 +53,11 @@ struct Block {
   int64_t D;
 };
 
-// The caller's piece(i) of tile(): a plain function and its context, so
-// that the blocks are compiled once a row count and cache type, not once for
-// every caller's lambda (150 copies, 575 KB of code, before).
-struct Piece {
-  void (*call)(const void* ctx, int64_t i);
-  const void* ctx;
-  void operator()(int64_t i) const { call(ctx, i); }
-  // The Piece that calls f (which must outlive it).
-  template <typename F>
-  static Piece of(const F& f) {
-    return {[](const void* c, int64_t i) { (*static_cast<const F*>(c))(i); }, &f};
-  }
-};
-
 // Spreads n calls of piece(i) over `steps` ticks, about evenly, without a
 // division: tick() makes the calls due by then, i counting on from `next`.
 struct Spread {
   int64_t steps, n, next, credit = 0;
+  template <typename Piece>
   SHARDLM_AVX2 __attribute__((always_inline)) void tick(const Piece& piece) {
     for (credit += n; credit >= steps; credit -= steps) piece(next++);
   }
@@ -79,7 +65,7 @@ struct Spread {
 
 // s[r][j] = q_r . k[j] for j < nk. A tile's last keys past a multiple of 4
 // are scored beside copies of its last key, and only theirs are kept.
-template <int NR, int K, typename S>
+template <int NR, int K, typename S, typename Piece>
 SHARDLM_AVX2 __attribute__((always_inline)) inline void scores(const Block& b,
                                                                const S* const* k, int64_t nk,
                                                                const Piece& piece) {
@@ -119,7 +105,7 @@ SHARDLM_AVX2 __attribute__((always_inline)) inline void scores(const Block& b,
 // Columns [c, c + 8 * C8) of every row's accumulator: acc = alpha * acc, then
 // acc += p[j] * v[j] for each key in order, each value chunk loaded once for
 // the block.
-template <int NR, int C8, typename S>
+template <int NR, int C8, typename S, typename Piece>
 SHARDLM_AVX2 __attribute__((always_inline)) inline void accumulate_cols(
     const Block& b, const float* alpha, const S* const* v, int64_t nk, int64_t c,
     const Piece& piece) {
@@ -148,9 +134,9 @@ SHARDLM_AVX2 __attribute__((always_inline)) inline void accumulate_cols(
 
 // Columns a pass for NR rows: as many as the registers hold beside a value
 // chunk and the rows' probabilities.
-template <int NR, bool kWide>
+template <int NR>
 constexpr int chunks_a_pass() {
-  return kWide ? (NR <= 3 ? 8 : 4) : (NR == 1 ? 8 : 4);
+  return NR <= 3 ? 8 : 4;
 }
 
 // One tile for a block of NR rows that see keys k[0..nk) (and v): scores,
@@ -162,11 +148,10 @@ constexpr int chunks_a_pass() {
 // scores and after them) they made SmolLM2's decode attention at 1,000 keys,
 // from memory, 20% slower (2026-12-07): most likely more misses asked for at
 // once than a core keeps in flight.
-template <int NR, bool kWide, typename S>
-SHARDLM_AVX2 __attribute__((always_inline)) inline void tile(const Block& b, const S* const* k,
-                                                             const S* const* v, int64_t nk,
-                                                             const Piece& piece) {
-  scores<NR, keys_a_pass<NR, kWide>()>(b, k, nk, piece);
+template <int NR, typename S, typename Piece>
+SHARDLM_AVX512_VL void tile(const Block& b, const S* const* k, const S* const* v, int64_t nk,
+                            const Piece& piece) {
+  scores<NR, keys_a_pass<NR>()>(b, k, nk, piece);
   float alpha[NR];
   for (int r = 0; r < NR; ++r) {
     float* s = b.s + r * b.s_stride;
@@ -178,42 +163,26 @@ SHARDLM_AVX2 __attribute__((always_inline)) inline void tile(const Block& b, con
     b.l[r] = b.l[r] * alpha[r] + sum;
     b.m[r] = m_new;
   }
-  constexpr int C8 = chunks_a_pass<NR, kWide>();
+  constexpr int C8 = chunks_a_pass<NR>();
   int64_t c = 0;
   for (; c + 8 * C8 <= b.D; c += 8 * C8) accumulate_cols<NR, C8>(b, alpha, v, nk, c, piece);
   for (; c < b.D; c += 8) accumulate_cols<NR, 1>(b, alpha, v, nk, c, piece);
 }
 
-template <int NR, typename S>
-SHARDLM_AVX2 void tile_narrow(const Block& b, const S* const* k, const S* const* v, int64_t nk,
-                              const Piece& piece) {
-  tile<NR, false>(b, k, v, nk, piece);
-}
-
-template <int NR, typename S>
-SHARDLM_AVX512_VL void tile_wide(const Block& b, const S* const* k, const S* const* v,
-                                 int64_t nk, const Piece& piece) {
-  tile<NR, true>(b, k, v, nk, piece);
-}
-
-// tile() for a block of n rows (1 .. kWideRows, or kNarrowRows without wide).
-template <typename S>
-void tile_of(int64_t n, bool wide, const Block& b, const S* const* k, const S* const* v,
-             int64_t nk, const Piece& piece) {
-  if (wide) {
-    switch (n) {
-      case 1: return tile_wide<1>(b, k, v, nk, piece);
-      case 2: return tile_wide<2>(b, k, v, nk, piece);
-      case 3: return tile_wide<3>(b, k, v, nk, piece);
-      default: return tile_wide<4>(b, k, v, nk, piece);
-    }
+// tile() for a block of n rows, 1 .. kMaxRows.
+template <typename S, typename Piece>
+void tile_of(int64_t n, const Block& b, const S* const* k, const S* const* v, int64_t nk,
+             const Piece& piece) {
+  switch (n) {
+    case 1: return tile<1>(b, k, v, nk, piece);
+    case 2: return tile<2>(b, k, v, nk, piece);
+    case 3: return tile<3>(b, k, v, nk, piece);
+    default: return tile<4>(b, k, v, nk, piece);
   }
-  if (n == 1) return tile_narrow<1>(b, k, v, nk, piece);
-  return tile_narrow<2>(b, k, v, nk, piece);
 }
 
-// Whether the blocks may take the 32-register build.
-inline bool wide_registers() {
+// Whether the CPU takes the blocks: AVX-512 with VL, and not capped below it.
+inline bool use_blocks() {
   static const bool has = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");

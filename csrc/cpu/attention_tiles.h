@@ -3,9 +3,10 @@
 // (first > 0 under a sliding window), run by attend_rows() flash-attention
 // style over tiles of kKeyTile keys shared by all rows, with an online
 // (running max / sum) softmax per row. The per-tile steps have a portable
-// version (below) and an AVX2 one, picked once per call; the AVX2 one takes
-// the rows a block at a time (attention_rows.h; the row-by-row steps of
-// attention_avx2.h remain for head sizes that are not a multiple of 8), and
+// version (below) and an AVX2 one, picked once per call; where the CPU has
+// AVX-512VL the AVX2 one takes the rows a block at a time (attention_rows.h;
+// row by row, attention_avx2.h, elsewhere and for head sizes that are not a
+// multiple of 8), and
 // full query tiles of a prefill take blocked AVX-512 steps (attention_blocks.h).
 //
 // Queries and outputs are of type T, the cache of type C, which may differ
@@ -72,7 +73,10 @@ struct PagedKV {
 
   // Asks for the cache lines of kv heads [g0, g1) of the K and V token rows
   // at off[0..n).
-  void prefetch(const int64_t* off, int64_t n, int64_t g0, int64_t g1) const {
+  // Inlined where it is called: inside a block's accumulation (attention_rows.h)
+  // a call would make the compiler keep the accumulators in memory.
+  __attribute__((always_inline)) void prefetch(const int64_t* off, int64_t n, int64_t g0,
+                                               int64_t g1) const {
     const int64_t bytes = (g1 - g0) * head_dim * static_cast<int64_t>(sizeof(C));
     for (int64_t j = 0; j < n; ++j) {
       const char* k_row = reinterpret_cast<const char*>(k + off[j] + g0 * head_dim);
@@ -86,6 +90,28 @@ struct PagedKV {
       prefetch_to_l2(k_row + bytes - 1);
       prefetch_to_l2(v_row + bytes - 1);
     }
+  }
+};
+
+// Share s0 + i of `shares` of the next tile's rows of kv head g (n of them at
+// off), asked for into L2: what a block of rows asks for as it goes
+// (attention_rows.h). A plain type, not the caller's lambda, so that the
+// blocks are compiled once a cache type (with every caller's lambda: 150
+// copies, 575 KB of code), and inlined: through a function pointer, the calls
+// made the compiler keep a block's accumulators in memory, 1.5-2x slower.
+template <typename C>
+struct NextTile {
+  const PagedKV<C>* kv;
+  const int64_t* off;
+  int64_t n;  // 0: nothing to ask for
+  int64_t g;
+  int64_t s0;
+  int64_t shares;
+  __attribute__((always_inline)) void operator()(int64_t i) const {
+    if (n == 0) return;
+    const int64_t a = (s0 + i) * n / shares;
+    const int64_t b = (s0 + i + 1) * n / shares;
+    kv->prefetch(off + a, b - a, g, g + 1);
   }
 };
 
@@ -225,16 +251,14 @@ void attend_tile(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int6
 }
 
 #if SHARDLM_HAVE_AVX2
-// attend_tile with the AVX2 steps, a block of rows at a time (attention_rows.h):
-// consecutive rows that see the same keys of the tile (a GQA group's heads of
-// one token) share each key and value load. D a multiple of 8.
-template <typename T, typename O, typename S, typename Each>
+// attend_tile with the AVX2 steps, a block of rows at a time (attention_rows.h;
+// CPUs with AVX-512VL, D a multiple of 8): consecutive rows that see the same
+// keys of the tile (a GQA group's heads of one token) share each key and value
+// load.
+template <typename T, typename O, typename S, typename C>
 void attend_tile_rows(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0, int64_t nk,
                       const S* const* kr, const S* const* vr, int64_t D, const Workspace& ws,
-                      const Each& each_row) {
-  const bool wide = rows::wide_registers();
-  const int64_t most = wide ? rows::kWideRows : rows::kNarrowRows;
-  const int64_t shares = 2 * (r1 - r0);
+                      NextTile<C> next) {
   const auto seen = [&](int64_t r, int64_t& lo) {
     lo = std::max<int64_t>(0, rows[r].first - k0);
     return std::min(nk, rows[r].pos - k0 + 1) - lo;
@@ -243,19 +267,18 @@ void attend_tile_rows(const Row<T, O>* rows, int64_t r0, int64_t r1, int64_t k0,
     int64_t lo = 0;
     const int64_t visible = seen(r, lo);
     int64_t lo_e = 0;
-    for (e = r + 1; e < r1 && e - r < most && seen(e, lo_e) == visible && lo_e == lo; ++e) {
+    for (e = r + 1; e < r1 && e - r < rows::kMaxRows && seen(e, lo_e) == visible && lo_e == lo; ++e) {
     }
     // The block's share of the prefetches: two parts a row, as attend_tile
-    // asks for them, from part s0 of `shares` on.
-    const int64_t s0 = 2 * (r - r0);
+    // asks for them, from part 2 (r - r0) of the run's on.
+    next.s0 = 2 * (r - r0);
     if (visible <= 0) {
-      for (int64_t i = s0; i < 2 * (e - r0); ++i) each_row(i, shares);
+      for (int64_t i = 0; i < 2 * (e - r); ++i) next(i);
       continue;
     }
-    const auto ask = [&](int64_t i) { each_row(s0 + i, shares); };
     const rows::Block block{ws.q + r * D, ws.acc + r * D, ws.m + r, ws.l + r,
                             ws.sb + (r - r0) * kKeyTile, kKeyTile, D};
-    rows::tile_of(e - r, wide, block, kr + lo, vr + lo, visible, rows::Piece::of(ask));
+    rows::tile_of(e - r, block, kr + lo, vr + lo, visible, next);
   }
 }
 
@@ -323,6 +346,10 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
 #if SHARDLM_HAVE_AVX2
   blocked = blocked && simd && cpu::use_avx512() && D % 16 == 0;
 #endif
+#if SHARDLM_HAVE_AVX2
+  // The AVX2 per-row steps in blocks of rows (attention_rows.h).
+  const bool blocks_of_rows = simd && D % 8 == 0 && rows::use_blocks();
+#endif
   int64_t last = -1;
   int64_t first = std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < n; ++r) {
@@ -369,6 +396,7 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
       const auto each_row = [&](int64_t i, int64_t m) {
         if (prefetch) kv.prefetch(ahead + i * na / m, (i + 1) * na / m - i * na / m, g, g + 1);
       };
+      const NextTile<C> next{&kv, ahead, prefetch ? na : 0, g, 0, 2 * (r1 - r0)};
       for (int64_t j = 0; j < nk; ++j) {
         kc[j] = kv.k + off[j] + g * D;
         vc[j] = kv.v + off[j] + g * D;
@@ -384,8 +412,8 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
         continue;
       }
       if (simd && (std::is_same_v<C, float> || r1 - r0 <= kMaxDirectRows)) {
-        if (D % 8 == 0) {
-          attend_tile_rows(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
+        if (blocks_of_rows) {
+          attend_tile_rows(rows, r0, r1, k0, nk, kc, vc, D, ws, next);
         } else {
           attend_tile<Avx2>(rows, r0, r1, k0, nk, kc, vc, D, ws, each_row);
         }
@@ -393,8 +421,8 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
       }
       if (simd) {
         convert_tile_avx2(ws.k, ws.v, kc, vc, nk, D, kf, vf);
-        if (D % 8 == 0) {
-          attend_tile_rows(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
+        if (blocks_of_rows) {
+          attend_tile_rows(rows, r0, r1, k0, nk, kf, vf, D, ws, next);
         } else {
           attend_tile<Avx2>(rows, r0, r1, k0, nk, kf, vf, D, ws, each_row);
         }

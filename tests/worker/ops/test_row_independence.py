@@ -60,7 +60,7 @@ def _decode(q, k, v, table, context, scale, window):
 
 # (heads, kv heads, head dim): SmolLM2's 9 / 3 (fewer kv heads than two a thread: sliced calls),
 # a Llama-1B-like 32 / 8, a Qwen2.5-0.5B-like 14 / 2 (groups of 7: blocks of rows of 4 and 3
-# with AVX-512, of 2 and 1 with AVX2, csrc/cpu/attention_rows.h), one kv head.
+# with AVX-512, csrc/cpu/attention_rows.h; row by row with AVX2), one kv head.
 HEADS = [(9, 3, 64), (32, 8, 64), (14, 2, 64), (4, 1, 32)]
 # Contexts inside the first slice, across the short slices, and past them into the long ones.
 CONTEXTS = [40, 300, 1030, 2600]
