@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "attention_avx2.h"
+#include "cpu_utils.h"
 #include "simd.h"
 
 #if SHARDLM_HAVE_AVX2
@@ -182,13 +183,7 @@ void tile_of(int64_t n, const Block& b, const S* const* k, const S* const* v, in
 }
 
 // Whether the CPU takes the blocks: AVX-512 with VL, and not capped below it.
-inline bool use_blocks() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-  }();
-  return has && cpu::use_avx512();
-}
+inline bool use_blocks() { return cpu::use_avx512() && cpu::cpu_has_avx512_vl(); }
 
 }  // namespace shardlm::cpu::attn::rows
 #endif  // SHARDLM_HAVE_AVX2

@@ -93,26 +93,28 @@ struct PagedKV {
   }
 };
 
-// Share s0 + i of `shares` of the next tile's rows of kv head g (n of them at
-// off), asked for into L2: what a block of rows asks for as it goes
-// (attention_rows.h). A plain type, not the caller's lambda, so that the
-// blocks are compiled once a cache type (with every caller's lambda: 150
-// copies, 575 KB of code), and inlined: through a function pointer, the calls
-// made the compiler keep a block's accumulators in memory, 1.5-2x slower.
+// The next tile's rows of kv head g (n of them at off; 0: nothing to ask
+// for), asked for into L2 a share at a time while this tile's rows of g are
+// computed. share(i, m) asks for share i of m; a block of rows
+// (attention_rows.h) calls next(i) for share s0 + i of `shares`. A plain type,
+// not a caller's lambda, so that the blocks are compiled once a cache type
+// (with every caller's lambda: 150 copies, 575 KB of code), and inlined:
+// through a function pointer, the calls made the compiler keep a block's
+// accumulators in memory, 1.5-2x slower.
 template <typename C>
 struct NextTile {
   const PagedKV<C>* kv;
   const int64_t* off;
-  int64_t n;  // 0: nothing to ask for
+  int64_t n;
   int64_t g;
   int64_t s0;
   int64_t shares;
-  __attribute__((always_inline)) void operator()(int64_t i) const {
+  __attribute__((always_inline)) void share(int64_t i, int64_t m) const {
     if (n == 0) return;
-    const int64_t a = (s0 + i) * n / shares;
-    const int64_t b = (s0 + i + 1) * n / shares;
-    kv->prefetch(off + a, b - a, g, g + 1);
+    const int64_t a = i * n / m;
+    kv->prefetch(off + a, (i + 1) * n / m - a, g, g + 1);
   }
+  __attribute__((always_inline)) void operator()(int64_t i) const { share(s0 + i, shares); }
 };
 
 // One query row. Its output is normalized (softmax-weighted mean of the
@@ -345,8 +347,6 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
   const int64_t D = kv.head_dim;
 #if SHARDLM_HAVE_AVX2
   blocked = blocked && simd && cpu::use_avx512() && D % 16 == 0;
-#endif
-#if SHARDLM_HAVE_AVX2
   // The AVX2 per-row steps in blocks of rows (attention_rows.h).
   const bool blocks_of_rows = simd && D % 8 == 0 && rows::use_blocks();
 #endif
@@ -393,10 +393,8 @@ void attend_rows(const Row<T, O>* rows, int64_t n, const PagedKV<C>& kv, float s
       const int64_t g = rows[r0].kv_head;
       while (r1 < n && rows[r1].kv_head == g) ++r1;
       // Call i of m asks for its share of the next tile's rows of head g.
-      const auto each_row = [&](int64_t i, int64_t m) {
-        if (prefetch) kv.prefetch(ahead + i * na / m, (i + 1) * na / m - i * na / m, g, g + 1);
-      };
-      const NextTile<C> next{&kv, ahead, prefetch ? na : 0, g, 0, 2 * (r1 - r0)};
+      const NextTile<C> next{&kv, ahead, na, g, 0, 2 * (r1 - r0)};  // na: 0 without prefetch
+      const auto each_row = [&](int64_t i, int64_t m) { next.share(i, m); };
       for (int64_t j = 0; j < nk; ++j) {
         kc[j] = kv.k + off[j] + g * D;
         vc[j] = kv.v + off[j] + g * D;

@@ -70,6 +70,21 @@ inline bool cpu_has_avx512_vnni() {
   return has;
 }
 
+// Whether the CPU has AVX-512VL (AVX-512 instructions on 256-bit vectors, with
+// 32 registers), which the attention's blocks of rows are compiled for
+// (attention_rows.h). Probed once per process.
+inline bool cpu_has_avx512_vl() {
+  static const bool has = [] {
+#if SHARDLM_HAVE_AVX2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+#else
+    return false;
+#endif
+  }();
+  return has;
+}
+
 // Whether the VNNI paths may run where the CPU has them (set_cpu_vnni, ops.cpp;
 // 1 by default): 0 makes a CPU with VNNI take the paths of an AVX-512 CPU
 // without it, to test and time them.
