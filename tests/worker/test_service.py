@@ -55,7 +55,9 @@ def decode(group: LiveWorkers, request: worker_pb2.DecodeRequest) -> list[worker
         t.start()
     for t in threads:
         t.join()
-    assert all(len(r) == len(results[0]) for r in results)
+    # Every rank runs the same steps; how many messages carry them depends on each rank's timing
+    # (a CPU worker sends the steps done within its stream interval in one message).
+    assert all(r[-1].step == results[0][-1].step for r in results)
     return results[0]
 
 
