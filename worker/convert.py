@@ -5,8 +5,7 @@ Kept apart so the engine stays free of gRPC and the servicer stays thin.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from shardlm.common.v1 import common_pb2
@@ -198,39 +197,32 @@ def taps_to_proto(taps: dict[str, torch.Tensor]) -> list[common_pb2.DebugTensor]
     ]
 
 
-def stream_interval_ms(request: worker_pb2.DecodeRequest, device: torch.device) -> int:
-    """The call's stream interval: the request's, or unset the default for this device."""
+def stream_gather_s(request: worker_pb2.DecodeRequest, device: torch.device) -> float:
+    """How long a Decode call's steps may wait to go out together in one message: the request's
+    stream interval, or unset the default for this device; 0 with taps (a message a step)."""
+    if request.debug_taps:
+        return 0.0
     if request.HasField("stream_interval_ms"):
-        return request.stream_interval_ms
-    return DEFAULT_CPU_STREAM_INTERVAL_MS if device.type == "cpu" else 0
+        return request.stream_interval_ms / 1000
+    return (DEFAULT_CPU_STREAM_INTERVAL_MS if device.type == "cpu" else 0) / 1000
 
 
-def decode_responses(outputs: Iterable[StepOutput], *, samples: bool, interval_ms: int,
-                     taps: bool = False, clock: Callable[[], float] = time.monotonic,
+def decode_responses(groups: Iterable[list[StepOutput]], *, samples: bool,
                      ) -> Iterator[worker_pb2.DecodeResponse]:
-    """A Decode call's messages from its steps' outputs. `samples`: this rank samples (its
-    messages carry the tokens; other ranks' carry only the step). A step's output waits for the
-    steps after it until `interval_ms` have passed since the call's previous message (or its
-    start), then goes out with them in one message; the last step's goes out with it at the
-    latest. So where steps take a few milliseconds each message carries a few tokens and wakes
-    the threads on both ends of the link once for all of them, and a token waits at most one
-    step past the interval. With taps, or an interval of 0, every step is a message of its own."""
-    interval_s = 0.0 if taps else interval_ms / 1000
-    last = clock()
-    held: worker_pb2.DecodeResponse | None = None
-    for step, output in enumerate(outputs):
-        if held is None:
-            held = worker_pb2.DecodeResponse()
-        held.step = step
+    """A Decode call's messages, one for each group of consecutive steps' outputs (grouped by
+    EngineThread.stream under the stream interval: where steps take a few milliseconds each
+    message carries a few tokens and wakes the threads on both ends of the link once for all of
+    them). `samples`: this rank samples (its messages carry the tokens; other ranks' carry only
+    the step, the group's last)."""
+    step = -1
+    for group in groups:
+        step += len(group)
+        message = worker_pb2.DecodeResponse(step=step)
         if samples:
-            held.tokens.extend(tokens_to_proto(output))
-            held.taps.extend(taps_to_proto(output.taps))
-            held.drafts.extend(drafts_to_proto(output))
-            if output.mask_seconds > 0:
-                held.constraint_mask_seconds.append(output.mask_seconds)
-        now = clock()
-        if now - last >= interval_s:
-            yield held
-            held, last = None, now
-    if held is not None:
-        yield held
+            for output in group:
+                message.tokens.extend(tokens_to_proto(output))
+                message.taps.extend(taps_to_proto(output.taps))
+                message.drafts.extend(drafts_to_proto(output))
+                if output.mask_seconds > 0:
+                    message.constraint_mask_seconds.append(output.mask_seconds)
+        yield message

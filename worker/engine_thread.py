@@ -7,15 +7,20 @@ the step rate (measured through `shardlm serve`: one stream at 70-77 tok/s in th
 happened, 143 in the others, with four busy compute threads instead of two). Here every step, cache
 reset and prefill runs on one thread, in the order submitted, so one team does all the work.
 
-A Decode's steps run ahead of its gRPC stream: the thread computes step after step and hands each
-output over through a queue, so the compute never waits for a message to be sent, and the caller
-turns outputs into messages while the next step runs.
+A Decode's steps run ahead of its gRPC stream: the thread computes step after step and hands the
+outputs over through a queue, so the compute never waits for a message to be sent, and the caller
+turns outputs into messages while the next steps run. Outputs are handed over in groups, a group
+once `gather_s` have passed since the previous one (a step's output waits for the steps after it
+until then; the last goes with the end): the reader, which makes a message of each group, then
+wakes once a message, not once a step. On a CPU host each wake-up takes a core from a compute
+thread, and its partner waits for it at the next barrier (README, *The stack's overhead*).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
@@ -66,26 +71,40 @@ class EngineThread:
         """Run `fn` on the engine thread and return its result (or raise its exception)."""
         return self.submit(fn).result()
 
-    def stream(self, make: Callable[[], Iterator[T]]) -> Iterator[T]:
-        """The items of the iterator `make()` returns, which runs on the engine thread to its
-        end even when the caller stops reading (a rank's steps must all run, since its peers run
-        them too); its exception, if any, is raised here after the items before it."""
-        items: queue.SimpleQueue = queue.SimpleQueue()
+    def stream(self, make: Callable[[], Iterator[T]], *, gather_s: float = 0.0,
+               clock: Callable[[], float] = time.monotonic) -> Iterator[list[T]]:
+        """The items of the iterator `make()` returns, in groups: a group ends at the first item
+        `gather_s` or more after the previous group's end (or the call's start), and at the last
+        item; 0 makes every item a group. `make()` runs on the engine thread to its end even when
+        the caller stops reading (a rank's steps must all run, since its peers run them too); its
+        exception, if any, is raised here after the groups before it, the items it had gathered
+        included."""
+        groups: queue.SimpleQueue = queue.SimpleQueue()
 
         def produce() -> None:
+            group: list = []
+            last = clock()
             try:
                 for item in make():
-                    items.put((item, None))
+                    group.append(item)
+                    now = clock()
+                    if now - last >= gather_s:
+                        groups.put((group, None))
+                        group, last = [], now
             except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                items.put((_END, exc))
+                if group:
+                    groups.put((group, None))
+                groups.put((_END, exc))
                 return
-            items.put((_END, None))
+            if group:
+                groups.put((group, None))
+            groups.put((_END, None))
 
         self.submit(produce)
         while True:
-            item, error = items.get()
-            if item is _END:
+            group, error = groups.get()
+            if group is _END:
                 if error is not None:
                     raise error
                 return
-            yield item
+            yield group

@@ -216,11 +216,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             items, taps = convert.decode_items(request), tuple(request.debug_taps)
             # The steps run on the engine thread to their end even if the caller goes away: the
             # other ranks run them too, and the collectives must pair up.
-            steps = self._engine_thread.stream(
-                lambda: engine.decode(items, request.num_steps, taps))
-            yield from convert.decode_responses(
-                steps, samples=engine.comm.rank == 0, taps=bool(taps),
-                interval_ms=convert.stream_interval_ms(request, self._device))
+            groups = self._engine_thread.stream(
+                lambda: engine.decode(items, request.num_steps, taps),
+                gather_s=convert.stream_gather_s(request, self._device))
+            yield from convert.decode_responses(groups, samples=engine.comm.rank == 0)
 
     def ResetCache(self, request, context) -> worker_pb2.ResetCacheResponse:
         with self._lock:

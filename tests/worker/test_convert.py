@@ -1,9 +1,11 @@
-"""worker/convert.py: a Decode call's messages from its steps, one a step or several steps to a
-message under a stream interval, with nothing lost or reordered."""
+"""worker/convert.py: a Decode call's messages from its groups of steps (EngineThread.stream groups
+them under the stream interval), one a group, with nothing lost or reordered; and the interval a
+call's steps are grouped under."""
 
 from __future__ import annotations
 
 import torch
+from shardlm.worker.v1 import worker_pb2
 
 from shardlm_server.worker import convert
 from shardlm_server.worker.engine_types import DraftCount, StepOutput, TokenOutput
@@ -20,58 +22,44 @@ STEPS = [step([(1, 10), (2, 20)]), step([(1, 11), (2, 21)], mask_s=0.002),
          step([(2, 24)], mask_s=0.001)]
 
 
-class Clock:
-    """Each reading is `tick` seconds after the one before (a step of that length)."""
-
-    def __init__(self, tick: float) -> None:
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-
 def flat(messages) -> list[tuple[int, int]]:
     return [(t.sequence_id, t.token_id) for m in messages for t in m.tokens]
 
 
-def test_every_step_is_a_message_without_an_interval():
-    messages = list(convert.decode_responses(STEPS, samples=True, interval_ms=0))
+def test_one_step_a_group_is_a_message_a_step():
+    messages = list(convert.decode_responses([[s] for s in STEPS], samples=True))
     assert [m.step for m in messages] == [0, 1, 2, 3, 4]
     assert [len(m.tokens) for m in messages] == [2, 2, 3, 1, 1]
     assert [list(m.constraint_mask_seconds) for m in messages] == [[], [0.002], [], [], [0.001]]
     assert [(d.sequence_id, d.proposed, d.accepted) for d in messages[2].drafts] == [(1, 2, 1)]
 
 
-def test_an_interval_puts_fast_steps_together_in_order():
-    # 3 ms a step, 7 ms interval: a message goes out at the third step after the previous one.
-    messages = list(convert.decode_responses(STEPS, samples=True, interval_ms=7,
-                                             clock=Clock(0.003)))
-    assert [m.step for m in messages] == [2, 4]  # 9 ms after the start, then the call's end
-    assert flat(messages) == flat(convert.decode_responses(STEPS, samples=True, interval_ms=0))
+def test_a_group_of_steps_is_one_message_in_order():
+    messages = list(convert.decode_responses([STEPS[:3], STEPS[3:]], samples=True))
+    assert [m.step for m in messages] == [2, 4]  # a message is numbered by its last step
+    assert flat(messages) == flat(convert.decode_responses([[s] for s in STEPS], samples=True))
     assert [list(m.constraint_mask_seconds) for m in messages] == [[0.002], [0.001]]
     assert [len(m.drafts) for m in messages] == [1, 0]
 
 
-def test_slow_steps_each_go_out_at_once_and_the_last_is_never_held():
-    messages = list(convert.decode_responses(STEPS, samples=True, interval_ms=7,
-                                             clock=Clock(0.050)))
-    assert [m.step for m in messages] == [0, 1, 2, 3, 4]
-    held = list(convert.decode_responses(STEPS[:2], samples=True, interval_ms=10_000,
-                                         clock=Clock(0.003)))
-    assert [m.step for m in held] == [1] and len(held[0].tokens) == 4
-
-
-def test_taps_keep_one_message_a_step():
+def test_taps_travel_with_their_step():
     tapped = [step([(1, 10 + i)], taps={"logits": torch.ones(1, 3)}) for i in range(3)]
-    messages = list(convert.decode_responses(tapped, samples=True, interval_ms=10_000, taps=True,
-                                             clock=Clock(0.001)))
+    messages = list(convert.decode_responses([[s] for s in tapped], samples=True))
     assert [m.step for m in messages] == [0, 1, 2]
     assert all(len(m.taps) == 1 for m in messages)
 
 
 def test_a_rank_that_does_not_sample_sends_only_its_steps():
-    messages = list(convert.decode_responses(STEPS, samples=False, interval_ms=7,
-                                             clock=Clock(0.003)))
+    messages = list(convert.decode_responses([STEPS[:3], STEPS[3:]], samples=False))
     assert [m.step for m in messages] == [2, 4]
     assert not any(m.tokens or m.drafts or m.constraint_mask_seconds for m in messages)
+
+
+def test_the_gather_time_is_the_requests_interval_or_the_devices_default_and_0_with_taps():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert convert.stream_gather_s(worker_pb2.DecodeRequest(stream_interval_ms=7), cuda) == 0.007
+    assert convert.stream_gather_s(worker_pb2.DecodeRequest(stream_interval_ms=0), cpu) == 0
+    assert convert.stream_gather_s(worker_pb2.DecodeRequest(), cpu) == 0.02
+    assert convert.stream_gather_s(worker_pb2.DecodeRequest(), cuda) == 0
+    tapped = worker_pb2.DecodeRequest(stream_interval_ms=7, debug_taps=["logits"])
+    assert convert.stream_gather_s(tapped, cpu) == 0
