@@ -10,8 +10,9 @@ prompt's greedy answer in process (speculation off; chat template; up to --max-n
 ending at an EOS id). Decoding is then replayed step by step as the worker runs it
 (worker/speculative.py): the sequence's n-gram proposal (worker/drafting.py), the drafts a
 policy verifies, the drafts greedy decoding accepts (known from the answer), the step's cost
-from the measured table (a plain decode step, or a verify pass of 1 + k rows, as
-`bench.verify_steps` times them), and the acceptance estimate updated as the worker updates it.
+from the measured table (a plain decode step; a verify pass of 1 + k rows, as
+`bench.verify_steps` times them at the answers' mean context, plus what a plain step spends
+beyond its one-row pass), and the acceptance estimate updated as the worker updates it.
 Printed per workload, as speed-ups of the decode steps over plain decoding (no prefill, no
 stack, so the full stack's ratios in bench.speculation are lower):
 
@@ -55,14 +56,19 @@ class Costs:
         return cls(float(result["plain_step_ms"]), verify)
 
     def step_ms(self, drafts: int) -> float:
-        return self.verify_ms[1 + drafts] if drafts else self.plain_ms
+        """A step's milliseconds: a verifying step is its pass plus what a plain step spends
+        beyond its one-row pass (sampling, the step's own Python), which it spends too."""
+        if not drafts:
+            return self.plain_ms
+        return self.verify_ms[1 + drafts] + max(0.0, self.plain_ms - self.verify_ms[1])
 
     def planner(self) -> DraftPlanner:
         """The worker's planner with these costs already observed."""
         planner = DraftPlanner()
         planner.costs.observe(1, self.plain_ms, verify=False)
-        for rows, ms in self.verify_ms.items():
-            planner.costs.observe(rows, ms, verify=True)
+        for rows in self.verify_ms:
+            if rows > 1:
+                planner.costs.observe(rows, self.step_ms(rows - 1), verify=True)
         return planner
 
 
@@ -135,6 +141,12 @@ def workload_row(answers: list[tuple[list[int], list[int]]], costs: Costs) -> di
             "best_fixed": fixed[best_k], "oracle": run(oracle_policy)}
 
 
+def mean_context(answers: list[tuple[list[int], list[int]]]) -> int:
+    """The tokens cached at an average decode step of these answers."""
+    contexts = [len(p) + i for p, a in answers for i in range(1, len(a))]
+    return round(sum(contexts) / len(contexts)) if contexts else 1
+
+
 def greedy_answers(model: Path, prompts: list[str], max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """Each prompt (a user message in the chat template) and the engine's greedy answer to it."""
     import torch
@@ -191,20 +203,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         from shardlm_server.gateway.serve.default_model import default_model_path
         args.model = default_model_path()
+    costs = None
     if args.costs is not None:
         try:
             costs = Costs.from_verify_steps(json.loads(args.costs.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             parser.error(f"--costs {args.costs}: {exc}")
-    else:
+    answers = {name: greedy_answers(args.model, WORKLOADS[name], args.max_new_tokens)
+               for name in names}
+    if costs is None:
         from bench.verify_steps import measure
 
-        costs = Costs.from_verify_steps(measure(args.model, COST_ROWS, context=300, rounds=3,
-                                                repeats=5))
+        context = mean_context([a for runs in answers.values() for a in runs])
+        print(f"timing the steps at {context} tokens cached (the answers' mean)")
+        costs = Costs.from_verify_steps(measure(args.model, COST_ROWS, context=context,
+                                                rounds=3, repeats=5))
     print(f"costs, ms: plain step {costs.plain_ms:.2f}; verify pass "
           + ", ".join(f"{r} rows {ms:.2f}" for r, ms in sorted(costs.verify_ms.items())))
-    rows = {name: workload_row(greedy_answers(args.model, WORKLOADS[name], args.max_new_tokens),
-                               costs) for name in names}
+    rows = {name: workload_row(runs, costs) for name, runs in answers.items()}
     print_rows(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

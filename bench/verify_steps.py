@@ -112,14 +112,18 @@ class VerifyPasses:
         return {"weights": weights, "attention": attention, "other": 1 - weights - attention}
 
     def plain_seconds(self) -> float:
-        """Seconds per plain decode step (sampling included) over PLAIN_STEPS steps."""
+        """Seconds of a plain decode step (sampling included): the median over PLAIN_STEPS
+        steps of one call, each timed from the step before it, so the call's own setup (and its
+        first step's) is left out, as in a long decode call."""
         self._prefill()
+        times = []
         start = time.perf_counter()
         for _ in self.engine.decode([DecodeItem(0, self.table, PLAIN_STEPS)], PLAIN_STEPS):
-            pass
-        seconds = (time.perf_counter() - start) / PLAIN_STEPS
+            now = time.perf_counter()
+            times.append(now - start)
+            start = now
         self._prefill()
-        return seconds
+        return statistics.median(times[1:])
 
 
 def slope(rows: list[int], seconds: list[float]) -> float:

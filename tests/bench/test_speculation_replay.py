@@ -11,6 +11,7 @@ from bench.speculation_replay import (
     Costs,
     fixed_policy,
     main,
+    mean_context,
     oracle_policy,
     planner_policy,
     replay,
@@ -57,6 +58,10 @@ def test_costs_need_every_row_count():
         Costs.from_verify_steps(result)
     full = {"plain_step_ms": 4.0, "verify_ms": {str(r): 4.0 + r for r in COST_ROWS}}
     assert Costs.from_verify_steps(full).step_ms(2) == 7.0
+    # A verifying step also spends what a plain step spends beyond its one-row pass (sampling).
+    full["plain_step_ms"] = 6.0
+    costs = Costs.from_verify_steps(full)
+    assert costs.step_ms(0) == 6.0 and costs.step_ms(2) == 8.0
 
 
 def test_bad_arguments_are_usage_errors(tmp_path, capsys):
@@ -68,3 +73,9 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--costs", str(bad)])
     assert exit_.value.code == 2 and "no verify pass of" in capsys.readouterr().err
+
+
+def test_the_mean_context_is_that_of_an_average_decode_step():
+    # Decode steps cache prompt + 1, + 2, + 3 tokens (the answer's first token is the prefill's).
+    assert mean_context([([1] * 10, [5, 6, 7, 8])]) == 12
+    assert mean_context([]) == 1
