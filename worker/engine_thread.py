@@ -84,6 +84,7 @@ class EngineThread:
         def produce() -> None:
             group: list = []
             last = clock()
+            error = None
             try:
                 for item in make():
                     group.append(item)
@@ -92,13 +93,10 @@ class EngineThread:
                         groups.put((group, None))
                         group, last = [], now
             except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                if group:
-                    groups.put((group, None))
-                groups.put((_END, exc))
-                return
-            if group:
+                error = exc
+            if group:  # the last group, or what was gathered before the error
                 groups.put((group, None))
-            groups.put((_END, None))
+            groups.put((_END, error))
 
         self.submit(produce)
         while True:
